@@ -1,0 +1,154 @@
+"""The side-by-side harness: every paradigm on the same held-out prompts, measured the same way.
+
+A `Method` turns one prompt's token ids into a `Result` (text, tokens, statistics). `measure`
+warms each method up, runs it on every prompt and keeps the per-prompt statistics; `summarize`
+reports medians. Each paradigm contributes methods (see `methods_for`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from dlm.errors import DlmError
+from dlm.sampling.common import Result
+
+
+@dataclass
+class Method:
+    name: str  # row label, e.g. "ar (KV cache)"
+    paradigm: str  # ar | mdlm | usdm | spec | ...
+    run: Callable[[list[int]], Result]
+    settings: dict[str, Any] = field(default_factory=dict)  # what a reader needs to reproduce the row
+
+
+def measure(method: Method, prompts: list[list[int]], warmup: int = 1) -> list[dict[str, Any]]:
+    """Per-prompt statistics, after `warmup` untimed runs on the first prompt."""
+    for _ in range(warmup):
+        method.run(prompts[0])
+    rows = []
+    for ids in prompts:
+        res = method.run(ids)
+        rows.append({**res.stats.as_dict(), "tokens": res.tokens[0], "text": res.texts[0]})
+    return rows
+
+
+def median(xs: list[float]) -> float:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def summarize(method: Method, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = ("tokens_per_second", "tokens_per_forward", "ttft", "new_tokens", "forwards", "seconds")
+    out: dict[str, Any] = {"method": method.name, "paradigm": method.paradigm, "prompts": len(rows),
+                           **{k: median([r[k] for r in rows]) for k in keys}, "settings": method.settings}
+    return out
+
+
+def environment() -> dict[str, Any]:
+    return {
+        "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+        "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def write_json(path: str | os.PathLike, report: dict[str, Any]) -> None:
+    from dlm.checkpoint import write_json as atomic_write
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(p, report)
+
+
+def print_table(summaries: list[dict[str, Any]], columns: list[tuple[str, str, str]], title: str = "") -> None:
+    """columns: (key, header, format spec)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title or None)
+    table.add_column("method", style="bold")
+    for _, header, _ in columns:
+        table.add_column(header, justify="right")
+    for s in summaries:
+        cells = []
+        for key, _, fmt in columns:
+            v = s.get(key)
+            cells.append("–" if v is None or (isinstance(v, float) and v != v) else format(v, fmt))
+        table.add_row(s["method"], *cells)
+    Console().print(table)
+
+
+BASE_COLUMNS = [
+    ("tokens_per_second", "tok/s", ".1f"),
+    ("tokens_per_forward", "tok/fwd", ".2f"),
+    ("ttft", "TTFT s", ".3f"),
+    ("new_tokens", "new tok", ".0f"),
+]
+
+
+def check_positive(name: str, v: int) -> None:
+    if v <= 0:
+        raise DlmError(f"--{name} must be > 0, got {v}")
+
+
+# AR rows -----------------------------------------------------------------------------------------
+
+def ar_methods(model, ck, max_new_tokens: int, naive: bool = True) -> list[Method]:
+    from dlm.sampling.ar import ar_stream, naive_stream
+    from dlm.sampling.common import drain
+
+    tok = ck.tokenizer
+    opts = dict(max_new_tokens=max_new_tokens, temperature=0.0, eos_id=tok.eos_id, pad_id=tok.pad_id)
+
+    def cached(ids: list[int]) -> Result:
+        return drain(ar_stream(model, [ids], **opts), tok.decode, tok.eos_id)
+
+    def recompute(ids: list[int]) -> Result:
+        return drain(naive_stream(model, ids, **opts), tok.decode, tok.eos_id)
+
+    methods = [Method("ar (KV cache)", "ar", cached, {"model": str(ck.path), "greedy": True})]
+    if naive:
+        methods.append(Method("ar (naive, no cache)", "ar", recompute, {"model": str(ck.path), "greedy": True}))
+    return methods
+
+
+def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str | None = None, data: str | None = None,
+              warmup: int = 1, naive: bool = True, quiet: bool = False) -> dict[str, Any]:
+    """Run every method on the same held-out prompts; print the table, write the JSON report."""
+    from dlm.checkpoint import load_model
+    from dlm.data.corpus import Corpus
+    from dlm.data.tokens import heldout_prompts
+
+    check_positive("prompts", prompts)
+    check_positive("max-new-tokens", max_new_tokens)
+    net, ck = load_model(model)
+    corpus = Corpus(data or ck.config.get("data", "stdlib"))
+    ps = heldout_prompts(corpus, "test", n=prompts)
+    ids = [ck.tokenizer.encode(p.text) for p in ps]
+    methods = ar_methods(net, ck, max_new_tokens, naive=naive)
+    summaries, per_prompt = [], {}
+    for m in methods:
+        rows = measure(m, ids, warmup=warmup)
+        summaries.append(summarize(m, rows))
+        per_prompt[m.name] = [{k: v for k, v in r.items() if k != "tokens"} for r in rows]
+    base = summaries[0]["tokens_per_second"]
+    for s in summaries:
+        s["speedup_vs_ar"] = s["tokens_per_second"] / base if base else float("nan")
+    report = {"environment": environment(), "model": str(ck.path), "max_new_tokens": max_new_tokens,
+              "prompts": [p.name for p in ps], "summaries": summaries, "per_prompt": per_prompt}
+    if not quiet:
+        print_table(summaries, BASE_COLUMNS + [("speedup_vs_ar", "vs AR", ".2f")],
+                    title=f"{len(ps)} held-out prompts, {max_new_tokens} new tokens, medians")
+    if out:
+        write_json(out, report)
+    return report

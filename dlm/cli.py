@@ -1,0 +1,146 @@
+"""`dlm`: train, generate, eval, export, import, bench, demo.
+
+Every subcommand is a function below; dlm.cliargs turns its typed parameters into options.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from dlm.errors import DlmError
+
+
+def _device(name: str):
+    from dlm.train import resolve_device
+
+    return resolve_device(name)
+
+
+def train_cmd(cfg, out: str, resume: bool = False, quiet: bool = False) -> None:
+    """Train a model (AR, diffusion, or a DFlash drafter) into a checkpoint folder.
+
+    Args:
+        out: the checkpoint folder to write (config.json, model.safetensors, tokenizer.json, metrics.jsonl)
+        resume: continue the training state saved in --out (exactly, after any interruption)
+        quiet: no progress bar
+    """
+    from dlm.train import train
+
+    path = train(cfg, out, resume=resume, quiet=quiet)
+    print(f"checkpoint: {path}")
+
+
+def generate_cmd(
+    scfg, model: str, prompt: str = "", prompt_file: str | None = None, json: bool = False, device: str = "cpu",
+) -> None:
+    """Generate text with a checkpoint (its paradigm's sampler).
+
+    Args:
+        model: checkpoint folder
+        prompt: text to continue
+        prompt_file: read the prompt from this file instead ('-' for standard input)
+        json: print one JSON object with the text and the statistics
+        device: cpu, cuda or auto
+    """
+    from dlm.checkpoint import load_model
+    from dlm.sampling import generate
+
+    if prompt_file:
+        try:
+            prompt = sys.stdin.read() if prompt_file == "-" else Path(prompt_file).read_text()
+        except OSError as e:
+            raise DlmError(f"--prompt-file: cannot read {prompt_file} ({e.strerror})") from None
+    net, ck = load_model(model, device=_device(device))
+    res = generate(net, ck, prompt, scfg)
+    stats = res.stats.as_dict()
+    if json:
+        print(_json.dumps({"text": res.text, **stats}))
+        return
+    from rich.console import Console
+    from rich.text import Text
+
+    con = Console()
+    con.print(Text(prompt, style="dim") + Text(res.text, style="bold green"))
+    con.print(f"[dim]{stats['new_tokens']} tokens, {stats['forwards']} forwards "
+              f"({stats['tokens_per_forward']:.2f} tok/forward), {stats['tokens_per_second']:.1f} tok/s[/]")
+
+
+def eval_cmd(model: str, split: str = "test", data: str | None = None, seq_len: int = 0, batch_size: int = 8,
+             max_batches: int = 0, json: bool = False, device: str = "cpu") -> None:
+    """Held-out loss and perplexity of a checkpoint.
+
+    Args:
+        model: checkpoint folder
+        split: train, val or test
+        data: corpus (default: the one the checkpoint was trained on)
+        seq_len: window length (default: the training sequence length)
+        batch_size: windows per forward
+        max_batches: stop after this many batches (0 = the whole split)
+        json: print one JSON object
+        device: cpu, cuda or auto
+    """
+    from dlm.checkpoint import load_model
+    from dlm.data.corpus import Corpus
+    from dlm.evaluate import ar_loss
+
+    net, ck = load_model(model, device=_device(device))
+    corpus = Corpus(data or ck.config.get("data", "stdlib"))
+    seq = seq_len or ck.config.get("train", {}).get("seq_len", 256)
+    if ck.objective != "ar":
+        raise DlmError(f"dlm eval: objective {ck.objective!r} has no evaluation yet")
+    res = ar_loss(net, ck.tokenizer, corpus, split, seq, batch_size, max_batches or None)
+    if json:
+        print(_json.dumps(res))
+    else:
+        print(f"{split}: loss {res['loss']:.4f}  perplexity {res['perplexity']:.3f}  ({res['tokens']} tokens)")
+
+
+def bench_cmd(model: str = "checkpoints/ar-small", prompts: int = 8, max_new_tokens: int = 64,
+              out: str | None = "bench.json", data: str | None = None, warmup: int = 1, naive: bool = True) -> None:
+    """Benchmark the paradigms side by side on held-out prompts (median tok/s, tok/forward, TTFT).
+
+    Args:
+        model: the AR checkpoint (reference and speculation target)
+        prompts: number of held-out prompts
+        max_new_tokens: tokens to generate per prompt
+        out: JSON report path ('' for none)
+        data: corpus for the held-out prompts (default: the checkpoint's)
+        warmup: untimed runs before measuring each method
+        naive: include the naive (no KV cache) AR loop
+    """
+    from dlm.bench import run_bench
+
+    run_bench(model, prompts, max_new_tokens, out or None, data, warmup, naive)
+    if out:
+        print(f"report: {out}")
+
+
+_json = json  # the commands' `json` flag shadows the module inside them
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dlm.cliargs import Command, run
+    from dlm.sampling import SampleConfig
+    from dlm.train import TrainConfig
+
+    commands = {
+        "train": Command(train_cmd, TrainConfig, "cfg"),
+        "generate": Command(generate_cmd, SampleConfig, "scfg"),
+        "eval": Command(eval_cmd),
+        "bench": Command(bench_cmd),
+    }
+    try:
+        run("dlm", "dlm: diffusion language models on one backbone", commands, argv)
+    except DlmError as e:
+        sys.stderr.write(f"dlm: error: {e}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("dlm: interrupted\n")
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

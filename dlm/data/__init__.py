@@ -1,0 +1,1 @@
+"""Corpora, splits, the token cache and packing."""

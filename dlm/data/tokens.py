@@ -1,0 +1,133 @@
+"""Tokenize once into a memory-mapped cache; pack into fixed-length sequences; held-out prompts.
+
+The cache lives in $DLM_CACHE (default ~/.cache/dlm), one folder per (corpus, tokenizer) pair,
+one .npy per split: every document's tokens followed by <eos>. Files are written under a
+temporary name and renamed, so a killed run never leaves a half-written cache behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dlm.data.corpus import Corpus
+from dlm.errors import DlmError
+from dlm.tokenizer import Tokenizer
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DLM_CACHE", Path.home() / ".cache" / "dlm"))
+
+
+def token_file(corpus: Corpus, tok: Tokenizer, split: str) -> Path:
+    key = hashlib.sha256(f"{corpus.key}:{tok.sha256}".encode()).hexdigest()[:20]
+    return cache_dir() / key / f"{split}.npy"
+
+
+def load_tokens(corpus: Corpus, tok: Tokenizer, split: str) -> np.ndarray:
+    """All tokens of a split, documents separated by <eos>, memory-mapped."""
+    path = token_file(corpus, tok, split)
+    if not path.exists():
+        docs = corpus.docs(split)
+        dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
+        chunks = []
+        for i in range(0, len(docs), 256):
+            for ids in tok.encode_batch([d.text for d in docs[i:i + 256]]):
+                chunks.append(np.asarray(ids + [tok.eos_id], dtype=dtype))
+        arr = np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{split}.{os.getpid()}.tmp.npy")
+        np.save(tmp, arr)
+        os.replace(tmp, path)
+        meta = {"corpus": corpus.spec, "corpus_key": corpus.key, "tokenizer": tok.sha256, "split": split,
+                "documents": len(docs), "tokens": int(arr.size)}
+        (path.parent / f"{split}.json").write_text(json.dumps(meta, indent=1))
+    return np.load(path, mmap_mode="r", allow_pickle=False)
+
+
+@dataclass
+class Batches:
+    """Fixed-length windows of seq_len + 1 tokens, in a seeded order that depends only on the step.
+
+    Batch s holds windows s*B .. s*B + B - 1 of an endless stream of epochs, each epoch a fresh
+    permutation; so resuming at step s needs no saved loader state.
+    """
+
+    tokens: np.ndarray
+    seq_len: int
+    batch_size: int
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.n = (len(self.tokens) - 1) // self.seq_len
+        if self.n < 1:
+            raise DlmError(f"corpus split has {len(self.tokens)} tokens: too few for one sequence of --seq-len {self.seq_len}")
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            self._perms = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.n)}
+        return self._perms[epoch]
+
+    def window(self, i: int) -> np.ndarray:
+        s = i * self.seq_len
+        return np.asarray(self.tokens[s:s + self.seq_len + 1], dtype=np.int64)
+
+    def batch(self, step: int) -> torch.Tensor:
+        rows = []
+        for g in range(step * self.batch_size, (step + 1) * self.batch_size):
+            rows.append(self.window(int(self._perm(g // self.n)[g % self.n])))
+        return torch.from_numpy(np.stack(rows))  # (B, seq_len + 1)
+
+    def sequential(self, max_batches: int | None = None):
+        """Every window once, in order (evaluation)."""
+        idx = list(range(self.n))
+        for k, i in enumerate(range(0, self.n, self.batch_size)):
+            if max_batches is not None and k >= max_batches:
+                return
+            yield torch.from_numpy(np.stack([self.window(j) for j in idx[i:i + self.batch_size]]))
+
+
+@dataclass
+class Prompt:
+    name: str  # document and line it was cut from
+    text: str
+    reference: str  # what followed in the document
+
+
+def heldout_prompts(corpus: Corpus, split: str = "test", n: int = 8, prompt_chars: int = 240,
+                    reference_chars: int = 400, seed: int = 0) -> list[Prompt]:
+    """Snippets of held-out documents, each cut at a line start, with the text that followed.
+
+    Deterministic for (corpus, split, n, seed); prefers code over blank or comment-only stretches.
+    """
+    rng = np.random.default_rng(seed)
+    docs = sorted(corpus.split(split), key=lambda d: hashlib.sha1(d.name.encode()).digest())
+    out: list[Prompt] = []
+    for d in docs:
+        lines = d.text.splitlines(keepends=True)
+        starts = [i for i in range(len(lines)) if lines[i].strip() and not lines[i].lstrip().startswith("#")]
+        if len(lines) < 8 or not starts:
+            continue
+        for _ in range(4):  # a few tries for a window with enough text after it
+            i = int(starts[rng.integers(len(starts))])
+            text = ""
+            j = i
+            while j < len(lines) and len(text) + len(lines[j]) <= prompt_chars:
+                text += lines[j]
+                j += 1
+            ref = "".join(lines[j:])[:reference_chars]
+            if len(text) >= prompt_chars // 3 and len(ref) >= reference_chars // 4:
+                out.append(Prompt(f"{d.name}:{i + 1}", text, ref))
+                break
+        if len(out) == n:
+            break
+    if not out:
+        raise DlmError(f"--data {corpus.spec}: no usable prompts in the {split} split")
+    return out

@@ -1,0 +1,330 @@
+"""The backbone: a Qwen3/Llama-style decoder that every paradigm shares.
+
+One code path serves every way the paradigms run it:
+
+- causal attention (AR training, prefill, decoding)                          mask="causal"
+- a block attending bidirectionally to itself and to a cached prefix        mask="full"
+- any boolean attention mask (multi-block training)                          mask=Tensor
+- explicit position ids (a canvas or draft block at positions of its own)    pos=...
+- a preallocated KV cache with crop(length) rollback; reading without writing  cache=..., write=False
+- hidden states of chosen layers (DFlash reads the target's)                 taps=(i, j, ...)
+- extra context features whose K/V every layer prepends (the DFlash drafter)  ctx=..., ctx_pos=...
+
+Keys seen by the queries are laid out as [cache[:L0] ; ctx (C) ; x (T)]. A boolean mask is
+True where attention is allowed and has shape broadcastable to (B, 1, T, L0 + C + T).
+
+Parameter names match transformers' Qwen3/Llama modules (without the `model.` prefix), so
+import/export is a rename (dlm.hf).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dlm.config import ModelConfig
+from dlm.errors import DlmError
+
+Mask = str | Tensor  # "causal" | "full" | bool tensor
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6, scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if scale else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = x.to(dtype)
+        return x if self.weight is None else self.weight * x
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    hd = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))  # (hd/2,)
+    rs = cfg.rope_scaling or {}
+    if rs.get("rope_type", rs.get("type")) == "llama3":
+        # Llama 3.1 frequency rescaling (same formula as the reference implementation)
+        factor = rs["factor"]
+        low, high = rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old_ctx = rs["original_max_position_embeddings"]
+        low_wl, high_wl = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wl, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(inv_freq: Tensor, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """pos (B, T) -> cos, sin (B, 1, T, hd), computed in fp32 like transformers."""
+    freqs = pos.float()[..., None] * inv_freq.float()  # (B, T, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class KVCache:
+    """Static K/V buffers for every layer: (n_layers, B, n_kv_heads, capacity, head_dim).
+
+    `length` slots are valid. Writing appends at `length`; `crop(n)` rolls back to n slots.
+    Slots need not equal positions (positions are baked into the keys by RoPE).
+    """
+
+    def __init__(
+        self, n_layers: int, batch: int, n_kv_heads: int, capacity: int, head_dim: int,
+        device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+    ):
+        shape = (n_layers, batch, n_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    def crop(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"crop({length}) outside [0, {self.length}]")
+        self.length = length
+
+    def reserve(self, n: int) -> None:
+        if self.length + n > self.capacity:
+            raise DlmError(f"KV cache full: {self.length} + {n} tokens > capacity {self.capacity}")
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def project_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        B, T, _ = x.shape
+        k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, T, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        return k, v
+
+    def forward(
+        self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, is_causal: bool,
+        cache: KVCache | None, layer: int, write: bool,
+        ctx: Tensor | None, ctx_rope: tuple[Tensor, Tensor] | None,
+    ) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = apply_rope(q.transpose(1, 2), *rope)  # (B, H, T, hd)
+        k, v = self.project_kv(x, *rope)  # (B, Hkv, T, hd)
+        if ctx is not None:
+            kc, vc = self.project_kv(ctx, *ctx_rope)  # (B, Hkv, C, hd)
+        if cache is None:
+            if ctx is not None:
+                k, v = torch.cat((kc, k), 2), torch.cat((vc, v), 2)
+        else:
+            start = cache.length
+            if ctx is not None:  # context K/V always persist in the cache
+                C = kc.shape[2]
+                cache.k[layer, :, :, start:start + C] = kc
+                cache.v[layer, :, :, start:start + C] = vc
+                start += C
+            if write:
+                cache.k[layer, :, :, start:start + T] = k
+                cache.v[layer, :, :, start:start + T] = v
+                k, v = cache.k[layer, :, :, :start + T], cache.v[layer, :, :, :start + T]
+            else:
+                k = torch.cat((cache.k[layer, :, :, :start], k), 2)
+                v = torch.cat((cache.v[layer, :, :, :start], v), 2)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.hd ** -0.5, enable_gqa=self.n_kv != self.n_heads
+        )  # (B, H, T, hd)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm decoder layer: x + attn(norm(x)); x + mlp(norm(x)). Context features enter raw."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x, rope, mask, is_causal, cache, layer, write, ctx=None, ctx_rope=None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask, is_causal, cache, layer, write, ctx, ctx_rope)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SelfConditioning(nn.Module):
+    """DiffusionGemma-style self-conditioning of canvas embeddings.
+
+    soft = softmax(previous logits) @ E (zero on a canvas's first step);
+    x = RMSNorm_noscale(token_embeddings + GatedMLP(RMSNorm(soft))).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg.dim, cfg.ffn_dim)
+        self.out_norm = RMSNorm(cfg.dim, cfg.norm_eps, scale=False)
+
+    def forward(self, tok_emb: Tensor, soft_emb: Tensor | None) -> Tensor:
+        if soft_emb is None:
+            return self.out_norm(tok_emb)
+        return self.out_norm(tok_emb + self.mlp(self.norm(soft_emb)))
+
+
+@dataclass
+class Output:
+    logits: Tensor | None  # (B, T, V) or None when head=False
+    last: Tensor  # final normed hidden state (B, T, D)
+    taps: dict[int, Tensor] = field(default_factory=dict)  # layer index -> output of that layer (B, T, D)
+
+
+def build_mask(mask: Mask, T: int, S: int, device: torch.device) -> tuple[Tensor | None, bool]:
+    """Resolve a mask spec into what SDPA takes: (bool mask or None, is_causal)."""
+    if isinstance(mask, Tensor):
+        if mask.dtype != torch.bool:
+            raise ValueError(f"attention mask must be bool, got {mask.dtype}")
+        if mask.shape[-2:] != (T, S):
+            raise ValueError(f"attention mask must end in (T={T}, S={S}), got {tuple(mask.shape)}")
+        while mask.dim() < 4:
+            mask = mask.unsqueeze(0) if mask.dim() < 3 else mask.unsqueeze(1)
+        return mask, False
+    if mask == "full" or (mask == "causal" and T == 1):
+        return None, False
+    if mask == "causal":
+        if S == T:
+            return None, True
+        # query i (key index S - T + i) sees every key up to itself
+        q_idx = torch.arange(T, device=device)[:, None] + (S - T)
+        return torch.arange(S, device=device)[None, :] <= q_idx, False
+    raise ValueError(f"mask must be 'causal', 'full' or a bool tensor, got {mask!r}")
+
+
+def run_blocks(
+    blocks: Sequence[Block], inv_freq: Tensor, x: Tensor, *, pos: Tensor | None = None,
+    cache: KVCache | None = None, mask: Mask = "causal", write: bool = True,
+    ctx: Tensor | None = None, ctx_pos: Tensor | None = None, taps: Sequence[int] = (),
+) -> tuple[Tensor, dict[int, Tensor]]:
+    """Run a stack of decoder layers over x (B, T, D); the one attention code path of dlm."""
+    B, T, _ = x.shape
+    L0 = cache.length if cache is not None else 0
+    C = ctx.shape[1] if ctx is not None else 0
+    if pos is None:
+        pos = torch.arange(L0 + C, L0 + C + T, device=x.device)
+    if cache is not None:
+        cache.reserve(C + T)
+    rope = rope_cos_sin(inv_freq, pos if pos.dim() == 2 else pos[None], x.dtype)
+    ctx_rope = None
+    if ctx is not None:
+        if ctx_pos is None:
+            raise ValueError("ctx needs ctx_pos")
+        ctx_rope = rope_cos_sin(inv_freq, ctx_pos if ctx_pos.dim() == 2 else ctx_pos[None], x.dtype)
+    attn_mask, is_causal = build_mask(mask, T, L0 + C + T, x.device)
+    out_taps: dict[int, Tensor] = {}
+    for i, block in enumerate(blocks):
+        x = block(x, rope, attn_mask, is_causal, cache, i, write, ctx, ctx_rope)
+        if i in taps:
+            out_taps[i] = x
+    if cache is not None:
+        cache.length = L0 + C + (T if write else 0)
+    return x, out_taps
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.self_cond = SelfConditioning(cfg) if cfg.self_cond else None
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.apply(self._init)
+        for name, p in self.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layers))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def new_cache(self, batch: int, capacity: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
+        cfg = self.cfg
+        p = self.embed_tokens.weight
+        return KVCache(cfg.n_layers, batch, cfg.n_kv_heads, capacity or cfg.max_seq_len, cfg.head_dim,
+                       p.device, dtype or p.dtype)
+
+    def forward(
+        self,
+        tokens: Tensor | None = None,  # (B, T) token ids
+        *,
+        embeds: Tensor | None = None,  # (B, T, D) instead of tokens (self-conditioned canvases)
+        pos: Tensor | None = None,  # (T,) or (B, T) positions; default: next slots of the cache
+        cache: KVCache | None = None,
+        mask: Mask = "causal",
+        write: bool = True,  # write this call's K/V into the cache (False: read only)
+        ctx: Tensor | None = None,  # (B, C, D) context features, K/V only (DFlash-style injection)
+        ctx_pos: Tensor | None = None,  # (C,) or (B, C)
+        taps: Sequence[int] = (),  # return the outputs of these layers
+        head: bool = True,  # compute logits
+    ) -> Output:
+        x = self.embed_tokens(tokens) if embeds is None else embeds  # (B, T, D)
+        x, out_taps = run_blocks(self.layers, self.inv_freq, x, pos=pos, cache=cache, mask=mask, write=write,
+                                 ctx=ctx, ctx_pos=ctx_pos, taps=taps)
+        last = self.norm(x)
+        return Output(self.lm_head(last) if head else None, last, out_taps)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,148 @@
+"""What every sampler shares: events, statistics, and turning logits into tokens.
+
+A sampler is a generator of events. `Commit` carries tokens that are final; paradigms add their
+own events (a denoising step with its canvas, an accepted draft). `Done` always comes last and
+carries the statistics, whose definitions are the project's (DESIGN.md):
+
+  forwards            forward passes of the model that produces the final tokens
+  tokens_per_forward  new tokens / forwards
+  tokens_per_second   new tokens / seconds (wall time of the whole generation, prefill included)
+  ttft                seconds until the first token was committed
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor
+
+from dlm.errors import check
+
+
+@dataclass
+class Event:
+    pass
+
+
+@dataclass
+class Commit(Event):
+    """Tokens that are final, appended to row `row`'s output."""
+
+    tokens: list[int]
+    row: int = 0
+
+
+@dataclass
+class Stats:
+    new_tokens: int = 0
+    forwards: int = 0
+    seconds: float = 0.0
+    ttft: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # paradigm-specific (canvases, tau, ...)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "new_tokens": self.new_tokens,
+            "forwards": self.forwards,
+            "tokens_per_forward": self.new_tokens / self.forwards if self.forwards else 0.0,
+            "seconds": self.seconds,
+            "tokens_per_second": self.new_tokens / self.seconds if self.seconds > 0 else 0.0,
+            "ttft": self.ttft,
+            **self.extra,
+        }
+
+
+@dataclass
+class Done(Event):
+    stats: Stats
+
+
+@dataclass
+class Result:
+    tokens: list[list[int]]  # new tokens per row (an ending <eos> included)
+    texts: list[str]  # decoded new text per row (without the ending <eos>)
+    stats: Stats
+    events: list[Event] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return self.texts[0]
+
+
+def drain(events: Iterator[Event], decode, eos_id: int | None, rows: int = 1, keep_events: bool = False) -> Result:
+    """Run a sampler to the end and collect its output."""
+    tokens: list[list[int]] = [[] for _ in range(rows)]
+    kept: list[Event] = []
+    stats = Stats()
+    for ev in events:
+        if keep_events:
+            kept.append(ev)
+        if isinstance(ev, Commit):
+            tokens[ev.row].extend(ev.tokens)
+        elif isinstance(ev, Done):
+            stats = ev.stats
+    texts = []
+    for t in tokens:
+        cut = t.index(eos_id) if eos_id is not None and eos_id in t else len(t)
+        texts.append(decode(t[:cut]))
+    return Result(tokens, texts, stats, kept)
+
+
+class Clock:
+    """Wall time of a generation, with the time to first token."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.first: float | None = None
+
+    def mark_first(self) -> None:
+        if self.first is None:
+            self.first = time.perf_counter() - self.t0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    check(temperature >= 0, f"--temperature must be >= 0 (0 = greedy), got {temperature}")
+    check(top_k >= 0, f"--top-k must be >= 0 (0 = off), got {top_k}")
+    check(0 < top_p <= 1, f"--top-p must be in (0, 1], got {top_p}")
+
+
+def probs_from_logits(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """The sampling distribution (…, V) in fp32: temperature, then top-k, then top-p (nucleus)."""
+    logits = logits.float() / max(temperature, 1e-6)
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+        # drop a token when the mass before it already reaches top_p (the first token always stays)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_from(probs: Tensor, gen: torch.Generator | None) -> Tensor:
+    """One draw per row of probs (…, V) -> (…,)."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=gen).reshape(probs.shape[:-1])
+
+
+def sample_token(logits: Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator | None) -> Tensor:
+    """Greedy when temperature == 0, else a draw from the processed distribution. (…, V) -> (…,)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    return sample_from(probs_from_logits(logits, temperature, top_k, top_p), gen)
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed if seed is not None else torch.seed())
+    return g

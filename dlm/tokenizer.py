@@ -1,0 +1,162 @@
+"""Byte-level BPE tokenizer (HF `tokenizers`), with the special tokens every paradigm needs.
+
+dlm's own tokenizers reserve, at ids 0..15:
+  <pad> <bos> <eos> <mask>            padding, document start/end, the absorbing-diffusion mask
+  <fim_prefix> <fim_suffix> <fim_middle> <fill>   infilling / template fill markers
+  <reserved_0> .. <reserved_7>        kept free for later paradigms (chat roles, separators)
+
+Any HF `tokenizer.json` can be used instead; its specials are found by their usual names.
+Special-token strings inside ordinary text are encoded as text (never as control tokens).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from dlm.errors import DlmError
+
+SPECIALS = [
+    "<pad>", "<bos>", "<eos>", "<mask>",
+    "<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<fill>",
+    *[f"<reserved_{i}>" for i in range(8)],
+]
+
+# names used by other tokenizers for the same roles, in order of preference
+_ALIASES = {
+    "eos": ["<eos>", "<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>", "<|eot_id|>", "[SEP]"],
+    "bos": ["<bos>", "<s>", "<|begin_of_text|>", "<|startoftext|>", "[CLS]"],
+    "pad": ["<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>"],
+    "mask": ["<mask>", "<|mask|>", "[MASK]", "<|MASK|>"],
+    "fim_prefix": ["<fim_prefix>", "<|fim_prefix|>"],
+    "fim_suffix": ["<fim_suffix>", "<|fim_suffix|>"],
+    "fim_middle": ["<fim_middle>", "<|fim_middle|>"],
+    "fill": ["<fill>", "<|fill|>"],
+}
+
+
+class Tokenizer:
+    """A thin wrapper: encode/decode plus the ids of the special tokens."""
+
+    def __init__(self, tk: HFTokenizer, source: str = "<memory>"):
+        self.tk = tk
+        self.tk.encode_special_tokens = True  # "<eos>" typed in a text is text, not an end of document
+        self.tk.no_padding()
+        self.tk.no_truncation()
+        self.source = source
+        ids = {role: self._find(names) for role, names in _ALIASES.items()}
+        if ids["eos"] is None:
+            raise DlmError(f"tokenizer {source}: no end-of-text token (looked for {_ALIASES['eos']})")
+        self.eos_id: int = ids["eos"]
+        self.bos_id: int = ids["bos"] if ids["bos"] is not None else self.eos_id
+        self.pad_id: int = ids["pad"] if ids["pad"] is not None else self.eos_id
+        self.mask_id: int | None = ids["mask"]
+        self.fim_prefix_id = ids["fim_prefix"]
+        self.fim_suffix_id = ids["fim_suffix"]
+        self.fim_middle_id = ids["fim_middle"]
+        self.fill_id = ids["fill"]
+
+    def _find(self, names: list[str]) -> int | None:
+        for n in names:
+            i = self.tk.token_to_id(n)
+            if i is not None:
+                return i
+        return None
+
+    # construction ---------------------------------------------------------------------------
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int = 4096) -> Tokenizer:
+        if vocab_size < 256 + len(SPECIALS) + 1:
+            raise DlmError(f"--vocab-size must be >= {256 + len(SPECIALS) + 1} (bytes + specials), got {vocab_size}")
+        tk = HFTokenizer(models.BPE())
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tk.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIALS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        )
+        tk.train_from_iterator(texts, trainer=trainer)
+        return cls(tk, source=f"trained(vocab={vocab_size})")
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> Tokenizer:
+        p = Path(path)
+        if p.is_dir():
+            p = p / "tokenizer.json"
+        if not p.is_file():
+            raise DlmError(f"tokenizer file not found: {p}")
+        try:
+            tk = HFTokenizer.from_file(str(p))
+        except Exception as e:  # the tokenizers library raises a plain Exception on bad JSON
+            raise DlmError(f"{p}: not a valid tokenizer.json ({str(e).splitlines()[0][:200]})") from None
+        return cls(tk, source=str(p))
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write tokenizer.json atomically."""
+        p = Path(path)
+        tmp = p.with_name(p.name + ".tmp")
+        self.tk.save(str(tmp))
+        os.replace(tmp, p)
+
+    def to_json(self) -> str:
+        return self.tk.to_str()
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+    # use ------------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.tk.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tk.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tk.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        return self.tk.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_text(self, i: int) -> str:
+        """How one token reads on its own (for live views)."""
+        return self.tk.decode([i], skip_special_tokens=False)
+
+    @property
+    def special_ids(self) -> set[int]:
+        return {i for i in (self.pad_id, self.bos_id, self.eos_id, self.mask_id, self.fim_prefix_id,
+                            self.fim_suffix_id, self.fim_middle_id, self.fill_id) if i is not None}
+
+    def hf_config(self) -> dict:
+        """tokenizer_config.json for transformers' AutoTokenizer."""
+        def tok(i: int | None) -> str | None:
+            return None if i is None else self.tk.id_to_token(i)
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": tok(self.bos_id), "eos_token": tok(self.eos_id), "pad_token": tok(self.pad_id),
+            "mask_token": tok(self.mask_id), "unk_token": None,
+            "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+            "model_max_length": 1 << 30, "split_special_tokens": True,
+        }
+
+
+def batched(texts: Iterator[str], n: int = 256) -> Iterator[list[str]]:
+    buf: list[str] = []
+    for t in texts:
+        buf.append(t)
+        if len(buf) == n:
+            yield buf
+            buf = []
+    if buf:
+        yield buf
+
+
+def tokenizer_file_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())

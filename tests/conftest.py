@@ -1,0 +1,99 @@
+"""Shared fixtures: a small corpus, a tokenizer and a tiny AR checkpoint, built once per session.
+
+Everything is trained here, from the running interpreter's standard library; nothing is
+downloaded. The token cache goes to a temporary folder.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # one core per worker
+
+# a fixed slice of the stdlib: enough for tokenizer training and a few hundred steps
+CORPUS_FILES = [
+    "json/__init__.py", "json/decoder.py", "json/encoder.py", "json/scanner.py", "json/tool.py",
+    "csv.py", "textwrap.py", "string.py", "shlex.py", "fnmatch.py", "glob.py", "bisect.py", "heapq.py",
+    "colorsys.py", "keyword.py", "queue.py", "sched.py", "getopt.py", "abc.py", "copy.py", "base64.py",
+    "calendar.py", "cmd.py", "code.py", "codeop.py", "contextvars.py", "dataclasses.py", "difflib.py",
+    "enum.py", "filecmp.py", "fractions.py", "functools.py", "gettext.py", "graphlib.py", "hmac.py",
+    "html/__init__.py", "html/parser.py", "imghdr.py", "ipaddress.py", "linecache.py", "locale.py",
+    "mimetypes.py", "numbers.py", "operator.py", "optparse.py", "pprint.py", "quopri.py", "random.py",
+    "reprlib.py", "secrets.py", "selectors.py", "shutil.py", "statistics.py", "stringprep.py",
+    "tabnanny.py", "tempfile.py", "timeit.py", "token.py", "tokenize.py", "trace.py", "traceback.py",
+    "types.py", "typing.py", "uuid.py", "warnings.py", "weakref.py", "zipapp.py",
+]
+
+
+def run_cli(*args: str, check: bool = False, env: dict | None = None, timeout: float = 300, **kw):
+    """Run `python -m dlm.cli ARGS` in a subprocess; returns CompletedProcess (text)."""
+    e = {**os.environ, **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "dlm.cli", *args], capture_output=True, text=True, env=e,
+                          timeout=timeout, **kw)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"dlm {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _token_cache(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dlm-cache")
+    old = os.environ.get("DLM_CACHE")
+    os.environ["DLM_CACHE"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("DLM_CACHE", None)
+    else:
+        os.environ["DLM_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory) -> Path:
+    from dlm.data.corpus import stdlib_root
+
+    root = stdlib_root()
+    out = tmp_path_factory.mktemp("corpus")
+    for rel in CORPUS_FILES:
+        src = root / rel
+        if src.is_file():
+            dst = out / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(src, dst)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer_path(corpus_dir, tmp_path_factory) -> Path:
+    from dlm.data.corpus import Corpus
+    from dlm.tokenizer import Tokenizer
+
+    tok = Tokenizer.train(Corpus(str(corpus_dir)).texts("train"), vocab_size=1024)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(path)
+    return path
+
+
+def tiny_train_config(corpus_dir, tokenizer_path, **kw):
+    from dlm.train import TrainConfig
+
+    base = dict(objective="ar", preset="tiny", data=str(corpus_dir), tokenizer=str(tokenizer_path), seq_len=128,
+                batch_size=8, max_steps=120, lr=3e-3, eval_every=60, eval_batches=2, save_every=60, log_every=10)
+    return TrainConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="session")
+def tiny_ar(corpus_dir, tokenizer_path, tmp_path_factory) -> Path:
+    """A tiny AR checkpoint trained for a few seconds (it has learned something, not much)."""
+    from dlm.train import train
+
+    out = tmp_path_factory.mktemp("ckpt") / "tiny-ar"
+    train(tiny_train_config(corpus_dir, tokenizer_path), out, quiet=True)
+    return out
