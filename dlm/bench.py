@@ -85,7 +85,7 @@ def print_table(summaries: list[dict[str, Any]], columns: list[tuple[str, str, s
             v = s.get(key)
             cells.append("–" if v is None or (isinstance(v, float) and v != v) else format(v, fmt))
         table.add_row(s["method"], *cells)
-    Console().print(table)
+    Console(width=max(120, Console().width)).print(table)
 
 
 BASE_COLUMNS = [
@@ -122,6 +122,41 @@ def ar_methods(model, ck, max_new_tokens: int, naive: bool = True) -> list[Metho
     return methods
 
 
+@torch.inference_mode()
+def gen_perplexity(ref, prompt: list[int], new: list[int], eos_id: int | None = None) -> float:
+    """Perplexity of generated tokens under the reference AR model, conditioned on the prompt.
+
+    The quality column every paradigm shares (all share the reference tokenizer). Tokens after
+    the first <eos> are not scored.
+    """
+    import math
+
+    import torch.nn.functional as F
+
+    if eos_id is not None and eos_id in new:
+        new = new[:new.index(eos_id) + 1]
+    if not new:
+        return float("nan")
+    seq = torch.tensor([prompt + new], device=ref.device)[:, -ref.cfg.max_seq_len:]
+    logits = ref(seq[:, :-1]).logits[0, -len(new):]
+    nll = F.cross_entropy(logits.float(), seq[0, -len(new):], reduction="mean")
+    return math.exp(float(nll))
+
+
+def unigram_entropy(tokens: list[int]) -> float:
+    """Entropy (nats) of the token histogram: low values flag repetitive output."""
+    import math
+    from collections import Counter
+
+    if not tokens:
+        return float("nan")
+    n = len(tokens)
+    return max(0.0, -sum(c / n * math.log(c / n) for c in Counter(tokens).values()))
+
+
+QUALITY_COLUMNS = [("gen_ppl", "gen PPL", ".2f"), ("entropy", "entropy", ".2f")]
+
+
 def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str | None = None, data: str | None = None,
               warmup: int = 1, naive: bool = True, quiet: bool = False) -> dict[str, Any]:
     """Run every method on the same held-out prompts; print the table, write the JSON report."""
@@ -139,7 +174,12 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
     summaries, per_prompt = [], {}
     for m in methods:
         rows = measure(m, ids, warmup=warmup)
-        summaries.append(summarize(m, rows))
+        for r, p in zip(rows, ids):
+            r["gen_ppl"] = gen_perplexity(net, p, r["tokens"], ck.tokenizer.eos_id)
+            r["entropy"] = unigram_entropy(r["tokens"])
+        summary = summarize(m, rows)
+        summary.update(gen_ppl=median([r["gen_ppl"] for r in rows]), entropy=median([r["entropy"] for r in rows]))
+        summaries.append(summary)
         per_prompt[m.name] = [{k: v for k, v in r.items() if k != "tokens"} for r in rows]
     base = summaries[0]["tokens_per_second"]
     for s in summaries:
@@ -147,7 +187,7 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
     report = {"environment": environment(), "model": str(ck.path), "max_new_tokens": max_new_tokens,
               "prompts": [p.name for p in ps], "summaries": summaries, "per_prompt": per_prompt}
     if not quiet:
-        print_table(summaries, BASE_COLUMNS + [("speedup_vs_ar", "vs AR", ".2f")],
+        print_table(summaries, BASE_COLUMNS + [("speedup_vs_ar", "vs AR", ".2f")] + QUALITY_COLUMNS,
                     title=f"{len(ps)} held-out prompts, {max_new_tokens} new tokens, medians")
     if out:
         write_json(out, report)

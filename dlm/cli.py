@@ -33,7 +33,8 @@ def train_cmd(cfg, out: str, resume: bool = False, quiet: bool = False) -> None:
 
 
 def generate_cmd(
-    scfg, model: str, prompt: str = "", prompt_file: str | None = None, json: bool = False, device: str = "cpu",
+    scfg, model: str, prompt: str = "", prompt_file: str | None = None, json: bool = False, show: bool = False,
+    device: str = "cpu",
 ) -> None:
     """Generate text with a checkpoint (its paradigm's sampler).
 
@@ -42,10 +43,11 @@ def generate_cmd(
         prompt: text to continue
         prompt_file: read the prompt from this file instead ('-' for standard input)
         json: print one JSON object with the text and the statistics
+        show: live view: redraw the canvas at every denoising step (or stream tokens as they commit)
         device: cpu, cuda or auto
     """
     from dlm.checkpoint import load_model
-    from dlm.sampling import generate
+    from dlm.sampling import generate, stream
 
     if prompt_file:
         try:
@@ -53,7 +55,12 @@ def generate_cmd(
         except OSError as e:
             raise DlmError(f"--prompt-file: cannot read {prompt_file} ({e.strerror})") from None
     net, ck = load_model(model, device=_device(device))
-    res = generate(net, ck, prompt, scfg)
+    if show:
+        from dlm.sampling.show import live
+
+        res = live(stream(net, ck, [prompt], scfg), ck.tokenizer, prompt)
+    else:
+        res = generate(net, ck, prompt, scfg)
     stats = res.stats.as_dict()
     if json:
         print(_json.dumps({"text": res.text, **stats}))
@@ -68,7 +75,7 @@ def generate_cmd(
 
 
 def eval_cmd(model: str, split: str = "test", data: str | None = None, seq_len: int = 0, batch_size: int = 8,
-             max_batches: int = 0, json: bool = False, device: str = "cpu") -> None:
+             max_batches: int = 0, seed: int = 0, json: bool = False, device: str = "cpu") -> None:
     """Held-out loss and perplexity of a checkpoint.
 
     Args:
@@ -78,23 +85,22 @@ def eval_cmd(model: str, split: str = "test", data: str | None = None, seq_len: 
         seq_len: window length (default: the training sequence length)
         batch_size: windows per forward
         max_batches: stop after this many batches (0 = the whole split)
+        seed: seed of the Monte-Carlo likelihood bound of diffusion checkpoints
         json: print one JSON object
         device: cpu, cuda or auto
     """
     from dlm.checkpoint import load_model
     from dlm.data.corpus import Corpus
-    from dlm.evaluate import ar_loss
+    from dlm.evaluate import evaluate
 
     net, ck = load_model(model, device=_device(device))
     corpus = Corpus(data or ck.config.get("data", "stdlib"))
     seq = seq_len or ck.config.get("train", {}).get("seq_len", 256)
-    if ck.objective != "ar":
-        raise DlmError(f"dlm eval: objective {ck.objective!r} has no evaluation yet")
-    res = ar_loss(net, ck.tokenizer, corpus, split, seq, batch_size, max_batches or None)
+    res = evaluate(net, ck, corpus, split, seq, batch_size, max_batches or None, seed)
     if json:
         print(_json.dumps(res))
     else:
-        print(f"{split}: loss {res['loss']:.4f}  perplexity {res['perplexity']:.3f}  ({res['tokens']} tokens)")
+        print(f"{split}: " + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in res.items()))
 
 
 def bench_cmd(model: str = "checkpoints/ar-small", prompts: int = 8, max_new_tokens: int = 64,

@@ -68,6 +68,12 @@ class TrainConfig:
     anchors: int = 0  # blocks per sequence; 0: the objective's default
 
     def validate(self) -> None:
+        from dlm.objectives import REGISTRY
+
+        check(self.objective in REGISTRY, f"--objective must be one of {sorted(REGISTRY)}, got {self.objective!r}")
+        from dlm.config import PRESETS
+
+        check(self.preset in PRESETS, f"--preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
         for f in ("seq_len", "batch_size", "max_steps", "eval_batches", "eval_every", "save_every", "log_every"):
             check(getattr(self, f) > 0, f"--{f.replace('_', '-')} must be > 0, got {getattr(self, f)}")
         check(self.lr > 0, f"--lr must be > 0, got {self.lr}")

@@ -110,6 +110,23 @@ def naive_stream(
     yield Done(Stats(new_tokens=new, forwards=forwards, seconds=clock.elapsed(), ttft=clock.first))
 
 
+def stream(model: Transformer, ck, prompts: list[str], cfg) -> Iterator[Event]:
+    """The AR sampler for `dlm generate` (cfg: SampleConfig)."""
+    if cfg.sampler not in ("auto", "ar"):
+        raise DlmError(f"--sampler {cfg.sampler} does not belong to an ar checkpoint (allowed: auto)")
+    if cfg.suffix is not None:
+        raise DlmError("--suffix: an ar checkpoint cannot infill (use an mdlm or usdm checkpoint)")
+    tok = ck.tokenizer
+    ids = [tok.encode(p) for p in prompts]
+    opts = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                seed=cfg.seed, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    if cfg.naive:
+        if len(ids) != 1:
+            raise DlmError("--naive takes one prompt at a time")
+        return naive_stream(model, ids[0], **opts)
+    return ar_stream(model, ids, **opts)
+
+
 def generate(model: Transformer, tokenizer, prompt: str | list[str], *, naive: bool = False, **opts) -> Result:
     """Generate continuations of one prompt or a batch; returns texts, tokens and statistics."""
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)

@@ -36,6 +36,22 @@ class Commit(Event):
 
 
 @dataclass
+class Step(Event):
+    """One denoising step of a canvas (or block): what the live view draws and the tests read.
+
+    `canvas` is the full canvas after the step (masks or noise included); `fixed[i]` is True where
+    position i holds an accepted/unmasked/pinned token, False where it is still mask or noise.
+    """
+
+    canvas: list[int]
+    fixed: list[bool]
+    step: int  # 1-based step within this canvas
+    canvas_index: int = 0  # which canvas / block of the generation
+    entropy: float | None = None  # mean entropy (nats) of the step's predictive distribution
+    row: int = 0
+
+
+@dataclass
 class Stats:
     new_tokens: int = 0
     forwards: int = 0
