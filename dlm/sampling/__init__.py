@@ -37,12 +37,12 @@ class SampleConfig:
         seed: makes sampling reproducible
         naive: AR: recompute the whole sequence every step (no KV cache)
         sampler: diffusion sampler: confidence | threshold | entropy_bound (mdlm); entropy_bound (usdm); auto = the paradigm's default
-        steps: mdlm: denoising steps per block (0 = one token per step)
+        steps: mdlm: denoising steps per block (default: one token per step)
         threshold: mdlm threshold sampler: commit every position with confidence >= this
         entropy_bound: entropy-bound acceptance: cumulative entropy minus its largest term <= this
-        block_length: mdlm: semi-autoregressive block length (0 = the checkpoint's, else the whole generation)
+        block_length: mdlm: semi-autoregressive block length (default: the checkpoint's training block length, else the whole generation)
         remasking: mdlm: low_confidence | random
-        canvas_length: usdm: tokens per canvas (0 = the checkpoint's)
+        canvas_length: usdm: tokens per canvas (default: the checkpoint's)
         max_denoising_steps: usdm: denoising steps per canvas at most
         t_max: usdm: temperature of the first step
         t_min: usdm: temperature approached at the last step
@@ -66,12 +66,12 @@ class SampleConfig:
     naive: bool = False
     # diffusion (mdlm, usdm)
     sampler: str = "auto"
-    steps: int = 0
+    steps: int | None = None
     threshold: float = 0.9
     entropy_bound: float = 0.1
-    block_length: int = 0
+    block_length: int | None = None
     remasking: str = "low_confidence"
-    canvas_length: int = 0
+    canvas_length: int | None = None
     max_denoising_steps: int = 48
     t_max: float = 0.8
     t_min: float = 0.4
