@@ -186,6 +186,21 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
     return model.to(device=device, dtype=dtype).eval(), ck
 
 
+def export_dlm(model: nn.Module, ck: Checkpoint, out: str | os.PathLike, dtype: torch.dtype) -> Path:
+    """Copy a checkpoint without its training state (optionally in a smaller dtype): what ships."""
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    meta = {k: v for k, v in ck.config.items() if k not in ("format", "version", "tokenizer")}
+    save_checkpoint(tmp, model, ck.tokenizer, {**meta, "dtype": str(dtype).removeprefix("torch.")}, dtype=dtype)
+    if (ck.path / "metrics.jsonl").is_file():
+        shutil.copy(ck.path / "metrics.jsonl", tmp / "metrics.jsonl")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
 # training state ------------------------------------------------------------------------------
 
 def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

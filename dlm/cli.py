@@ -103,6 +103,50 @@ def eval_cmd(model: str, split: str = "test", data: str | None = None, seq_len: 
         print(f"{split}: " + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in res.items()))
 
 
+def export_cmd(model: str, out: str, format: str = "hf", dtype: str = "float32") -> None:
+    """Export a checkpoint: as a transformers folder (Qwen3/Llama), or as a dlm folder for shipping.
+
+    Args:
+        model: checkpoint folder
+        out: folder to write (replaced atomically)
+        format: hf (transformers / vLLM / SGLang layout) or dlm (weights only, no training state)
+        dtype: float32, float16 or bfloat16
+    """
+    import torch
+
+    from dlm.checkpoint import load_model
+
+    dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if dtype not in dtypes:
+        raise DlmError(f"--dtype must be one of {sorted(dtypes)}, got {dtype!r}")
+    if format not in ("hf", "dlm"):
+        raise DlmError(f"--format must be hf or dlm, got {format!r}")
+    net, ck = load_model(model)
+    if format == "dlm":
+        from dlm.checkpoint import export_dlm
+
+        path = export_dlm(net, ck, out, dtypes[dtype])
+    elif ck.objective == "ar":
+        from dlm.hf import export_hf
+
+        path = export_hf(net, ck.tokenizer, out, dtypes[dtype])
+    else:
+        raise DlmError(f"--format hf: objective {ck.objective!r} has no transformers layout (ar has)")
+    print(f"exported: {path}")
+
+
+def import_cmd(hf: str, out: str) -> None:
+    """Import a local Qwen3 or Llama folder (safetensors, sharded or not) as a dlm AR checkpoint.
+
+    Args:
+        hf: the transformers folder (config.json, *.safetensors, tokenizer.json)
+        out: the dlm checkpoint folder to write
+    """
+    from dlm.hf import import_hf
+
+    print(f"imported: {import_hf(hf, out)}")
+
+
 def bench_cmd(model: str = "checkpoints/ar-small", prompts: int = 8, max_new_tokens: int = 64,
               out: str | None = "bench.json", data: str | None = None, warmup: int = 1, naive: bool = True) -> None:
     """Benchmark the paradigms side by side on held-out prompts (median tok/s, tok/forward, TTFT).
@@ -135,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         "train": Command(train_cmd, TrainConfig, "cfg"),
         "generate": Command(generate_cmd, SampleConfig, "scfg"),
         "eval": Command(eval_cmd),
+        "export": Command(export_cmd),
+        "import": Command(import_cmd),
         "bench": Command(bench_cmd),
     }
     try:
