@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,9 +167,9 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, quiet:
     out = Path(out)
     cfg.validate()
     state_dir = find_state(out) if resume else None
-    if resume and state_dir is None:
-        raise DlmError(f"--resume: no training state in {out}/state (nothing to resume)")
-    if not resume and out.exists() and any(out.iterdir()):
+    if resume and state_dir is None and out.exists() and (out / "config.json").exists():
+        raise DlmError(f"--resume: {out} holds a checkpoint but no training state (state/) to resume from")
+    if state_dir is None and out.exists() and any(out.iterdir()) and not resume:
         raise DlmError(f"--out {out} exists and is not empty; pass --resume to continue it or choose another folder")
     start_step = 0
     trainer: dict[str, Any] = {}
@@ -183,20 +184,26 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, quiet:
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     corpus = Corpus(cfg.data)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = resolve_tokenizer(cfg, corpus, out, resuming=state_dir is not None)
-    if state_dir is None:
-        tok.save(out / "tokenizer.json")
-    objective = make_objective(cfg.objective, cfg, tok)
-    model = objective.build_model().to(device)
+    created = not out.exists()
+    try:
+        tok = resolve_tokenizer(cfg, corpus, out, resuming=state_dir is not None)
+        objective = make_objective(cfg.objective, cfg, tok)
+        model = objective.build_model().to(device)
+        train_batches = Batches(load_tokens(corpus, tok, "train"), cfg.seq_len, cfg.batch_size, cfg.seed)
+        val_batches = Batches(load_tokens(corpus, tok, "val"), cfg.seq_len, cfg.batch_size, cfg.seed)
+        out.mkdir(parents=True, exist_ok=True)
+        if state_dir is None:
+            tok.save(out / "tokenizer.json")
+    except BaseException:
+        if created:  # a refused run leaves nothing behind
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     params = objective.trainable(model)
     opt = make_optimizer(params, cfg, fused=device.type == "cuda")
     if state_dir is not None:
         load_weights(model, read_tensors(state_dir / "model.safetensors"), state_dir / "model.safetensors")
         restore_optimizer(opt, read_tensors(state_dir / "optimizer.safetensors"), read_json(state_dir / "optimizer.json"))
 
-    train_batches = Batches(load_tokens(corpus, tok, "train"), cfg.seq_len, cfg.batch_size, cfg.seed)
-    val_batches = Batches(load_tokens(corpus, tok, "val"), cfg.seq_len, cfg.batch_size, cfg.seed)
     use_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
 
     def autocast():

@@ -7,6 +7,7 @@ loss. The training loop (dlm.train) is the same for all of them.
 from __future__ import annotations
 
 import importlib
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,8 +26,8 @@ REGISTRY: dict[str, str] = {
 }
 
 
-class Objective:
-    """Base class: a Transformer from a preset (or from --init-from), and no loss."""
+class Objective(ABC):
+    """Base class: builds a Transformer from a preset (or from --init-from); subclasses define the loss."""
 
     name = "base"
     self_cond = False  # the model carries a self-conditioning module (usdm)
@@ -64,8 +65,9 @@ class Objective:
     def trainable(self, model: nn.Module) -> list[nn.Parameter]:
         return [p for p in model.parameters() if p.requires_grad]
 
+    @abstractmethod
     def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator) -> tuple[Tensor, dict[str, float]]:
-        raise NotImplementedError
+        """(loss, extra metrics for metrics.jsonl) of a batch of windows (B, T + 1)."""
 
     def meta(self) -> dict[str, Any]:
         """Extra entries for config.json."""
