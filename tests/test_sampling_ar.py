@@ -1,0 +1,97 @@
+"""AR generation: cached decoding equals the naive loop, batches equal single prompts, the knobs work."""
+
+import pytest
+import torch
+
+from dlm.checkpoint import load_model
+from dlm.config import preset
+from dlm.errors import DlmError
+from dlm.model import Transformer
+from dlm.sampling import SampleConfig, generate
+from dlm.sampling.ar import ar_stream, naive_stream
+from dlm.sampling.common import Commit, Done, drain, probs_from_logits, sample_token
+
+
+def tokens(events):
+    return drain(events, lambda t: "", None).tokens[0]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cached_greedy_equals_naive_loop_on_random_models(seed):
+    torch.manual_seed(seed)
+    m = Transformer(preset("tiny", vocab_size=50, n_layers=2 + seed % 2)).eval()
+    prompt = torch.randint(0, 50, (5 + 3 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+    a = tokens(ar_stream(m, [prompt], max_new_tokens=40))
+    b = tokens(naive_stream(m, prompt, max_new_tokens=40))
+    assert a == b and len(a) == 40
+
+
+def test_cached_equals_naive_on_trained_model(tiny_ar):
+    m, ck = load_model(tiny_ar)
+    for text in ["def ", "import os\n", "class Foo(object):\n    def __init__(self"]:
+        ids = ck.tokenizer.encode(text)
+        a = tokens(ar_stream(m, [ids], max_new_tokens=30, eos_id=ck.tokenizer.eos_id))
+        b = tokens(naive_stream(m, ids, max_new_tokens=30, eos_id=ck.tokenizer.eos_id))
+        assert a == b
+
+
+def test_batch_of_prompts_equals_single_prompts(tiny_ar):
+    m, ck = load_model(tiny_ar)
+    texts = ["def f(", "import sys\nimport os\n\n", "x = [1, 2, 3"]
+    cfg = SampleConfig(max_new_tokens=20)
+    batch = generate(m, ck, texts, cfg)
+    for i, t in enumerate(texts):
+        single = generate(m, ck, t, cfg)
+        assert batch.tokens[i] == single.tokens[0]
+    assert batch.stats.forwards == 20 and batch.stats.new_tokens == sum(len(t) for t in batch.tokens)
+
+
+def test_sampling_is_reproducible_with_a_seed(tiny_ar):
+    m, ck = load_model(tiny_ar)
+    cfg = SampleConfig(max_new_tokens=25, temperature=1.0, top_p=0.95, seed=7)
+    a, b = generate(m, ck, "def ", cfg), generate(m, ck, "def ", cfg)
+    c = generate(m, ck, "def ", cfg.replace(seed=8))
+    assert a.tokens == b.tokens and a.tokens != c.tokens
+
+
+def test_stops_at_eos_and_counts_forwards():
+    torch.manual_seed(0)
+    m = Transformer(preset("tiny", vocab_size=20)).eval()
+    events = list(ar_stream(m, [[5, 6, 7]], max_new_tokens=10, eos_id=None))
+    first = [e.tokens[0] for e in events if isinstance(e, Commit)]
+    eos = first[3]  # pretend the 4th greedy token is the end token
+    stopped = list(ar_stream(m, [[5, 6, 7]], max_new_tokens=10, eos_id=eos))
+    toks = [e.tokens[0] for e in stopped if isinstance(e, Commit)]
+    assert toks == first[:first.index(eos) + 1]
+    done = stopped[-1]
+    assert isinstance(done, Done) and done.stats.forwards == len(toks) and done.stats.new_tokens == len(toks)
+
+
+def test_top_k_and_top_p_on_hand_made_logits():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    p = probs_from_logits(logits, 1.0, top_k=2)
+    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    p = probs_from_logits(logits, 1.0, top_p=0.8)  # 0.5 + 0.3 reaches 0.8: the rest is cut
+    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    p = probs_from_logits(logits, 1.0, top_p=0.81)
+    assert p[2] > 0 and p[3] == 0
+    p = probs_from_logits(logits, 1.0, top_p=0.1)  # the top token always stays
+    assert torch.allclose(p, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    assert torch.allclose(probs_from_logits(logits, 0.5), torch.softmax(logits / 0.5, -1))
+    assert int(sample_token(logits, 0.0, 0, 1.0, None)) == 0
+    g = torch.Generator().manual_seed(0)
+    draws = [int(sample_token(logits, 1.0, 2, 1.0, g)) for _ in range(300)]
+    assert set(draws) == {0, 1}
+
+
+def test_bad_sampling_inputs(tiny_ar):
+    m, ck = load_model(tiny_ar)
+    for cfg, msg in [(SampleConfig(temperature=-1), "--temperature"), (SampleConfig(top_p=0), "--top-p"),
+                     (SampleConfig(top_p=1.5), "--top-p"), (SampleConfig(top_k=-1), "--top-k"),
+                     (SampleConfig(max_new_tokens=0), "--max-new-tokens"),
+                     (SampleConfig(sampler="entropy_bound"), "does not belong"),
+                     (SampleConfig(max_new_tokens=600), "context")]:
+        with pytest.raises(DlmError, match=msg):
+            generate(m, ck, "def f():", cfg)
+    with pytest.raises(DlmError, match="context"):
+        generate(m, ck, "x " * 600, SampleConfig(max_new_tokens=4))
