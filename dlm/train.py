@@ -226,14 +226,16 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, quiet:
 
     progress = Progress(
         TextColumn(f"[bold]{cfg.objective}[/] step {{task.completed}}/{{task.total}}"), BarColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"), TimeRemainingColumn(),
+        TextColumn("loss {task.fields[loss]:.4f}  val {task.fields[val]:.4f}  {task.fields[tps]:,.0f} tok/s"),
+        TimeRemainingColumn(),
         disable=quiet,
     )
     model.train()
     tokens_per_step = cfg.batch_size * cfg.seq_len
     t_log, steps_since, loss_acc = time.perf_counter(), 0, 0.0
     with progress:
-        task = progress.add_task("train", total=cfg.max_steps, completed=start_step, loss=float("nan"), tps=0.0)
+        task = progress.add_task("train", total=cfg.max_steps, completed=start_step, loss=float("nan"),
+                                 val=float("nan"), tps=0.0)
         for step in range(start_step, cfg.max_steps):
             lr = lr_at(cfg, step)
             for g in opt.param_groups:
@@ -259,7 +261,9 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, quiet:
                 progress.update(task, loss=row["loss"], tps=tps)
                 t_log, steps_since, loss_acc = time.perf_counter(), 0, 0.0
             if done % cfg.eval_every == 0 or done == cfg.max_steps:
-                log.write({"step": done, "val_loss": validate(model, objective, val_batches, cfg, device, autocast)})
+                val = validate(model, objective, val_batches, cfg, device, autocast)
+                log.write({"step": done, "val_loss": val})
+                progress.update(task, val=val)
                 t_log = time.perf_counter()
             if done % cfg.save_every == 0 or done == cfg.max_steps:
                 checkpoint(done)
