@@ -171,12 +171,37 @@ def mdlm_settings(block: int, sweep: bool) -> list[dict[str, Any]]:
     """
     rows: list[dict[str, Any]] = [dict(sampler="confidence"), dict(sampler="threshold", threshold=0.9),
                                   dict(sampler="entropy_bound", entropy_bound=0.1)]
-    if sweep:
-        rows = [dict(sampler="confidence", steps=max(1, block // d)) for d in (1, 2, 4, 8)]
-        rows += [dict(sampler="entropy_bound", entropy_bound=b) for b in (0.03, 0.1, 0.3, 1.0, 3.0)]
-        rows += [dict(sampler="threshold", threshold=t) for t in (0.9, 0.7, 0.5)]
-        rows += [dict(sampler="entropy_bound", entropy_bound=0.1, block_length=b) for b in (max(1, block // 2), 2 * block)]
+    if sweep:  # small models are unsure (entropies of several nats): the useful bounds reach far above 0.1
+        rows = [dict(sampler="confidence", steps=s) for s in sorted({max(1, round(block / d)) for d in (1, 2, 3, 4, 6, 8)},
+                                                                  reverse=True)]
+        rows += [dict(sampler="entropy_bound", entropy_bound=b) for b in (0.1, 1.0, 3.0, 5.0, 8.0, 12.0)]
+        rows += [dict(sampler="threshold", threshold=t) for t in (0.9, 0.5, 0.3, 0.1)]
+        rows += [dict(sampler="entropy_bound", entropy_bound=5.0, block_length=b) for b in (max(1, block // 2), 2 * block)]
     return rows
+
+
+def equal_quality(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each adaptive mdlm row, the forwards confidence top-k needs for the same generated-text PPL.
+
+    The confidence rows (same block length) give forwards as a piecewise-linear function of gen PPL;
+    a row whose PPL falls outside their range gets no comparison. ratio < 1: fewer forwards at equal quality.
+    """
+    out = []
+    for s in summaries:
+        st = s["settings"]
+        if s["paradigm"] != "mdlm" or st.get("sampler") == "confidence":
+            continue
+        conf = sorted(((c["gen_ppl"], c["forwards"]) for c in summaries if c["paradigm"] == "mdlm"
+                       and c["settings"].get("sampler") == "confidence"
+                       and c["settings"].get("block_length") == st.get("block_length")), key=lambda r: r[1], reverse=True)
+        target, match = s["gen_ppl"], None
+        for (p0, f0), (p1, f1) in zip(conf, conf[1:]):  # by falling forwards
+            if min(p0, p1) <= target <= max(p0, p1):
+                match = f0 if p1 == p0 else f0 + (f1 - f0) * (target - p0) / (p1 - p0)
+                break
+        out.append({"method": s["method"], "forwards": s["forwards"], "gen_ppl": target,
+                    "confidence_forwards": match, "ratio": s["forwards"] / match if match else None})
+    return out
 
 
 def mdlm_methods(path: str, ref_ck, max_new_tokens: int, sweep: bool = False) -> list[Method]:
@@ -276,10 +301,16 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
         s["speedup_vs_ar"] = s["tokens_per_second"] / base if base else float("nan")
     report = {"environment": environment(), "model": str(ck.path), "max_new_tokens": max_new_tokens,
               "prompts": [p.name for p in ps], "summaries": summaries, "per_prompt": per_prompt}
+    if mdlm:
+        report["equal_quality"] = equal_quality(summaries)
     if not quiet:
         print_table(summaries, BASE_COLUMNS + [("forwards_per_canvas", "fwd/canvas", ".1f"),
                                                ("speedup_vs_ar", "vs AR", ".2f")] + QUALITY_COLUMNS,
                     title=f"{len(ps)} held-out prompts, {max_new_tokens} new tokens, medians")
+        for q in report.get("equal_quality", []):
+            if q["ratio"] is not None:
+                print(f"{q['method']}: {q['forwards']:.0f} forwards; confidence top-k needs {q['confidence_forwards']:.1f} "
+                      f"at the same gen PPL {q['gen_ppl']:.2f} (x{q['ratio']:.2f})")
     if out:
         png = Path(out).with_suffix(".png")
         note = plot_quality(summaries, png)

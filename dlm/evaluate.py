@@ -80,7 +80,7 @@ def resolve_reference(ck: Checkpoint, reference: str | None) -> tuple[Checkpoint
 
 
 def evaluate(model, ck: Checkpoint, corpus: Corpus, split: str, seq_len: int, batch_size: int = 8,
-             max_batches: int | None = None, seed: int = 0, samples: int = 16,
+             max_batches: int | None = None, seed: int = 0, samples: int = 4,
              reference: str | None = None) -> dict[str, Any]:
     if ck.objective not in EVALUATORS:
         raise DlmError(f"dlm eval: objective {ck.objective!r} has no evaluator (have {sorted(EVALUATORS)})")

@@ -317,6 +317,7 @@ def test_generation_stops_at_eos(mdlm64):
     new = res.tokens[0]
     assert new[-1] == tok.eos_id and len(new) == at - P + 1
     assert res.stats.extra["canvases"] == 2  # no block after the one with <eos>
+    assert res.stats.extra["steps_per_canvas"][1] == 6  # <eos> first, then the 5 positions before it
     assert res.text == tok.decode(new[:-1])
 
 
@@ -440,3 +441,20 @@ def test_bench_has_mdlm_rows_and_a_plot(tiny_ar, tiny_mdlm, corpus_dir, tmp_path
     assert conf["tokens_per_forward"] == 1.0 and conf["forwards_per_canvas"] > 1 and conf["gen_ppl"] > 1
     assert json.loads(out.read_text())["plot"] == str(out.with_suffix(".png"))
     assert out.with_suffix(".png").stat().st_size > 1000
+    assert {q["method"] for q in report["equal_quality"]} == {"mdlm threshold thr=0.9", "mdlm entropy_bound bound=0.1"}
+
+
+def test_equal_quality_interpolates_the_confidence_curve():
+    from dlm.bench import equal_quality
+
+    def row(sampler, forwards, ppl, block=32):
+        return {"method": f"{sampler} {forwards}", "paradigm": "mdlm", "forwards": forwards, "gen_ppl": ppl,
+                "settings": {"sampler": sampler, "block_length": block}}
+
+    rows = [row("confidence", 64, 10.0), row("confidence", 32, 20.0), row("confidence", 16, 40.0),
+            row("entropy_bound", 20, 15.0), row("entropy_bound", 8, 80.0), row("entropy_bound", 20, 15.0, block=16),
+            {"method": "ar", "paradigm": "ar", "forwards": 64, "gen_ppl": 9.0, "settings": {}}]
+    q = equal_quality(rows)
+    assert q[0]["confidence_forwards"] == pytest.approx(48.0) and q[0]["ratio"] == pytest.approx(20 / 48)
+    assert q[1]["confidence_forwards"] is None and q[1]["ratio"] is None  # worse than every confidence row
+    assert q[2]["confidence_forwards"] is None  # no confidence rows with blocks of 16

@@ -38,7 +38,7 @@ class SampleConfig:
         seed: makes sampling reproducible
         naive: AR, mdlm: recompute the whole sequence every step (no KV cache)
         sampler: diffusion sampler: confidence | threshold | entropy_bound (mdlm); entropy_bound (usdm); auto = the paradigm's default
-        steps: mdlm: denoising steps per block (default: one token per step)
+        steps: mdlm: denoising steps per block (default: one token per step; threshold / entropy_bound: at most this many)
         threshold: mdlm threshold sampler: commit every position with confidence >= this
         entropy_bound: entropy-bound acceptance: cumulative entropy minus its largest term <= this
         block_length: mdlm: semi-autoregressive block length (default: the checkpoint's training block length, else the whole generation)

@@ -16,7 +16,8 @@ position and commits some of them by a rule:
 
 With `--steps` the adaptive rules commit at least the budget of the step too, so a block never takes
 more than `--steps` passes. Pinned tokens (the prompt's tail, a suffix, a template's text) are never
-masked and come out byte-exact.
+masked and come out byte-exact. A continuation stops at its first committed <eos>: the rest of that
+block is not denoised and no block follows.
 
 A finished block is written to the cache with the block-causal mask of training (it sees itself and
 the blocks before). That write is folded into the next block's first denoising pass: one forward
@@ -58,7 +59,8 @@ def top_k_of(score: Tensor, masked: Tensor, k: int) -> Tensor:
     k = min(k, int(masked.sum()))
     chosen = torch.zeros_like(masked)
     if k > 0:
-        chosen[score.masked_fill(~masked, float("-inf")).topk(k).indices] = True
+        score = torch.where(masked, score.float().nan_to_num(neginf=-1e30), float("-inf"))  # masked ones first
+        chosen[score.topk(k).indices] = True
     return chosen
 
 
@@ -177,27 +179,34 @@ def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: in
         budget = step_budget(n, steps or n) if n else []
         while bool(masked.any()):
             if naive:  # the whole sequence so far, every finished block block-causal, this one last
-                logits = model(seq[None, :e], pos=torch.arange(e, device=dev),
-                               mask=block_mask(block_of, slice(0, e), e)).logits[0, s:]
+                start = 0
+                out = model(seq[None, :e], pos=torch.arange(e, device=dev), mask=block_mask(block_of, slice(0, e), e))
             elif cached < s:  # fold the finished blocks' cache write into this pass, then drop this block's K/V
-                logits = model(seq[None, cached:e], pos=torch.arange(cached, e, device=dev), cache=cache,
-                               mask=block_mask(block_of, slice(cached, e), e)).logits[0, s - cached:]
+                start = cached
+                out = model(seq[None, cached:e], pos=torch.arange(cached, e, device=dev), cache=cache,
+                            mask=block_mask(block_of, slice(cached, e), e))
                 cache.crop(s)
                 cached = s
             else:
-                logits = model(seq[None, s:e], pos=torch.arange(s, e, device=dev), cache=cache, mask="full",
-                               write=False).logits[0]
+                start = s
+                out = model(seq[None, s:e], pos=torch.arange(s, e, device=dev), cache=cache, mask="full",
+                            write=False)
             forwards += 1
-            logits[:, mask_id] = float("-inf")  # (Lb, V)
+            logits = out.logits[0, s - start:]  # (Lb, V)
+            logits[:, mask_id] = float("-inf")
             if job.forbid_eos:
                 logits[:, eos_id] = float("-inf")
             k = budget[step] if step < len(budget) else 1
             x, chosen, ent = denoise_step(logits, seq[s:e], masked, rule, k, temperature, top_k, top_p, gen)
             seq[s:e] = x
             masked &= ~chosen
+            if job.stop_at_eos:  # what follows a committed <eos> is dropped: no need to denoise it
+                ends = (chosen & (x == eos_id)).nonzero()
+                if len(ends):
+                    masked[int(ends[0]) + 1:] = False
             step += 1
             g = max(s, P) - s  # the block's generated part starts here
-            yield Step(seq[s + g:e].tolist(), (~masked[g:]).tolist(), step, len(steps_per_block), ent, row)
+            yield Step(seq[s + g:e].tolist(), (seq[s + g:e] != mask_id).tolist(), step, len(steps_per_block), ent, row)
         if n:
             steps_per_block.append(step)
         out = seq[max(s, P):e].tolist()
