@@ -252,9 +252,9 @@ def plot_quality(summaries: list[dict[str, Any]], path: Path) -> str | None:
     for key, rows in groups.items():
         rows = sorted(rows, key=lambda r: r["tokens_per_forward"])
         ax.plot([r["tokens_per_forward"] for r in rows], [r["gen_ppl"] for r in rows], marker="o", label=key)
-    ax.set_xlabel("tokens per forward (median)")
-    ax.set_ylabel("perplexity of the generated text under the AR reference (median)")
-    ax.set_xscale("log")
+    ax.set_xlabel("tokens per forward (median over prompts)")
+    ax.set_ylabel("gen PPL under the AR reference (median)")
+    ax.set_title("quality vs tokens per forward (lower right is better)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

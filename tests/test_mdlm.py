@@ -271,6 +271,22 @@ def test_block_extension_and_statistics(mdlm64):
     assert res4.stats.extra["steps_per_canvas"] == [min(4, n) for n in sizes]
 
 
+def test_whole_sequence_checkpoint_denoises_prompt_and_answer_as_one_block(tiny_mdlm, tmp_path):
+    """block_length 0 in config.json: one block over prompt + generation, the prompt pinned in it."""
+    import shutil
+
+    whole = tmp_path / "whole"
+    shutil.copytree(tiny_mdlm, whole, ignore=shutil.ignore_patterns("state*"))
+    cfg = json.loads((whole / "config.json").read_text())
+    (whole / "config.json").write_text(json.dumps({**cfg, "block_length": 0}))
+    model, ck = load_model(whole, dtype=torch.float64)
+    res = generate(model, ck, PROMPT, SampleConfig(max_new_tokens=20, steps=5), keep_events=True)
+    naive = generate(model, ck, PROMPT, SampleConfig(max_new_tokens=20, steps=5, naive=True))
+    assert res.tokens == naive.tokens
+    assert res.stats.extra["steps_per_canvas"] == [5] and res.stats.forwards == 5
+    assert len([e for e in res.events if isinstance(e, Step)][0].canvas) == 20  # the generated part only
+
+
 def test_sampling_is_seeded(mdlm64):
     model, ck = mdlm64
     cfg = SampleConfig(max_new_tokens=24, temperature=1.0, seed=7)
