@@ -172,11 +172,12 @@ def mdlm_settings(block: int, sweep: bool) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = [dict(sampler="confidence"), dict(sampler="threshold", threshold=0.9),
                                   dict(sampler="entropy_bound", entropy_bound=0.1)]
     if sweep:  # small models are unsure (entropies of several nats): the useful bounds reach far above 0.1
-        rows = [dict(sampler="confidence", steps=s) for s in sorted({max(1, round(block / d)) for d in (1, 2, 3, 4, 6, 8)},
-                                                                  reverse=True)]
+        steps = sorted({max(1, round(block / d)) for d in (1, 2, 3, 4, 6, 8)}, reverse=True)
+        rows = [dict(sampler="confidence", steps=s) for s in steps]
         rows += [dict(sampler="entropy_bound", entropy_bound=b) for b in (0.1, 1.0, 3.0, 5.0, 8.0, 12.0)]
         rows += [dict(sampler="threshold", threshold=t) for t in (0.9, 0.5, 0.3, 0.1)]
-        rows += [dict(sampler="entropy_bound", entropy_bound=5.0, block_length=b) for b in (max(1, block // 2), 2 * block)]
+        rows += [dict(sampler="entropy_bound", entropy_bound=5.0, block_length=b)
+                 for b in (max(1, block // 2), 2 * block)]
     return rows
 
 
@@ -193,7 +194,8 @@ def equal_quality(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         conf = sorted(((c["gen_ppl"], c["forwards"]) for c in summaries if c["paradigm"] == "mdlm"
                        and c["settings"].get("sampler") == "confidence"
-                       and c["settings"].get("block_length") == st.get("block_length")), key=lambda r: r[1], reverse=True)
+                       and c["settings"].get("block_length") == st.get("block_length")),
+                      key=lambda r: r[1], reverse=True)
         target, match = s["gen_ppl"], None
         for (p0, f0), (p1, f1) in zip(conf, conf[1:]):  # by falling forwards
             if min(p0, p1) <= target <= max(p0, p1):
@@ -216,7 +218,8 @@ def mdlm_methods(path: str, ref_ck, max_new_tokens: int, sweep: bool = False) ->
     if ck.objective != "mdlm":
         raise DlmError(f"--mdlm {path}: not an mdlm checkpoint (objective {ck.objective!r})")
     if ck.tokenizer.sha256 != ref_ck.tokenizer.sha256:
-        raise DlmError(f"--mdlm {path}: its tokenizer differs from the reference model's {ref_ck.path} (must be shared)")
+        raise DlmError(f"--mdlm {path}: its tokenizer differs from the reference model's {ref_ck.path} "
+                       "(must be shared)")
     tok = ck.tokenizer
     block = checkpoint_block_length(ck) or max_new_tokens
     methods = []
@@ -309,8 +312,8 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
                     title=f"{len(ps)} held-out prompts, {max_new_tokens} new tokens, medians")
         for q in report.get("equal_quality", []):
             if q["ratio"] is not None:
-                print(f"{q['method']}: {q['forwards']:.0f} forwards; confidence top-k needs {q['confidence_forwards']:.1f} "
-                      f"at the same gen PPL {q['gen_ppl']:.2f} (x{q['ratio']:.2f})")
+                print(f"{q['method']}: {q['forwards']:.0f} forwards; confidence top-k needs "
+                      f"{q['confidence_forwards']:.1f} at the same gen PPL {q['gen_ppl']:.2f} (x{q['ratio']:.2f})")
     if out:
         png = Path(out).with_suffix(".png")
         note = plot_quality(summaries, png)

@@ -116,7 +116,8 @@ def propose(logits: Tensor, temperature: float, top_k: int, top_p: float,
 
 
 def denoise_step(logits: Tensor, x: Tensor, masked: Tensor, rule: Rule, k: int, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, gen: torch.Generator | None = None) -> tuple[Tensor, Tensor, float]:
+                 top_k: int = 0, top_p: float = 1.0,
+                 gen: torch.Generator | None = None) -> tuple[Tensor, Tensor, float]:
     """One step on a block: logits (N, V), tokens x (N,), masked (N,) bool.
 
     Returns (new tokens (N,), newly committed (N,) bool, mean entropy of the masked positions).
@@ -160,7 +161,7 @@ def block_mask(block_of: Tensor, rows: slice, keys: int) -> Tensor:
 @torch.inference_mode()
 def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: int, eos_id: int, *,
                      temperature: float, top_k: int, top_p: float, gen: torch.Generator | None,
-                     naive: bool = False, row: int = 0) -> Iterator[Event]:
+                     naive: bool = False, row: int = 0, clock: Clock | None = None) -> Iterator[Event]:
     """Events of one sequence; returns (forwards, new tokens, steps of each denoised block)."""
     dev = model.device
     total, P = len(job.known), job.prefix_len
@@ -213,6 +214,8 @@ def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: in
         if not out:
             continue
         gen_here = hole[max(s, P):e].tolist()
+        if clock is not None:
+            clock.mark_first()
         if job.stop_at_eos and eos_id in out:
             cut = out.index(eos_id) + 1
             new += sum(gen_here[:cut])
@@ -294,19 +297,11 @@ def _run(model, jobs: list[Job], rule: Rule, cfg, mask_id: int, eos_id: int) -> 
     forwards = new = 0
     steps_per_block: list[int] = []
     for row, job in enumerate(jobs):
-        it = denoise_sequence(model, job, rule, cfg.steps, mask_id, eos_id, temperature=cfg.temperature,
-                              top_k=cfg.top_k, top_p=cfg.top_p, gen=gen, naive=cfg.naive, row=row)
-        while True:
-            try:
-                ev = next(it)
-            except StopIteration as stop:
-                f, n, spb = stop.value
-                forwards, new = forwards + f, new + n
-                steps_per_block += spb
-                break
-            if isinstance(ev, Commit):
-                clock.mark_first()
-            yield ev
+        f, n, spb = yield from denoise_sequence(
+            model, job, rule, cfg.steps, mask_id, eos_id, temperature=cfg.temperature, top_k=cfg.top_k,
+            top_p=cfg.top_p, gen=gen, naive=cfg.naive, row=row, clock=clock)
+        forwards, new = forwards + f, new + n
+        steps_per_block += spb
     extra = {"canvases": len(steps_per_block), "steps_per_canvas": steps_per_block,
              "forwards_per_canvas": forwards / len(steps_per_block) if steps_per_block else 0.0}
     yield Done(Stats(new_tokens=new, forwards=forwards, seconds=clock.elapsed(), ttft=clock.first, extra=extra))
