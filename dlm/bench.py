@@ -50,6 +50,9 @@ def summarize(method: Method, rows: list[dict[str, Any]]) -> dict[str, Any]:
     keys = ("tokens_per_second", "tokens_per_forward", "ttft", "new_tokens", "forwards", "seconds")
     out: dict[str, Any] = {"method": method.name, "paradigm": method.paradigm, "prompts": len(rows),
                            **{k: median([r[k] for r in rows]) for k in keys}, "settings": method.settings}
+    for k in ("canvases", "forwards_per_canvas"):  # diffusion samplers
+        if all(k in r for r in rows):
+            out[k] = median([r[k] for r in rows])
     return out
 
 
@@ -157,9 +160,120 @@ def unigram_entropy(tokens: list[int]) -> float:
 QUALITY_COLUMNS = [("gen_ppl", "gen PPL", ".2f"), ("entropy", "entropy", ".2f")]
 
 
+# mdlm rows ---------------------------------------------------------------------------------------
+
+def mdlm_settings(block: int, sweep: bool) -> list[dict[str, Any]]:
+    """The sampler settings of the mdlm rows (SampleConfig fields); `block` is the sampling block length.
+
+    Without sweep: LLaDA confidence at one token per step, Fast-dLLM threshold 0.9, entropy bound 0.1.
+    With sweep: confidence at block/1, /2, /4, /8 steps; entropy bounds 0.03 .. 3; thresholds 0.9 .. 0.5;
+    the entropy-bound sampler at half and twice the block length.
+    """
+    rows: list[dict[str, Any]] = [dict(sampler="confidence"), dict(sampler="threshold", threshold=0.9),
+                                  dict(sampler="entropy_bound", entropy_bound=0.1)]
+    if sweep:  # small models are unsure (entropies of several nats): the useful bounds reach far above 0.1
+        steps = sorted({max(1, round(block / d)) for d in (1, 2, 3, 4, 6, 8)}, reverse=True)
+        rows = [dict(sampler="confidence", steps=s) for s in steps]
+        rows += [dict(sampler="entropy_bound", entropy_bound=b) for b in (0.1, 1.0, 3.0, 5.0, 8.0, 12.0)]
+        rows += [dict(sampler="threshold", threshold=t) for t in (0.9, 0.5, 0.3, 0.1)]
+        rows += [dict(sampler="entropy_bound", entropy_bound=5.0, block_length=b)
+                 for b in (max(1, block // 2), 2 * block)]
+    return rows
+
+
+def equal_quality(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each adaptive mdlm row, the forwards confidence top-k needs for the same generated-text PPL.
+
+    The confidence rows (same block length) give forwards as a piecewise-linear function of gen PPL;
+    a row whose PPL falls outside their range gets no comparison. ratio < 1: fewer forwards at equal quality.
+    """
+    out = []
+    for s in summaries:
+        st = s["settings"]
+        if s["paradigm"] != "mdlm" or st.get("sampler") == "confidence":
+            continue
+        conf = sorted(((c["gen_ppl"], c["forwards"]) for c in summaries if c["paradigm"] == "mdlm"
+                       and c["settings"].get("sampler") == "confidence"
+                       and c["settings"].get("block_length") == st.get("block_length")),
+                      key=lambda r: r[1], reverse=True)
+        target, match = s["gen_ppl"], None
+        for (p0, f0), (p1, f1) in zip(conf, conf[1:]):  # by falling forwards
+            if min(p0, p1) <= target <= max(p0, p1):
+                match = f0 if p1 == p0 else f0 + (f1 - f0) * (target - p0) / (p1 - p0)
+                break
+        out.append({"method": s["method"], "forwards": s["forwards"], "gen_ppl": target,
+                    "confidence_forwards": match, "ratio": s["forwards"] / match if match else None})
+    return out
+
+
+def mdlm_methods(path: str, ref_ck, max_new_tokens: int, sweep: bool = False) -> list[Method]:
+    """Rows for an mdlm checkpoint, greedy, with the reference AR model's tokenizer."""
+    from dlm.checkpoint import load_model
+    from dlm.objectives.mdlm import checkpoint_block_length
+    from dlm.sampling import SampleConfig
+    from dlm.sampling.common import drain
+    from dlm.sampling.mdlm import stream_ids
+
+    net, ck = load_model(path)
+    if ck.objective != "mdlm":
+        raise DlmError(f"--mdlm {path}: not an mdlm checkpoint (objective {ck.objective!r})")
+    if ck.tokenizer.sha256 != ref_ck.tokenizer.sha256:
+        raise DlmError(f"--mdlm {path}: its tokenizer differs from the reference model's {ref_ck.path} "
+                       "(must be shared)")
+    tok = ck.tokenizer
+    block = checkpoint_block_length(ck) or max_new_tokens
+    methods = []
+    for opts in mdlm_settings(block, sweep):
+        cfg = SampleConfig(max_new_tokens=max_new_tokens, **opts)
+        short = {"steps": "steps", "entropy_bound": "bound", "threshold": "thr", "block_length": "block"}
+        name = " ".join([f"mdlm {opts['sampler']}"] + [f"{short[k]}={v}" for k, v in opts.items() if k != "sampler"])
+
+        def run(ids: list[int], cfg=cfg) -> Result:
+            return drain(stream_ids(net, ck, ids, cfg), tok.decode, tok.eos_id)
+
+        methods.append(Method(name, "mdlm", run, {"model": str(ck.path), "greedy": True, "block_length":
+                                                   cfg.block_length or checkpoint_block_length(ck) or "whole", **opts}))
+    return methods
+
+
+def plot_quality(summaries: list[dict[str, Any]], path: Path) -> str | None:
+    """Generated-text perplexity against tokens per forward, one line per sampler; None, or why not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot"
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for s in summaries:
+        st = s["settings"]
+        key = " ".join(str(x) for x in (s["paradigm"], st.get("sampler"), st.get("block_length") and
+                                        f"(block {st['block_length']})") if x)
+        groups.setdefault(key, []).append(s)
+    for key, rows in groups.items():
+        rows = sorted(rows, key=lambda r: r["tokens_per_forward"])
+        ax.plot([r["tokens_per_forward"] for r in rows], [r["gen_ppl"] for r in rows], marker="o", label=key)
+    ax.set_xlabel("tokens per forward (median over prompts)")
+    ax.set_ylabel("gen PPL under the AR reference (median)")
+    ax.set_title("quality vs tokens per forward (lower right is better)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return None
+
+
 def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str | None = None, data: str | None = None,
-              warmup: int = 1, naive: bool = True, quiet: bool = False) -> dict[str, Any]:
-    """Run every method on the same held-out prompts; print the table, write the JSON report."""
+              warmup: int = 1, naive: bool = True, quiet: bool = False, mdlm: str | None = None,
+              sweep: bool = False) -> dict[str, Any]:
+    """Run every method on the same held-out prompts; print the table, write the JSON report (and a PNG
+    of quality against tokens per forward beside it)."""
     from dlm.checkpoint import load_model
     from dlm.data.corpus import Corpus
     from dlm.data.tokens import heldout_prompts
@@ -170,7 +284,11 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
     corpus = Corpus(data or ck.config.get("data", "stdlib"))
     ps = heldout_prompts(corpus, "test", n=prompts)
     ids = [ck.tokenizer.encode(p.text) for p in ps]
-    methods = ar_methods(net, ck, max_new_tokens, naive=naive)
+    # one builder per paradigm; each returns its rows (the AR model is the reference of the quality column)
+    builders: list[Callable[[], list[Method]]] = [lambda: ar_methods(net, ck, max_new_tokens, naive=naive)]
+    if mdlm:
+        builders.append(lambda: mdlm_methods(mdlm, ck, max_new_tokens, sweep))
+    methods = [m for build in builders for m in build()]
     summaries, per_prompt = [], {}
     for m in methods:
         rows = measure(m, ids, warmup=warmup)
@@ -186,9 +304,21 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
         s["speedup_vs_ar"] = s["tokens_per_second"] / base if base else float("nan")
     report = {"environment": environment(), "model": str(ck.path), "max_new_tokens": max_new_tokens,
               "prompts": [p.name for p in ps], "summaries": summaries, "per_prompt": per_prompt}
+    if mdlm:
+        report["equal_quality"] = equal_quality(summaries)
     if not quiet:
-        print_table(summaries, BASE_COLUMNS + [("speedup_vs_ar", "vs AR", ".2f")] + QUALITY_COLUMNS,
+        print_table(summaries, BASE_COLUMNS + [("forwards_per_canvas", "fwd/canvas", ".1f"),
+                                               ("speedup_vs_ar", "vs AR", ".2f")] + QUALITY_COLUMNS,
                     title=f"{len(ps)} held-out prompts, {max_new_tokens} new tokens, medians")
+        for q in report.get("equal_quality", []):
+            if q["ratio"] is not None:
+                print(f"{q['method']}: {q['forwards']:.0f} forwards; confidence top-k needs "
+                      f"{q['confidence_forwards']:.1f} at the same gen PPL {q['gen_ppl']:.2f} (x{q['ratio']:.2f})")
     if out:
+        png = Path(out).with_suffix(".png")
+        note = plot_quality(summaries, png)
+        report["plot"] = None if note else str(png)
+        if note:
+            report["plot_note"] = note
         write_json(out, report)
     return report

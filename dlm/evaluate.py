@@ -2,7 +2,10 @@
 
 AR checkpoints: next-token loss and perplexity. Diffusion checkpoints register an evaluator that
 reports their likelihood bound (`perplexity_bound`) beside it. Every evaluator takes
-(model, checkpoint, corpus, split, seq_len, batch_size, max_batches, seed) and returns a dict.
+(model, checkpoint, corpus, split, seq_len, batch_size, max_batches, seed, samples) and returns a
+dict (`samples`: Monte-Carlo samples of a likelihood bound; exact evaluators ignore it). For a
+non-AR checkpoint, `evaluate` also scores the same windows with a reference AR model, so the bound
+can be read next to the AR perplexity.
 """
 
 from __future__ import annotations
@@ -39,19 +42,60 @@ def ar_loss(model: Transformer, tok: Tokenizer, corpus: Corpus, split: str, seq_
 
 
 def ar_eval(model: Transformer, ck: Checkpoint, corpus: Corpus, split: str, seq_len: int, batch_size: int,
-            max_batches: int | None, seed: int) -> dict[str, Any]:
+            max_batches: int | None, seed: int, samples: int) -> dict[str, Any]:
     return ar_loss(model, ck.tokenizer, corpus, split, seq_len, batch_size, max_batches)
 
 
 # objective -> "module:function"
 EVALUATORS: dict[str, str] = {
     "ar": "dlm.evaluate:ar_eval",
+    "mdlm": "dlm.objectives.mdlm:mdlm_eval",
 }
+
+DEFAULT_REFERENCE = "checkpoints/ar-small"
+
+
+def resolve_reference(ck: Checkpoint, reference: str | None) -> tuple[Checkpoint | None, str]:
+    """The reference AR checkpoint: --reference, else the checkpoint's --init-from, else checkpoints/ar-small.
+
+    Returns (checkpoint or None, why none). An explicit reference must exist and share the tokenizer.
+    """
+    from pathlib import Path
+
+    from dlm.checkpoint import open_checkpoint
+
+    if reference:
+        ref = open_checkpoint(reference)
+        if ref.objective != "ar":
+            raise DlmError(f"--reference {reference}: must be an ar checkpoint, got objective {ref.objective!r}")
+        if ref.tokenizer.sha256 != ck.tokenizer.sha256:
+            raise DlmError(f"--reference {reference}: its tokenizer differs from {ck.path}'s (must be shared)")
+        return ref, ""
+    for cand in (ck.config.get("train", {}).get("init_from"), DEFAULT_REFERENCE):
+        if cand and (Path(cand) / "config.json").is_file():
+            ref = open_checkpoint(cand)
+            if ref.objective == "ar" and ref.tokenizer.sha256 == ck.tokenizer.sha256:
+                return ref, ""
+    return None, f"no reference AR checkpoint with the same tokenizer (tried init_from, {DEFAULT_REFERENCE})"
 
 
 def evaluate(model, ck: Checkpoint, corpus: Corpus, split: str, seq_len: int, batch_size: int = 8,
-             max_batches: int | None = None, seed: int = 0) -> dict[str, Any]:
+             max_batches: int | None = None, seed: int = 0, samples: int = 4,
+             reference: str | None = None) -> dict[str, Any]:
     if ck.objective not in EVALUATORS:
         raise DlmError(f"dlm eval: objective {ck.objective!r} has no evaluator (have {sorted(EVALUATORS)})")
     module, fn = EVALUATORS[ck.objective].split(":")
-    return getattr(importlib.import_module(module), fn)(model, ck, corpus, split, seq_len, batch_size, max_batches, seed)
+    res = getattr(importlib.import_module(module), fn)(model, ck, corpus, split, seq_len, batch_size, max_batches,
+                                                         seed, samples)
+    if ck.objective != "ar":
+        ref, why = resolve_reference(ck, reference)
+        if ref is None:
+            res["reference"] = None
+            res["reference_note"] = why
+        else:
+            from dlm.checkpoint import load_model
+
+            net, _ = load_model(ref.path, device=model.device)
+            ar = ar_loss(net, ref.tokenizer, corpus, split, seq_len, batch_size, max_batches)
+            res.update(reference=str(ref.path), reference_loss=ar["loss"], reference_perplexity=ar["perplexity"])
+    return res

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 # name -> "module:Class"; a paradigm registers itself here
 REGISTRY: dict[str, str] = {
     "ar": "dlm.objectives.ar:AR",
+    "mdlm": "dlm.objectives.mdlm:MDLM",
 }
 
 

@@ -22,6 +22,7 @@ from dlm.sampling.common import Event, Result, drain
 # objective -> sampler module
 SAMPLERS: dict[str, str] = {
     "ar": "dlm.sampling.ar",
+    "mdlm": "dlm.sampling.mdlm",
 }
 
 
@@ -35,9 +36,9 @@ class SampleConfig:
         top_k: keep the k most likely tokens (0 = off)
         top_p: nucleus sampling mass in (0, 1]
         seed: makes sampling reproducible
-        naive: AR: recompute the whole sequence every step (no KV cache)
+        naive: AR, mdlm: recompute the whole sequence every step (no KV cache)
         sampler: diffusion sampler: confidence | threshold | entropy_bound (mdlm); entropy_bound (usdm); auto = the paradigm's default
-        steps: mdlm: denoising steps per block (default: one token per step)
+        steps: mdlm: denoising steps per block (default: one token per step; threshold / entropy_bound: at most this many)
         threshold: mdlm threshold sampler: commit every position with confidence >= this
         entropy_bound: entropy-bound acceptance: cumulative entropy minus its largest term <= this
         block_length: mdlm: semi-autoregressive block length (default: the checkpoint's training block length, else the whole generation)

@@ -1,0 +1,185 @@
+"""Masked (absorbing) diffusion: MDLM / LLaDA, and block diffusion (BD3-LM).
+
+Forward process: t ~ U(eps, 1 - eps), linear schedule: each token becomes <mask> with probability t.
+The denoiser sees the corrupted sequence bidirectionally and is trained with cross-entropy on the
+masked positions only, weighted by 1/t, summed and divided by the number of tokens: a Monte-Carlo
+estimate of the negative ELBO per token (MDLM, LLaDA).
+
+Block diffusion (`--block-length B`, BD3-LM): the window is cut into blocks of B tokens, each with a
+time of its own. One pass runs [x_t | x_0] (2T tokens, positions 0..T-1 twice) under a boolean mask:
+
+    noisy block b  -> itself (bidirectional) and the clean blocks < b
+    clean block b  -> the clean blocks <= b                      (what the KV cache holds at sampling)
+
+so the noisy half learns p(block b | clean blocks before it), which is how generation proceeds
+block by block with an exact KV cache. The loss reads the noisy half only. `block_length` 0 is
+whole-sequence MDLM (mask "full", T tokens).
+
+The likelihood bound (`dlm eval`) uses LLaDA's lower-variance form of the same ELBO: per block,
+l ~ U{1..B} positions are masked and their cross-entropy is weighted by B / l.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dlm.errors import DlmError, check
+from dlm.noise import EPS
+from dlm.objectives import Objective
+
+
+def block_ids(T: int, L: int, device: torch.device | str = "cpu") -> Tensor:
+    """(T,) index of the block of each position (blocks of L tokens from position 0)."""
+    return torch.arange(T, device=device) // L
+
+
+def block_diffusion_mask(T: int, L: int, device: torch.device | str = "cpu") -> Tensor:
+    """(2T, 2T) bool attention mask over [x_t | x_0] (True = may attend)."""
+    blk = block_ids(T, L, device)
+    q, k = blk[:, None], blk[None, :]
+    noisy = torch.cat([q == k, q > k], dim=1)  # (T, 2T): own noisy block; clean blocks strictly before
+    clean = torch.cat([torch.zeros(T, T, dtype=torch.bool, device=device), q >= k], dim=1)  # clean blocks <= own
+    return torch.cat([noisy, clean], dim=0)
+
+
+def block_causal_mask(T: int, L: int, device: torch.device | str = "cpu") -> Tensor:
+    """(T, T) bool: a clean token sees every token of its own block and of the blocks before."""
+    blk = block_ids(T, L, device)
+    return blk[:, None] >= blk[None, :]
+
+
+def stratified_t(n: int, gen: torch.Generator, device: torch.device | str, eps: float = EPS) -> Tensor:
+    """(n,) times in [eps, 1 - eps], one per stratum of [0, 1) in shuffled order (low-variance, as MDLM)."""
+    u = (torch.rand(1, generator=gen, device=device) + torch.arange(n, device=device)) / n
+    u = u[torch.randperm(n, generator=gen, device=device)]
+    return eps + (1 - 2 * eps) * u
+
+
+def noisy_hidden(model: nn.Module, xt: Tensor, x0: Tensor | None, L: int) -> Tensor:
+    """Final hidden states (B, T, D) of the noisy positions of x_t, given the clean x_0 when L < T."""
+    B, T = xt.shape
+    if x0 is None:  # whole-sequence diffusion
+        return model(xt, mask="full", head=False).last
+    pos = torch.arange(T, device=xt.device).repeat(2)  # (2T,) both halves at positions 0..T-1
+    out = model(torch.cat([xt, x0], dim=1), pos=pos, mask=block_diffusion_mask(T, L, xt.device), head=False)
+    return out.last[:, :T]
+
+
+def masked_logits(model: nn.Module, h: Tensor, mask_id: int) -> Tensor:
+    """LM head on hidden states (N, D) -> (N, V) in fp32 at least, <mask> never predicted."""
+    logits = model.lm_head(h)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logits[:, mask_id] = float("-inf")
+    return logits
+
+
+class MDLM(Objective):
+    name = "mdlm"
+
+    def __init__(self, cfg, tokenizer):
+        super().__init__(cfg, tokenizer)
+        check(tokenizer.mask_id is not None, f"--objective mdlm: the tokenizer {tokenizer.source} has no <mask> token")
+        check(cfg.block_length >= 0, f"--block-length must be >= 0 (0 = whole sequence), got {cfg.block_length}")
+        if cfg.block_length and cfg.seq_len % cfg.block_length:
+            raise DlmError(f"--block-length must divide --seq-len ({cfg.seq_len}), got {cfg.block_length}")
+        self.mask_id = tokenizer.mask_id
+
+    @property
+    def block_length(self) -> int:
+        """Blocks of this many tokens (the whole window when 0 or >= seq_len)."""
+        L = self.cfg.block_length
+        return L if 0 < L < self.cfg.seq_len else 0
+
+    def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator) -> tuple[Tensor, dict[str, float]]:
+        x0 = batch[:, :-1]  # (B, T)
+        B, T = x0.shape
+        L = self.block_length or T
+        nb = T // L
+        t = stratified_t(B * nb, gen, x0.device).view(B, nb)  # one time per block
+        t_tok = t.repeat_interleave(L, dim=1)  # (B, T)
+        masked = torch.rand(B, T, generator=gen, device=x0.device) < t_tok
+        xt = torch.where(masked, torch.full_like(x0, self.mask_id), x0)
+        h = noisy_hidden(model, xt, x0 if self.block_length else None, L)  # (B, T, D)
+        logits = masked_logits(model, h[masked], self.mask_id)  # (N, V)
+        ce = F.cross_entropy(logits, x0[masked], reduction="none")  # (N,)
+        loss = (ce / t_tok[masked]).sum() / (B * T)
+        n = int(masked.sum())
+        return loss, {"ce_masked": float(ce.detach().mean()) if n else 0.0, "mask_rate": n / (B * T)}
+
+    def meta(self) -> dict[str, Any]:
+        return {"block_length": self.block_length, "mask_id": self.mask_id}
+
+
+# likelihood bound --------------------------------------------------------------------------------
+
+def checkpoint_block_length(ck) -> int:
+    """The block length an mdlm checkpoint was trained with (0: whole sequence)."""
+    return int(ck.config.get("block_length") or 0)
+
+
+@torch.inference_mode()
+def elbo_nll(model: nn.Module, x0: Tensor, L: int, mask_id: int, samples: int, gen: torch.Generator) -> Tensor:
+    """Monte-Carlo negative ELBO (nats, summed over tokens) of each window x0 (B, T): (samples, B).
+
+    Per block and sample, l ~ U{1..L} positions are masked uniformly at random; the masked tokens'
+    cross-entropy is weighted by L / l (LLaDA's estimator of the 1/t-weighted ELBO). With blocks, the
+    clean context's K/V are computed once (block-causal, as at sampling) and read by every sample.
+    """
+    B, T = x0.shape
+    L = L if 0 < L < T else T
+    nb = math.ceil(T / L)
+    dev = x0.device
+    blk = block_ids(T, L, dev)
+    size = torch.bincount(blk, minlength=nb).float()  # (nb,) tokens per block (the last may be shorter)
+    cache = None
+    if nb > 1:
+        cache = model.new_cache(B, 2 * T)
+        model(x0, pos=torch.arange(T, device=dev), cache=cache, mask=block_causal_mask(T, L, dev), head=False)
+        # noisy block b reads the clean blocks < b from the cache, and itself
+        noisy_mask = torch.cat([blk[:, None] > blk[None, :], blk[:, None] == blk[None, :]], dim=1)  # (T, 2T)
+    out = torch.zeros(samples, B, device=dev, dtype=torch.float64)
+    for s in range(samples):
+        l = (torch.rand(B, nb, generator=gen, device=dev) * size).floor() + 1  # (B, nb) in 1..size
+        # position i is masked when it is among the l first of its block in a random order
+        key = blk[None].float() * 2 + torch.rand(B, T, generator=gen, device=dev)  # by block, then at random
+        order = key.argsort(1).argsort(1)  # global rank; block b holds ranks start_b .. start_b + size_b - 1
+        start = torch.cat([torch.zeros(1, device=dev), size.cumsum(0)[:-1]])  # (nb,)
+        masked = (order - start[blk][None]) < l[:, blk]  # (B, T)
+        xt = torch.where(masked, torch.full_like(x0, mask_id), x0)
+        if cache is None:
+            h = model(xt, mask="full", head=False).last
+        else:
+            h = model(xt, pos=torch.arange(T, device=dev), cache=cache, mask=noisy_mask, write=False, head=False).last
+        ce = torch.zeros(B, T, device=dev, dtype=torch.float64)
+        ce[masked] = F.cross_entropy(masked_logits(model, h[masked], mask_id), x0[masked], reduction="none").double()
+        out[s] = (ce * (size[blk][None] / l[:, blk])).sum(1)
+    return out
+
+
+def mdlm_eval(model, ck, corpus, split: str, seq_len: int, batch_size: int, max_batches: int | None, seed: int,
+              samples: int) -> dict[str, Any]:
+    """`dlm eval` for mdlm: the ELBO perplexity bound on held-out windows (seeded, reproducible)."""
+    from dlm.data.tokens import Batches, load_tokens
+
+    check(samples > 0, f"--samples must be > 0, got {samples}")
+    tok = ck.tokenizer
+    L = checkpoint_block_length(ck)
+    T = min(seq_len, model.cfg.max_seq_len)
+    batches = Batches(load_tokens(corpus, tok, split), T, batch_size)
+    gen = torch.Generator(device=model.device)
+    gen.manual_seed(seed)
+    per_sample, count = torch.zeros(samples, dtype=torch.float64), 0
+    for batch in batches.sequential(max_batches):
+        x0 = batch[:, :-1].to(model.device)  # (B, T): the same windows as the AR number
+        per_sample += elbo_nll(model, x0, L, tok.mask_id, samples, gen).sum(1).double().cpu()
+        count += x0.numel()
+    per_tok = per_sample / count  # (samples,) each sample's bound in nats / token
+    nll = float(per_tok.mean())
+    stderr = float(per_tok.std() / math.sqrt(samples)) if samples > 1 else float("nan")
+    return {"loss_bound": nll, "perplexity_bound": math.exp(nll), "loss_bound_stderr": stderr, "samples": samples,
+            "block_length": L, "tokens": count, "seed": seed}

@@ -1,0 +1,307 @@
+"""Masked-diffusion sampling (LLaDA, Fast-dLLM, entropy-bounded), block by block over a KV cache.
+
+The sequence (prompt + generation, or prompt + template canvas) is cut into blocks on a grid of
+`block_length` positions counted from position 0, as in training, so the prompt's last partial block
+is denoised together with the first generated tokens (its prompt tokens pinned). Each block starts
+with its holes set to <mask>; every denoising step runs the block against the cache (bidirectional
+inside the block, the finished blocks before it in the cache), proposes a token for every masked
+position and commits some of them by a rule:
+
+  confidence     LLaDA: the k most confident positions (probability of the proposed token), k from a
+                 budget that spreads the block's holes over `--steps` (low-confidence remasking);
+                 `--remasking random` picks the k positions at random instead
+  threshold      Fast-dLLM: every position whose confidence >= `--threshold` (at least one)
+  entropy_bound  sort positions by entropy ascending; accept the longest prefix whose cumulative
+                 entropy minus its largest entropy <= `--entropy-bound` (at least one)
+
+With `--steps` the adaptive rules commit at least the budget of the step too, so a block never takes
+more than `--steps` passes. Pinned tokens (the prompt's tail, a suffix, a template's text) are never
+masked and come out byte-exact. A continuation stops at its first committed <eos>: the rest of that
+block is not denoised and no block follows.
+
+A finished block is written to the cache with the block-causal mask of training (it sees itself and
+the blocks before). That write is folded into the next block's first denoising pass: one forward
+runs [finished blocks not yet cached ; current block], the finished rows blind to the current block,
+and the cache is then cropped back to the finished blocks. The prompt's full blocks are folded into
+the first pass the same way, so every forward is a denoising step. `--naive` recomputes the whole
+sequence under the same mask at every step instead (no cache): the reference the cached loop must
+match token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from dlm.errors import DlmError, check
+from dlm.sampling.common import (
+    Clock, Commit, Done, Event, Stats, Step, check_sampling, make_generator, sample_token,
+)
+from dlm.sampling.infill import Template, build_template, check_fits
+
+RULES = ("confidence", "threshold", "entropy_bound")
+
+
+# the acceptance rules (plain functions over one block's positions) ------------------------------
+
+def step_budget(n: int, steps: int) -> list[int]:
+    """Positions to unmask at each of min(steps, n) steps: n spread evenly, the remainder first."""
+    s = max(1, min(steps, n))
+    base, rem = divmod(n, s)
+    return [base + (i < rem) for i in range(s)]
+
+
+def top_k_of(score: Tensor, masked: Tensor, k: int) -> Tensor:
+    """Bool (N,): the k masked positions with the highest score (all of them if fewer)."""
+    k = min(k, int(masked.sum()))
+    chosen = torch.zeros_like(masked)
+    if k > 0:
+        score = torch.where(masked, score.float().nan_to_num(neginf=-1e30), float("-inf"))  # masked ones first
+        chosen[score.topk(k).indices] = True
+    return chosen
+
+
+def select_confidence(conf: Tensor, masked: Tensor, k: int) -> Tensor:
+    """LLaDA low-confidence remasking: keep the k most confident proposals, re-mask the rest."""
+    return top_k_of(conf, masked, k)
+
+
+def select_random(masked: Tensor, k: int, gen: torch.Generator | None) -> Tensor:
+    """LLaDA random remasking: k masked positions chosen uniformly at random."""
+    score = torch.rand(masked.shape, generator=gen, device=masked.device)
+    return top_k_of(score, masked, k)
+
+
+def select_threshold(conf: Tensor, masked: Tensor, threshold: float, k_min: int = 1) -> Tensor:
+    """Fast-dLLM: every masked position with confidence >= threshold, at least the k_min most confident."""
+    chosen = masked & (conf >= threshold)
+    return chosen if int(chosen.sum()) >= k_min else top_k_of(conf, masked, k_min)
+
+
+def select_entropy_bound(ent: Tensor, masked: Tensor, bound: float, k_min: int = 1) -> Tensor:
+    """The lowest-entropy prefix whose cumulative entropy minus its largest entropy <= bound (>= k_min)."""
+    e = ent[masked].sort().values  # ascending: the largest entropy of a prefix is its last one
+    k = int(((e.cumsum(0) - e) <= bound).sum())  # the condition only gets harder along the prefix
+    return top_k_of(-ent, masked, max(k, k_min))
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Which positions a denoising step commits."""
+
+    kind: str = "confidence"  # confidence | threshold | entropy_bound
+    threshold: float = 0.9
+    bound: float = 0.1
+    random: bool = False  # confidence: random remasking instead of low-confidence
+
+    def select(self, conf: Tensor, ent: Tensor, masked: Tensor, k: int, gen: torch.Generator | None) -> Tensor:
+        if self.kind == "threshold":
+            return select_threshold(conf, masked, self.threshold, k)
+        if self.kind == "entropy_bound":
+            return select_entropy_bound(ent, masked, self.bound, k)
+        return select_random(masked, k, gen) if self.random else select_confidence(conf, masked, k)
+
+
+def propose(logits: Tensor, temperature: float, top_k: int, top_p: float,
+            gen: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor]:
+    """logits (N, V) -> proposed tokens (N,), their probability under the model (N,), entropy (N,) in nats."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    ent = torch.special.entr(logp.exp()).sum(-1)
+    cand = sample_token(logits, temperature, top_k, top_p, gen)
+    conf = logp.gather(-1, cand[:, None])[:, 0].exp()
+    return cand, conf, ent
+
+
+def denoise_step(logits: Tensor, x: Tensor, masked: Tensor, rule: Rule, k: int, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0,
+                 gen: torch.Generator | None = None) -> tuple[Tensor, Tensor, float]:
+    """One step on a block: logits (N, V), tokens x (N,), masked (N,) bool.
+
+    Returns (new tokens (N,), newly committed (N,) bool, mean entropy of the masked positions).
+    """
+    cand, conf, ent = propose(logits, temperature, top_k, top_p, gen)
+    chosen = rule.select(conf, ent, masked, k, gen)
+    return torch.where(chosen, cand, x), chosen, float(ent[masked].mean())
+
+
+# one sequence, block by block -------------------------------------------------------------------
+
+def plan_blocks(prefix_len: int, total: int, grid: int, one_tail: bool = False) -> list[tuple[int, int]]:
+    """Blocks [start, end) over positions 0..total-1 on a grid of `grid` positions.
+
+    With one_tail, the prompt's full blocks keep the grid and everything after them is one block (an
+    infilling canvas sees its suffix).
+    """
+    cut = (prefix_len // grid) * grid if one_tail else total
+    blocks = [(s, min(s + grid, cut)) for s in range(0, cut, grid)]
+    if cut < total:
+        blocks.append((cut, total))
+    return blocks
+
+
+@dataclass
+class Job:
+    """One sequence to denoise: known tokens (None = hole) over prompt + canvas, and its blocks."""
+
+    known: list[int | None]
+    prefix_len: int
+    blocks: list[tuple[int, int]]
+    stop_at_eos: bool  # continuation: cut after the first <eos>
+    forbid_eos: bool  # templates / infilling: a hole never becomes <eos>
+
+
+def block_mask(block_of: Tensor, rows: slice, keys: int) -> Tensor:
+    """(rows, keys) bool: a row sees a key whose block is not after its own (block-causal)."""
+    return block_of[rows][:, None] >= block_of[:keys][None, :]
+
+
+@torch.inference_mode()
+def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: int, eos_id: int, *,
+                     temperature: float, top_k: int, top_p: float, gen: torch.Generator | None,
+                     naive: bool = False, row: int = 0, clock: Clock | None = None) -> Iterator[Event]:
+    """Events of one sequence; returns (forwards, new tokens, steps of each denoised block)."""
+    dev = model.device
+    total, P = len(job.known), job.prefix_len
+    seq = torch.tensor([mask_id if k is None else k for k in job.known], dtype=torch.long, device=dev)  # (total,)
+    hole = torch.tensor([k is None for k in job.known], dtype=torch.bool, device=dev)
+    block_of = torch.empty(total, dtype=torch.long, device=dev)
+    for i, (s, e) in enumerate(job.blocks):
+        block_of[s:e] = i
+    cache = None if naive else model.new_cache(1, total)
+    cached = 0  # positions 0..cached-1 are in the cache (slots == positions)
+    forwards, new, steps_per_block = 0, 0, []
+    for s, e in job.blocks:
+        masked = hole[s:e].clone()  # (Lb,)
+        n = int(masked.sum())
+        step = 0
+        budget = step_budget(n, steps or n) if n else []
+        while bool(masked.any()):
+            if naive:  # the whole sequence so far, every finished block block-causal, this one last
+                start = 0
+                out = model(seq[None, :e], pos=torch.arange(e, device=dev), mask=block_mask(block_of, slice(0, e), e))
+            elif cached < s:  # fold the finished blocks' cache write into this pass, then drop this block's K/V
+                start = cached
+                out = model(seq[None, cached:e], pos=torch.arange(cached, e, device=dev), cache=cache,
+                            mask=block_mask(block_of, slice(cached, e), e))
+                cache.crop(s)
+                cached = s
+            else:
+                start = s
+                out = model(seq[None, s:e], pos=torch.arange(s, e, device=dev), cache=cache, mask="full",
+                            write=False)
+            forwards += 1
+            logits = out.logits[0, s - start:]  # (Lb, V)
+            logits[:, mask_id] = float("-inf")
+            if job.forbid_eos:
+                logits[:, eos_id] = float("-inf")
+            k = budget[step] if step < len(budget) else 1
+            x, chosen, ent = denoise_step(logits, seq[s:e], masked, rule, k, temperature, top_k, top_p, gen)
+            seq[s:e] = x
+            masked &= ~chosen
+            if job.stop_at_eos:  # what follows a committed <eos> is dropped: no need to denoise it
+                ends = (chosen & (x == eos_id)).nonzero()
+                if len(ends):
+                    masked[int(ends[0]) + 1:] = False
+            step += 1
+            g = max(s, P) - s  # the block's generated part starts here
+            yield Step(seq[s + g:e].tolist(), (seq[s + g:e] != mask_id).tolist(), step, len(steps_per_block), ent, row)
+        if n:
+            steps_per_block.append(step)
+        out = seq[max(s, P):e].tolist()
+        if not out:
+            continue
+        gen_here = hole[max(s, P):e].tolist()
+        if clock is not None:
+            clock.mark_first()
+        if job.stop_at_eos and eos_id in out:
+            cut = out.index(eos_id) + 1
+            new += sum(gen_here[:cut])
+            yield Commit(out[:cut], row)
+            break
+        new += sum(gen_here)
+        yield Commit(out, row)
+    return forwards, new, steps_per_block
+
+
+# the sampler --------------------------------------------------------------------------------------
+
+def check_options(cfg) -> Rule:
+    """Validate the mdlm options of a SampleConfig; return the acceptance rule."""
+    sampler = "confidence" if cfg.sampler == "auto" else cfg.sampler
+    if sampler not in RULES:
+        raise DlmError(f"--sampler {cfg.sampler} does not belong to an mdlm checkpoint "
+                       f"(allowed: auto, {', '.join(RULES)})")
+    check_sampling(cfg.temperature, cfg.top_k, cfg.top_p)
+    check(cfg.steps is None or cfg.steps > 0, f"--steps must be > 0, got {cfg.steps}")
+    check(0 < cfg.threshold <= 1, f"--threshold must be in (0, 1], got {cfg.threshold}")
+    check(cfg.entropy_bound > 0, f"--entropy-bound must be > 0, got {cfg.entropy_bound}")
+    check(cfg.block_length is None or cfg.block_length > 0, f"--block-length must be > 0, got {cfg.block_length}")
+    check(cfg.remasking in ("low_confidence", "random"),
+          f"--remasking must be low_confidence or random, got {cfg.remasking!r}")
+    check(cfg.remasking == "low_confidence" or sampler == "confidence",
+          f"--remasking random goes with --sampler confidence, got --sampler {sampler}")
+    return Rule(sampler, cfg.threshold, cfg.entropy_bound, cfg.remasking == "random")
+
+
+def job_for(known: list[int | None], prefix_len: int, cfg, train_block: int, plain: bool) -> Job:
+    """Blocks for a sequence: --block-length, else the training grid (whole sequence when trained
+    without blocks); a template's canvas (infilling) is one block after the prompt's full blocks."""
+    if cfg.block_length is not None:
+        blocks = plan_blocks(prefix_len, len(known), cfg.block_length)
+    else:
+        blocks = plan_blocks(prefix_len, len(known), train_block or len(known), one_tail=not plain)
+    return Job(known, prefix_len, blocks, stop_at_eos=plain, forbid_eos=not plain)
+
+
+def make_job(tok, prompt: str, cfg, train_block: int, context: int) -> Job:
+    """The sequence a request asks for: a continuation, an infilling (--suffix) or a template."""
+    middle = cfg.max_new_tokens if cfg.suffix is not None else cfg.fill_length
+    tpl = build_template(tok, prompt, cfg.suffix, middle)
+    plain = tpl is None
+    if plain:
+        check(cfg.max_new_tokens > 0, f"--max-new-tokens must be > 0, got {cfg.max_new_tokens}")
+        tpl = Template(tok.encode(prompt), [None] * cfg.max_new_tokens)
+    check_fits(tpl, context)
+    return job_for(list(tpl.prefix) + list(tpl.canvas), len(tpl.prefix), cfg, train_block, plain)
+
+
+def stream(model, ck, prompts: list[str], cfg) -> Iterator[Event]:
+    """The mdlm sampler for `dlm generate` (cfg: SampleConfig); prompts run one after another."""
+    from dlm.objectives.mdlm import checkpoint_block_length
+
+    rule = check_options(cfg)
+    tok = ck.tokenizer
+    if tok.mask_id is None:
+        raise DlmError(f"{ck.path}: the tokenizer has no <mask> token")
+    jobs = [make_job(tok, p, cfg, checkpoint_block_length(ck), model.cfg.max_seq_len) for p in prompts]
+    return _run(model, jobs, rule, cfg, tok.mask_id, tok.eos_id)
+
+
+def stream_ids(model, ck, prompt: list[int], cfg) -> Iterator[Event]:
+    """Continue one tokenized prompt (the benchmark's entry point)."""
+    from dlm.objectives.mdlm import checkpoint_block_length
+
+    rule = check_options(cfg)
+    check(cfg.max_new_tokens > 0, f"--max-new-tokens must be > 0, got {cfg.max_new_tokens}")
+    check_fits(Template(list(prompt), [None] * cfg.max_new_tokens), model.cfg.max_seq_len)
+    job = job_for(list(prompt) + [None] * cfg.max_new_tokens, len(prompt), cfg, checkpoint_block_length(ck), True)
+    return _run(model, [job], rule, cfg, ck.tokenizer.mask_id, ck.tokenizer.eos_id)
+
+
+def _run(model, jobs: list[Job], rule: Rule, cfg, mask_id: int, eos_id: int) -> Iterator[Event]:
+    gen = make_generator(cfg.seed, model.device)
+    clock = Clock()
+    forwards = new = 0
+    steps_per_block: list[int] = []
+    for row, job in enumerate(jobs):
+        f, n, spb = yield from denoise_sequence(
+            model, job, rule, cfg.steps, mask_id, eos_id, temperature=cfg.temperature, top_k=cfg.top_k,
+            top_p=cfg.top_p, gen=gen, naive=cfg.naive, row=row, clock=clock)
+        forwards, new = forwards + f, new + n
+        steps_per_block += spb
+    extra = {"canvases": len(steps_per_block), "steps_per_canvas": steps_per_block,
+             "forwards_per_canvas": forwards / len(steps_per_block) if steps_per_block else 0.0}
+    yield Done(Stats(new_tokens=new, forwards=forwards, seconds=clock.elapsed(), ttft=clock.first, extra=extra))
