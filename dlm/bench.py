@@ -122,6 +122,46 @@ def ar_methods(model, ck, max_new_tokens: int, naive: bool = True) -> list[Metho
     return methods
 
 
+# usdm rows --------------------------------------------------------------------------------------
+
+DEFAULT_USDM = "checkpoints/usdm-small"
+
+
+def usdm_methods(path: str | None, ref_ck, max_new_tokens: int) -> list[Method]:
+    """usdm at its default settings (adaptive stopping) and with a fixed 48 steps per canvas.
+
+    path None: checkpoints/usdm-small when it exists; '' : no usdm rows.
+    """
+    from dlm.checkpoint import load_model
+    from dlm.sampling import SampleConfig
+    from dlm.sampling.common import drain
+    from dlm.sampling.usdm import check_options, stream_ids
+
+    if path is None:
+        path = DEFAULT_USDM if Path(DEFAULT_USDM).is_dir() else ""
+    if not path:
+        return []
+    net, ck = load_model(path)
+    if ck.objective != "usdm":
+        raise DlmError(f"--usdm {path}: objective {ck.objective!r}, expected a usdm checkpoint")
+    if ck.tokenizer.sha256 != ref_ck.tokenizer.sha256:
+        raise DlmError(f"--usdm {path}: its tokenizer differs from {ref_ck.path}'s (the quality column needs one)")
+    tok = ck.tokenizer
+
+    def method(name: str, cfg: SampleConfig) -> Method:
+        L = check_options(net, ck, cfg)
+
+        def run(ids: list[int]) -> Result:
+            return drain(stream_ids(net, ck, [ids], cfg), tok.decode, tok.eos_id)
+
+        settings = {"model": str(ck.path), "canvas_length": L, "max_denoising_steps": cfg.max_denoising_steps,
+                    "adaptive": cfg.adaptive, "entropy_bound": cfg.entropy_bound, "seed": cfg.seed}
+        return Method(name, "usdm", run, settings)
+
+    cfg = SampleConfig(max_new_tokens=max_new_tokens)
+    return [method("usdm (adaptive)", cfg), method("usdm (fixed 48 steps)", cfg.replace(adaptive=False))]
+
+
 @torch.inference_mode()
 def gen_perplexity(ref, prompt: list[int], new: list[int], eos_id: int | None = None) -> float:
     """Perplexity of generated tokens under the reference AR model, conditioned on the prompt.
@@ -158,7 +198,7 @@ QUALITY_COLUMNS = [("gen_ppl", "gen PPL", ".2f"), ("entropy", "entropy", ".2f")]
 
 
 def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str | None = None, data: str | None = None,
-              warmup: int = 1, naive: bool = True, quiet: bool = False) -> dict[str, Any]:
+              warmup: int = 1, naive: bool = True, quiet: bool = False, usdm: str | None = None) -> dict[str, Any]:
     """Run every method on the same held-out prompts; print the table, write the JSON report."""
     from dlm.checkpoint import load_model
     from dlm.data.corpus import Corpus
@@ -171,6 +211,7 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
     ps = heldout_prompts(corpus, "test", n=prompts)
     ids = [ck.tokenizer.encode(p.text) for p in ps]
     methods = ar_methods(net, ck, max_new_tokens, naive=naive)
+    methods += usdm_methods(usdm, ck, max_new_tokens)
     summaries, per_prompt = [], {}
     for m in methods:
         rows = measure(m, ids, warmup=warmup)
@@ -179,6 +220,8 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
             r["entropy"] = unigram_entropy(r["tokens"])
         summary = summarize(m, rows)
         summary.update(gen_ppl=median([r["gen_ppl"] for r in rows]), entropy=median([r["entropy"] for r in rows]))
+        if all("canvases" in r for r in rows):
+            summary["forwards_per_canvas"] = median([r["forwards"] / max(r["canvases"], 1) for r in rows])
         summaries.append(summary)
         per_prompt[m.name] = [{k: v for k, v in r.items() if k != "tokens"} for r in rows]
     base = summaries[0]["tokens_per_second"]
@@ -187,7 +230,8 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
     report = {"environment": environment(), "model": str(ck.path), "max_new_tokens": max_new_tokens,
               "prompts": [p.name for p in ps], "summaries": summaries, "per_prompt": per_prompt}
     if not quiet:
-        print_table(summaries, BASE_COLUMNS + [("speedup_vs_ar", "vs AR", ".2f")] + QUALITY_COLUMNS,
+        print_table(summaries, BASE_COLUMNS + [("speedup_vs_ar", "vs AR", ".2f"), ("forwards_per_canvas", "fwd/canvas", ".1f")]
+                    + QUALITY_COLUMNS,
                     title=f"{len(ps)} held-out prompts, {max_new_tokens} new tokens, medians")
     if out:
         write_json(out, report)

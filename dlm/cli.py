@@ -148,7 +148,8 @@ def import_cmd(hf: str, out: str) -> None:
 
 
 def bench_cmd(model: str = "checkpoints/ar-small", prompts: int = 8, max_new_tokens: int = 64,
-              out: str | None = "bench.json", data: str | None = None, warmup: int = 1, naive: bool = True) -> None:
+              out: str | None = "bench.json", data: str | None = None, warmup: int = 1, naive: bool = True,
+              usdm: str | None = None) -> None:
     """Benchmark the paradigms side by side on held-out prompts (median tok/s, tok/forward, TTFT).
 
     Args:
@@ -159,10 +160,11 @@ def bench_cmd(model: str = "checkpoints/ar-small", prompts: int = 8, max_new_tok
         data: corpus for the held-out prompts (default: the checkpoint's)
         warmup: untimed runs before measuring each method
         naive: include the naive (no KV cache) AR loop
+        usdm: a usdm checkpoint for the usdm rows (default: checkpoints/usdm-small when it exists; '' for none)
     """
     from dlm.bench import run_bench
 
-    run_bench(model, prompts, max_new_tokens, out or None, data, warmup, naive)
+    run_bench(model, prompts, max_new_tokens, out or None, data, warmup, naive, usdm=usdm)
     if out:
         print(f"report: {out}")
 

@@ -46,6 +46,7 @@ def ar_eval(model: Transformer, ck: Checkpoint, corpus: Corpus, split: str, seq_
 # objective -> "module:function"
 EVALUATORS: dict[str, str] = {
     "ar": "dlm.evaluate:ar_eval",
+    "usdm": "dlm.objectives.usdm:evaluate",
 }
 
 

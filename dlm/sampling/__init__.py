@@ -22,6 +22,7 @@ from dlm.sampling.common import Event, Result, drain
 # objective -> sampler module
 SAMPLERS: dict[str, str] = {
     "ar": "dlm.sampling.ar",
+    "usdm": "dlm.sampling.usdm",
 }
 
 
