@@ -321,52 +321,77 @@ def test_cli_generate_json_and_errors(tiny_usdm):
 
 # the likelihood bound ---------------------------------------------------------------------------
 
-def brute_force_integrand(logits, x0, zt, t, N):
+def brute_force_integrand(logits, x0, zt, t, N, rates):
     """The path-KL rate written out over every target state y (float64, small N)."""
     a = 1 - t
     p = torch.softmax(logits[:N].double(), -1)
-    xb = torch.full((N,), (1 - a), dtype=torch.float64)
-    xb[x0] += N * a
+
+    def xb(x):  # N q_t(. | x)
+        v = torch.full((N,), 1 - a, dtype=torch.float64)
+        v[x] += N * a
+        return v
+
     xbp = N * a * p + (1 - a)
-    i = zt
-    beta = 1 / (1 - t)
     total = 0.0
     for y in range(N):
-        if y == i:
+        if y == zt:
             continue
-        r_true = beta / N * xb[y] / xb[i]
-        r_model = beta / N * xbp[y] / xbp[i]
-        total += float(r_model - r_true + (r_true * torch.log(r_true / r_model) if r_true > 0 else 0))
-    return total
+        r_true = float(xb(x0)[y] / xb(x0)[zt])
+        if rates == "udlm":
+            r_model = float(xbp[y] / xbp[zt])
+        else:
+            r_model = sum(float(p[x]) * float(xb(x)[y] / xb(x)[zt]) for x in range(N))
+        total += r_model - r_true + r_true * math.log(r_true / r_model)
+    return total / (N * a)  # beta / N with beta = 1 / (1 - t)
 
 
-def test_elbo_integrand_matches_brute_force():
+@pytest.mark.parametrize("rates", ["mean", "udlm"])
+def test_elbo_integrand_matches_brute_force(rates):
     N = 7
     g = torch.Generator().manual_seed(0)
     for t in (0.05, 0.4, 0.93):
         logits = torch.randn(1, 6, N, generator=g) * 2
         x0 = torch.tensor([[0, 1, 2, 3, 4, 5]])
         zt = torch.tensor([[0, 2, 2, 6, 4, 1]])  # some clean, some corrupted
-        got = uniform_elbo_integrand(logits, x0, zt, torch.tensor([t]), N)[0]
-        want = torch.tensor([brute_force_integrand(logits[0, j], int(x0[0, j]), int(zt[0, j]), t, N) for j in range(6)])
-        assert torch.allclose(got, want.double(), rtol=1e-6, atol=1e-9)
+        got = uniform_elbo_integrand(logits, x0, zt, torch.tensor([t]), N, rates)[0]
+        want = [brute_force_integrand(logits[0, j], int(x0[0, j]), int(zt[0, j]), t, N, rates) for j in range(6)]
+        assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=1e-9)
         assert (got > 0).all()
         perfect = torch.nn.functional.one_hot(x0, N).double() * 80  # a model that knows x: no loss at all
-        assert uniform_elbo_integrand(perfect, x0, zt, torch.tensor([t]), N).abs().max() < 1e-6
+        assert uniform_elbo_integrand(perfect, x0, zt, torch.tensor([t]), N, rates).abs().max() < 1e-6
 
 
-def test_elbo_of_a_uniform_model_is_log_n():
-    """A model that always predicts uniform has p(x) = 1/N and its bound is tight: integral = log N."""
-    N = 5
-    ts = (torch.arange(4000, dtype=torch.float64) + 0.5) / 4000  # midpoint rule over t
-    logits = torch.zeros(len(ts), 2, N)
-    x0 = torch.zeros(len(ts), 2, dtype=torch.long)
-    zt = torch.tensor([[0, 1]]).expand(len(ts), 2)  # z = x, and one of the N - 1 equal z != x
-    f = uniform_elbo_integrand(logits, x0, zt, ts, N)  # (len, 2)
+def integrate_over_t_and_zt(logits_for, x: int, N: int, rates: str, K: int = 8000) -> float:
+    """int_0^1 E_{z_t | x}[integrand] dt by the midpoint rule and an exact sum over z_t (one position)."""
+    ts = (torch.arange(K, dtype=torch.float64) + 0.5) / K
     a = 1 - ts
-    p_same = a + (1 - a) / N
-    total = float((p_same * f[:, 0] + (1 - p_same) * f[:, 1]).mean())
-    assert total == pytest.approx(math.log(N), rel=2e-3)
+    total = torch.zeros(K, dtype=torch.float64)
+    for z in range(N):
+        val = uniform_elbo_integrand(logits_for(z, ts)[:, None], torch.full((K, 1), x), torch.full((K, 1), z), ts, N,
+                                     rates)[:, 0]
+        total += (a * (z == x) + (1 - a) / N) * val
+    return float(total.mean())
+
+
+def test_elbo_is_tight_for_the_true_posterior():
+    """With the exact posterior p(x | z_t) of a known distribution, the mean-rate bound equals -log pi(x)."""
+    N = 4
+    pi = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+
+    def posterior_logits(z, ts):
+        a = (1 - ts)[:, None]
+        q = a * (torch.arange(N) == z).double()[None] + (1 - a) / N  # q_t(z | x') for every x'
+        return (pi[None] * q).log()  # (K, N), unnormalised
+
+    for x in range(N):
+        assert integrate_over_t_and_zt(posterior_logits, x, N, "mean") == pytest.approx(-math.log(pi[x]), rel=1e-4)
+
+
+def test_udlm_bound_of_a_uniform_model_is_log_n():
+    """UDLM rates with a uniform p are those of the stationary chain: p(x) = 1/N, and the bound is exactly log N."""
+    N = 5
+    uniform = lambda z, ts: torch.zeros(len(ts), N)  # noqa: E731
+    assert integrate_over_t_and_zt(uniform, 0, N, "udlm") == pytest.approx(math.log(N), rel=2e-3)
 
 
 def test_eval_reports_a_reproducible_bound(tiny_usdm, corpus_dir):
@@ -379,7 +404,7 @@ def test_eval_reports_a_reproducible_bound(tiny_usdm, corpus_dir):
     r2 = evaluate(model, ck, corpus, "val", 64, 4, 2, seed=0)
     assert r1 == r2
     assert 1 < r1["ar_perplexity"] < 2000 and r1["perplexity_bound"] > 1 and r1["tokens"] == 8 * 16
-    assert math.isfinite(r1["perplexity_bound"]) and math.isfinite(r1["perplexity_bound_no_sc"])
+    assert math.isfinite(r1["perplexity_bound_no_sc"]) and r1["perplexity_bound_udlm"] > 1
 
 
 def test_bench_has_usdm_rows(tiny_ar, tiny_usdm, corpus_dir):
