@@ -312,11 +312,9 @@ def test_cli_generate_json_and_errors(tiny_usdm):
     out = json.loads(p.stdout)
     assert out["canvases"] == 2 and len(out["steps_per_canvas"]) == 2
     assert out["forwards"] > 0 and out["tokens_per_forward"] > 0 and out["new_tokens"] == 20
-    for args, msg in ((["--entropy-bound", "0"], "--entropy-bound"), (["--t-min", "0.9", "--t-max", "0.5"], "--t-min"),
-                      (["--sampler", "threshold"], "--sampler")):
-        p = run_cli("generate", "--model", str(tiny_usdm), "--prompt", "x", *args)
-        assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr
-        assert len(p.stderr.strip().splitlines()) == 1
+    p = run_cli("generate", "--model", str(tiny_usdm), "--prompt", "x", "--t-min", "0.9", "--t-max", "0.5")
+    assert p.returncode == 2 and "--t-min" in p.stderr and "Traceback" not in p.stderr  # the rest: test_bad_sampling_options
+    assert len(p.stderr.strip().splitlines()) == 1
 
 
 # the likelihood bound ---------------------------------------------------------------------------
