@@ -35,7 +35,9 @@ from torch import Tensor
 from dlm.errors import DlmError, check
 from dlm.model import Transformer
 from dlm.objectives.usdm import canvas_embeds, noise_vocab
-from dlm.sampling.common import Clock, Commit, Done, Event, Stats, Step, check_sampling, make_generator, probs_from_logits, sample_from
+from dlm.sampling.common import (
+    Clock, Commit, Done, Event, Stats, Step, check_sampling, make_generator, probs_from_logits, sample_from,
+)
 from dlm.sampling.infill import Template, build_template, check_fits
 
 DEFAULT_CANVAS = 256
@@ -67,9 +69,9 @@ def entropy_bound_accept(ent: Tensor, bound: float, free: Tensor | None = None) 
     if idx.numel() == 0:
         return accept
     e, order = torch.sort(ent[idx].double(), stable=True)
-    # the largest of an ascending prefix is its last term: cumsum - max = sum of the terms before it
-    ok = (e.cumsum(0) - e) <= bound
-    k = max(1, int(ok.sum()))  # ok is a prefix (the left side only grows)
+    # the largest of an ascending prefix is its last term, so cumsum - max = the sum of the terms before it
+    before = torch.cat([e.new_zeros(1), e.cumsum(0)[:-1]])  # non-decreasing: the passing ones form a prefix
+    k = max(1, int((before <= bound).sum()))
     accept[idx[order[:k]]] = True
     return accept
 
@@ -113,7 +115,8 @@ def check_options(model: Transformer, ck, cfg) -> int:
                                                                                "--canvas-length")):
         if value is not None:
             raise DlmError(f"--{name.replace('_', '-')} is an mdlm option; a usdm checkpoint uses {instead}")
-    check(cfg.temperature == 0, f"--temperature does not apply to usdm (its schedule is --t-max/--t-min), got {cfg.temperature}")
+    check(cfg.temperature == 0,
+          f"--temperature does not apply to usdm (its schedule is --t-max/--t-min), got {cfg.temperature}")
     check_sampling(1.0, cfg.top_k, cfg.top_p)
     ctx = model.cfg.max_seq_len
     L = canvas_length_of(ck, cfg)
