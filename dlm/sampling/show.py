@@ -79,10 +79,15 @@ class View:
         row = self.step.row if self.step is not None else 0
         prompt = self.prompts[row] if row < len(self.prompts) else ""
         done = self.text(self.committed.get(row, []))
-        head = Text(prompt, style="dim") + Text(done)
+        head = Text()
+        head.append(prompt, style="dim")
+        head.append(done)
         lines = head.split("\n", allow_blank=True)
-        head = Text("\n").join(lines[-TAIL_LINES:]) if len(lines) > TAIL_LINES else head
-        parts: list = [head + (self.canvas_text(self.step) if self.step is not None else Text())]
+        if len(lines) > TAIL_LINES:
+            head = Text("\n").join(lines[-TAIL_LINES:])
+        if self.step is not None:
+            head.append_text(self.canvas_text(self.step))
+        parts: list = [head]
         if self.step is not None:
             parts.append(Text(self.status(self.step), style="bold cyan"))
         return Group(*parts)
