@@ -125,6 +125,38 @@ def ar_methods(model, ck, max_new_tokens: int, naive: bool = True) -> list[Metho
     return methods
 
 
+# usdm rows --------------------------------------------------------------------------------------
+
+
+
+def usdm_methods(path: str, ref_ck, max_new_tokens: int) -> list[Method]:
+    """usdm at its default settings (adaptive stopping) and with a fixed 48 steps per canvas."""
+    from dlm.checkpoint import load_model
+    from dlm.sampling import SampleConfig
+    from dlm.sampling.common import drain
+    from dlm.sampling.usdm import check_options, stream_ids
+
+    net, ck = load_model(path)
+    if ck.objective != "usdm":
+        raise DlmError(f"--usdm {path}: objective {ck.objective!r}, expected a usdm checkpoint")
+    if ck.tokenizer.sha256 != ref_ck.tokenizer.sha256:
+        raise DlmError(f"--usdm {path}: its tokenizer differs from {ref_ck.path}'s (the quality column needs one)")
+    tok = ck.tokenizer
+
+    def method(name: str, cfg: SampleConfig) -> Method:
+        L = check_options(net, ck, cfg)
+
+        def run(ids: list[int]) -> Result:
+            return drain(stream_ids(net, ck, [ids], cfg), tok.decode, tok.eos_id)
+
+        settings = {"model": str(ck.path), "canvas_length": L, "max_denoising_steps": cfg.max_denoising_steps,
+                    "adaptive": cfg.adaptive, "entropy_bound": cfg.entropy_bound, "seed": cfg.seed}
+        return Method(name, "usdm", run, settings)
+
+    cfg = SampleConfig(max_new_tokens=max_new_tokens)
+    return [method("usdm (adaptive)", cfg), method("usdm (fixed 48 steps)", cfg.replace(adaptive=False))]
+
+
 @torch.inference_mode()
 def gen_perplexity(ref, prompt: list[int], new: list[int], eos_id: int | None = None) -> float:
     """Perplexity of generated tokens under the reference AR model, conditioned on the prompt.
@@ -271,9 +303,9 @@ def plot_quality(summaries: list[dict[str, Any]], path: Path) -> str | None:
 
 def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str | None = None, data: str | None = None,
               warmup: int = 1, naive: bool = True, quiet: bool = False, mdlm: str | None = None,
-              sweep: bool = False) -> dict[str, Any]:
+              usdm: str | None = None, sweep: bool = False) -> dict[str, Any]:
     """Run every method on the same held-out prompts; print the table, write the JSON report (and a PNG
-    of quality against tokens per forward beside it)."""
+    of quality against tokens per forward beside it). mdlm/usdm: checkpoints for those rows (None: none)."""
     from dlm.checkpoint import load_model
     from dlm.data.corpus import Corpus
     from dlm.data.tokens import heldout_prompts
@@ -288,6 +320,8 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
     builders: list[Callable[[], list[Method]]] = [lambda: ar_methods(net, ck, max_new_tokens, naive=naive)]
     if mdlm:
         builders.append(lambda: mdlm_methods(mdlm, ck, max_new_tokens, sweep))
+    if usdm:
+        builders.append(lambda: usdm_methods(usdm, ck, max_new_tokens))
     methods = [m for build in builders for m in build()]
     summaries, per_prompt = [], {}
     for m in methods:
@@ -297,6 +331,8 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
             r["entropy"] = unigram_entropy(r["tokens"])
         summary = summarize(m, rows)
         summary.update(gen_ppl=median([r["gen_ppl"] for r in rows]), entropy=median([r["entropy"] for r in rows]))
+        if all("canvases" in r for r in rows):
+            summary["forwards_per_canvas"] = median([r["forwards"] / max(r["canvases"], 1) for r in rows])
         summaries.append(summary)
         per_prompt[m.name] = [{k: v for k, v in r.items() if k != "tokens"} for r in rows]
     base = summaries[0]["tokens_per_second"]

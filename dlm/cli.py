@@ -152,27 +152,38 @@ def import_cmd(hf: str, out: str) -> None:
     print(f"imported: {import_hf(hf, out)}")
 
 
-def bench_cmd(model: str = "checkpoints/ar-small", prompts: int = 8, max_new_tokens: int = 64,
+def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 64,
               out: str | None = "bench.json", data: str | None = None, warmup: int = 1, naive: bool = True,
-              mdlm: str | None = None, sweep: bool = False) -> None:
-    """Benchmark the paradigms side by side on held-out prompts (median tok/s, tok/forward, TTFT).
+              mdlm: str | None = None, usdm: str | None = None, sweep: bool = False) -> None:
+    """Benchmark the paradigms side by side on held-out prompts (median tok/s, tok/forward, TTFT, quality).
 
     Args:
-        model: the AR checkpoint (reference and speculation target)
+        model: the AR checkpoint: baseline rows, speculation target, judge of the quality column
+            (default: the shipped ar-small)
         prompts: number of held-out prompts
         max_new_tokens: tokens to generate per prompt
         out: JSON report path ('' for none); the quality-vs-tokens-per-forward plot goes beside it (.png)
         data: corpus for the held-out prompts (default: the checkpoint's)
         warmup: untimed runs before measuring each method
         naive: include the naive (no KV cache) AR loop
-        mdlm: an mdlm checkpoint for masked-diffusion rows (default: checkpoints/mdlm-small if present; '' for none)
+        mdlm: an mdlm checkpoint for masked-diffusion rows (default: the shipped mdlm-small if present; '' for none)
+        usdm: a usdm checkpoint for uniform-state rows (default: the shipped usdm-small if present; '' for none)
         sweep: sweep the diffusion samplers (steps, entropy bound, threshold, block length) instead of one row each
     """
     from dlm.bench import run_bench
+    from dlm.demo import shipped
 
-    if mdlm is None and (Path("checkpoints/mdlm-small") / "config.json").is_file():
-        mdlm = "checkpoints/mdlm-small"
-    run_bench(model, prompts, max_new_tokens, out or None, data, warmup, naive, mdlm=mdlm or None, sweep=sweep)
+    def default(given: str | None, name: str) -> str | None:
+        if given is not None:
+            return given or None
+        found = shipped(name)
+        return str(found) if found else None
+
+    model = default(model, "ar-small")
+    if model is None:
+        raise DlmError("--model: no AR checkpoint given and the shipped ar-small is missing")
+    run_bench(model, prompts, max_new_tokens, out or None, data, warmup, naive, mdlm=default(mdlm, "mdlm-small"),
+              usdm=default(usdm, "usdm-small"), sweep=sweep)
     if out:
         print(f"report: {out}")
 

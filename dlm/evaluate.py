@@ -50,13 +50,11 @@ def ar_eval(model: Transformer, ck: Checkpoint, corpus: Corpus, split: str, seq_
 EVALUATORS: dict[str, str] = {
     "ar": "dlm.evaluate:ar_eval",
     "mdlm": "dlm.objectives.mdlm:mdlm_eval",
+    "usdm": "dlm.objectives.usdm:evaluate",
 }
 
-DEFAULT_REFERENCE = "checkpoints/ar-small"
-
-
 def resolve_reference(ck: Checkpoint, reference: str | None) -> tuple[Checkpoint | None, str]:
-    """The reference AR checkpoint: --reference, else the checkpoint's --init-from, else checkpoints/ar-small.
+    """The reference AR checkpoint: --reference, else the checkpoint's --init-from, else the shipped ar-small.
 
     Returns (checkpoint or None, why none). An explicit reference must exist and share the tokenizer.
     """
@@ -71,12 +69,14 @@ def resolve_reference(ck: Checkpoint, reference: str | None) -> tuple[Checkpoint
         if ref.tokenizer.sha256 != ck.tokenizer.sha256:
             raise DlmError(f"--reference {reference}: its tokenizer differs from {ck.path}'s (must be shared)")
         return ref, ""
-    for cand in (ck.config.get("train", {}).get("init_from"), DEFAULT_REFERENCE):
+    from dlm.demo import shipped
+
+    for cand in (ck.config.get("train", {}).get("init_from"), shipped("ar-small")):
         if cand and (Path(cand) / "config.json").is_file():
             ref = open_checkpoint(cand)
             if ref.objective == "ar" and ref.tokenizer.sha256 == ck.tokenizer.sha256:
                 return ref, ""
-    return None, f"no reference AR checkpoint with the same tokenizer (tried init_from, {DEFAULT_REFERENCE})"
+    return None, "no reference AR checkpoint with the same tokenizer (tried init_from and the shipped ar-small)"
 
 
 def evaluate(model, ck: Checkpoint, corpus: Corpus, split: str, seq_len: int, batch_size: int = 8,

@@ -83,6 +83,13 @@ class TrainConfig:
         check(self.grad_clip >= 0, f"--grad-clip must be >= 0, got {self.grad_clip}")
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
               f"--device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.objective == "usdm":
+            check(0 < self.canvas_length <= self.seq_len,
+                  f"--canvas-length must be in [1, --seq-len {self.seq_len}] (a prefix precedes the canvas), "
+                  f"got {self.canvas_length}")
+            check(self.loss_weight in ("constant", "inverse"),
+                  f"--loss-weight must be constant or inverse, got {self.loss_weight!r}")
+            check(0 <= self.self_cond_prob <= 1, f"--self-cond-prob must be in [0, 1], got {self.self_cond_prob}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 REGISTRY: dict[str, str] = {
     "ar": "dlm.objectives.ar:AR",
     "mdlm": "dlm.objectives.mdlm:MDLM",
+    "usdm": "dlm.objectives.usdm:USDM",
 }
 
 

@@ -23,6 +23,7 @@ from dlm.sampling.common import Event, Result, drain
 SAMPLERS: dict[str, str] = {
     "ar": "dlm.sampling.ar",
     "mdlm": "dlm.sampling.mdlm",
+    "usdm": "dlm.sampling.usdm",
 }
 
 
