@@ -66,6 +66,9 @@ class TrainConfig:
     block_size: int = 16
     draft_layers: int = 0  # 0: the objective's default
     anchors: int = 0  # blocks per sequence; 0: the objective's default
+    target_layers: list[int] = dataclasses.field(default_factory=list)  # target layer ids; []: the objective's default
+    injection: str = "kv"  # dflash ablation: "kv" (context K/V in every layer) or "input" (context as input tokens)
+    target_features: bool = True  # dflash ablation: False = context from token embeddings, not target hidden states
 
     def validate(self) -> None:
         from dlm.objectives import REGISTRY
@@ -82,6 +85,10 @@ class TrainConfig:
         check(self.grad_clip >= 0, f"--grad-clip must be >= 0, got {self.grad_clip}")
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
               f"--device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.objective == "dflash":
+            from dlm.objectives.dflash import check_config
+
+            check_config(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

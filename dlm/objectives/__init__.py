@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 # name -> "module:Class"; a paradigm registers itself here
 REGISTRY: dict[str, str] = {
     "ar": "dlm.objectives.ar:AR",
+    "dflash": "dlm.objectives.dflash:DFlash",
 }
 
 
