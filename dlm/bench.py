@@ -159,7 +159,7 @@ QUALITY_COLUMNS = [("gen_ppl", "gen PPL", ".2f"), ("entropy", "entropy", ".2f")]
 
 # speculative rows ----------------------------------------------------------------------------------
 
-SPEC_COLUMNS = [("temperature", "T", ".0f"), ("tau", "tau", ".2f"), ("speedup", "speedup", ".2f"),
+SPEC_COLUMNS = [("temperature", "T", "g"), ("tau", "tau", ".2f"), ("speedup", "speedup", ".2f"),
                 ("lossless", "lossless", ".2f"), ("draft_share", "draft time", ".0%")]
 
 
@@ -174,7 +174,7 @@ def target_method(model, ck, max_new_tokens: int, temperature: float, seed: int 
         return drain(ar_stream(model, [ids], max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                eos_id=tok.eos_id, pad_id=tok.pad_id), tok.decode, tok.eos_id)
 
-    return Method(f"target alone (T={temperature:g})", "ar", run,
+    return Method(f"target alone T={temperature:g}", "ar", run,
                   {"model": str(ck.path), "temperature": temperature, "spec_base": True})
 
 
@@ -195,7 +195,7 @@ def spec_methods(model, ck, drafts: list[str], max_new_tokens: int, temperature:
             return drain(generate_ids(model, drafter, ids, g, max_new_tokens, sampling, tok.eos_id), tok.decode,
                          tok.eos_id)
 
-        methods.append(Method(f"spec {drafter.name} (T={temperature:g})", "spec", run,
+        methods.append(Method(f"{drafter.name} T={temperature:g}", "spec", run,
                               {"draft": spec, "gamma": g, "temperature": temperature}))
     return methods
 
@@ -260,14 +260,20 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
         s["speedup_vs_ar"] = s["tokens_per_second"] / base if base else float("nan")
     by_name = {s["method"]: s for s in summaries}
     for t, base_m, group in spec_groups:
+        by_name[base_m.name].update(temperature=t, speedup=1.0)
         for m in group:
             by_name[m.name].update(summarize_spec(rows_of[m.name], rows_of[base_m.name], t))
     report = {"environment": environment(), "model": str(ck.path), "max_new_tokens": max_new_tokens,
               "prompts": [p.name for p in ps], "summaries": summaries, "per_prompt": per_prompt}
     if not quiet:
-        columns = BASE_COLUMNS + [("speedup_vs_ar", "vs AR", ".2f")] + QUALITY_COLUMNS
-        print_table(summaries, columns + (SPEC_COLUMNS if draft else []),
+        print_table(summaries, BASE_COLUMNS + [("speedup_vs_ar", "vs AR", ".2f")] + QUALITY_COLUMNS,
                     title=f"{len(ps)} held-out prompts, {max_new_tokens} new tokens, medians")
+        if draft:
+            spec_rows = [by_name[m.name] for t, b, g in spec_groups for m in [b] + g]
+            print_table(spec_rows, [("temperature", "T", "g"), ("tokens_per_second", "tok/s", ".1f")] + SPEC_COLUMNS[1:]
+                        + [("draft_forwards", "draft fwd", ".0f")],
+                        title="speculative decoding: speedup = target alone / method, per prompt (median); "
+                              "tau pooled over cycles")
     if out:
         write_json(out, report)
     return report
