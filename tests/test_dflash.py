@@ -371,3 +371,32 @@ def test_bench_puts_drafters_beside_the_target_alone(tiny_ar, tiny_dflash, corpu
         assert sum(s["acceptance_histogram"]) > 0
         assert s["lossless"] == (1.0 if s["temperature"] == 0 else None)
     assert json.loads(out.read_text())["summaries"][0]["method"] == "ar (KV cache)"
+
+
+def test_dflash_training_resumes_exactly(tiny_ar, tiny_draft_data, corpus_dir, tokenizer_path, tmp_path, monkeypatch):
+    from dlm.data.tokens import Batches
+    from dlm.train import train
+
+    def cfg(steps):
+        return tiny_train_config(corpus_dir, tokenizer_path, objective="dflash", target=str(tiny_ar), tokenizer=None,
+                                 data=str(tiny_draft_data), seq_len=48, batch_size=2, max_steps=steps, block_size=8,
+                                 log_every=1, eval_every=100, save_every=3)
+
+    train(cfg(6), tmp_path / "straight", quiet=True)
+    batch = Batches.batch
+
+    def interrupted(self, step):
+        if step == 4:
+            raise KeyboardInterrupt
+        return batch(self, step)
+
+    monkeypatch.setattr(Batches, "batch", interrupted)
+    with pytest.raises(KeyboardInterrupt):  # killed after the state of step 3 was saved
+        train(cfg(6), tmp_path / "resumed", quiet=True)
+    monkeypatch.setattr(Batches, "batch", batch)
+    train(cfg(6), tmp_path / "resumed", resume=True, quiet=True)
+
+    def losses(p):
+        return [r["loss"] for r in map(json.loads, (p / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+    assert losses(tmp_path / "straight") == losses(tmp_path / "resumed")
