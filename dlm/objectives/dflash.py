@@ -292,8 +292,9 @@ class DFlash(Objective):
         return list(model.parameters())  # the target lives here, not in the drafter
 
     def anchors_per_window(self, T1: int) -> int:
+        """--anchors, or the paper's coverage: 512 blocks of 16 per 3072 tokens, each position in ~2.7 blocks."""
         n_pos = T1 - self.gamma + 1
-        return max(1, min(n_pos, self.cfg.anchors or max(1, T1 // 6)))  # the paper: 512 per 3072 tokens
+        return max(1, min(n_pos, self.cfg.anchors or round(T1 * 8 / (3 * self.gamma))))
 
     def loss(self, model: DFlashDrafter, batch: Tensor, gen: torch.Generator) -> tuple[Tensor, dict[str, float]]:
         tgt = self.target

@@ -14,7 +14,7 @@ The target's cache is cropped back to the committed length; the drafter is told 
 tokens were accepted (and given the target's features of the committed positions, if it reads
 them), and rolls its own state back.
 
-Drafter protocol (three methods and one attribute):
+Drafter protocol (three methods; attributes taps, and name/default_gamma/forwards for reports):
   taps                      target layers whose outputs the drafter reads (() for none)
   reset(prompt, feats)      a new sequence: prompt ids (P,), the target's taps over it (P, F) or None
   propose(seq, k)           committed ids so far (S,) -> (tokens (k',), q (k', V) or None), k' <= k
@@ -58,6 +58,9 @@ class Verified(Event):
 
 class Drafter(Protocol):
     taps: tuple[int, ...]
+    name: str
+    default_gamma: int
+    forwards: int  # forward passes of the drafter's model so far
 
     def reset(self, prompt: Tensor, feats: Tensor | None) -> None: ...
 
