@@ -301,11 +301,78 @@ def plot_quality(summaries: list[dict[str, Any]], path: Path) -> str | None:
     return None
 
 
+# speculative rows ----------------------------------------------------------------------------------
+
+SPEC_COLUMNS = [("temperature", "T", "g"), ("tau", "tau", ".2f"), ("speedup", "speedup", ".2f"),
+                ("lossless", "lossless", ".2f"), ("draft_share", "draft time", ".0%")]
+
+
+def target_method(model, ck, max_new_tokens: int, temperature: float, seed: int = 0) -> Method:
+    """The target alone (AR with its KV cache) at a temperature: what speculation is measured against."""
+    from dlm.sampling.ar import ar_stream
+    from dlm.sampling.common import drain
+
+    tok = ck.tokenizer
+
+    def run(ids: list[int]) -> Result:
+        return drain(ar_stream(model, [ids], max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                               eos_id=tok.eos_id, pad_id=tok.pad_id), tok.decode, tok.eos_id)
+
+    return Method(f"target alone T={temperature:g}", "ar", run,
+                  {"model": str(ck.path), "temperature": temperature, "spec_base": True})
+
+
+def spec_methods(model, ck, drafts: list[str], max_new_tokens: int, temperature: float, gamma: int = 0,
+                 seed: int = 0) -> list[Method]:
+    """One row per drafter ('lookup' or a drafter checkpoint), in the lossless speculative loop."""
+    from dlm.sampling.common import drain, make_generator
+    from dlm.sampling.speculative import Sampling, generate_ids, load_drafter, resolve_gamma
+
+    tok = ck.tokenizer
+    methods = []
+    for spec in drafts:
+        sampling = Sampling(temperature, gen=make_generator(seed, model.device))
+        drafter = load_drafter(spec, model, ck, sampling, capacity=model.cfg.max_seq_len + 66)
+        g = resolve_gamma(drafter, gamma)
+
+        def run(ids: list[int], drafter=drafter, g=g, sampling=sampling) -> Result:
+            return drain(generate_ids(model, drafter, ids, g, max_new_tokens, sampling, tok.eos_id), tok.decode,
+                         tok.eos_id)
+
+        methods.append(Method(f"{drafter.name} T={temperature:g}", "spec", run,
+                              {"draft": spec, "gamma": g, "temperature": temperature}))
+    return methods
+
+
+def summarize_spec(rows: list[dict[str, Any]], base_rows: list[dict[str, Any]], temperature: float) -> dict[str, Any]:
+    """tau pooled over all cycles, the summed histogram, per-prompt speedup over the target alone (median)."""
+    cycles = sum(r["cycles"] for r in rows)
+    hist = [sum(h) for h in zip(*(r["acceptance_histogram"] for r in rows))]
+    out: dict[str, Any] = {
+        "temperature": temperature,
+        "tau": sum(r["tau"] * r["cycles"] for r in rows) / cycles if cycles else float("nan"),
+        "acceptance_histogram": hist,
+        "speedup": median([b["seconds"] / r["seconds"] for r, b in zip(rows, base_rows) if r["seconds"] > 0]),
+        "draft_forwards": median([r["draft_forwards"] for r in rows]),
+        "draft_share": sum(r["draft_seconds"] for r in rows) / max(
+            1e-9, sum(r["draft_seconds"] + r["verify_seconds"] for r in rows)),
+        "lossless": None,
+    }
+    if temperature == 0:  # token-for-token equality only means something for greedy decoding
+        out["lossless"] = sum(r["tokens"] == b["tokens"] for r, b in zip(rows, base_rows)) / len(rows)
+    return out
+
+
 def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str | None = None, data: str | None = None,
               warmup: int = 1, naive: bool = True, quiet: bool = False, mdlm: str | None = None,
-              usdm: str | None = None, sweep: bool = False) -> dict[str, Any]:
+              usdm: str | None = None, sweep: bool = False, draft: list[str] | None = None,
+              temperatures: tuple[float, ...] = (0.0, 1.0), gamma: int = 0) -> dict[str, Any]:
     """Run every method on the same held-out prompts; print the table, write the JSON report (and a PNG
-    of quality against tokens per forward beside it). mdlm/usdm: checkpoints for those rows (None: none)."""
+    of quality against tokens per forward beside it). mdlm/usdm: checkpoints for those rows (None: none).
+
+    With `draft` (drafter checkpoints and/or 'lookup'), each drafter runs in the speculative loop at
+    every temperature beside the target alone at that temperature (speedup, tau, lossless fraction).
+    """
     from dlm.checkpoint import load_model
     from dlm.data.corpus import Corpus
     from dlm.data.tokens import heldout_prompts
@@ -323,9 +390,16 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
     if usdm:
         builders.append(lambda: usdm_methods(usdm, ck, max_new_tokens))
     methods = [m for build in builders for m in build()]
-    summaries, per_prompt = [], {}
+    spec_groups: list[tuple[float, Method, list[Method]]] = []
+    for t in (temperatures if draft else ()):
+        base = methods[0] if t == 0 else target_method(net, ck, max_new_tokens, t)
+        group = spec_methods(net, ck, list(draft), max_new_tokens, t, gamma)
+        spec_groups.append((t, base, group))
+        methods += ([] if t == 0 else [base]) + group
+    summaries, per_prompt, rows_of = [], {}, {}
     for m in methods:
         rows = measure(m, ids, warmup=warmup)
+        rows_of[m.name] = rows
         for r, p in zip(rows, ids):
             r["gen_ppl"] = gen_perplexity(net, p, r["tokens"], ck.tokenizer.eos_id)
             r["entropy"] = unigram_entropy(r["tokens"])
@@ -338,6 +412,11 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
     base = summaries[0]["tokens_per_second"]
     for s in summaries:
         s["speedup_vs_ar"] = s["tokens_per_second"] / base if base else float("nan")
+    by_name = {s["method"]: s for s in summaries}
+    for t, base_m, group in spec_groups:
+        by_name[base_m.name].update(temperature=t, speedup=1.0)
+        for m in group:
+            by_name[m.name].update(summarize_spec(rows_of[m.name], rows_of[base_m.name], t))
     report = {"environment": environment(), "model": str(ck.path), "max_new_tokens": max_new_tokens,
               "prompts": [p.name for p in ps], "summaries": summaries, "per_prompt": per_prompt}
     if mdlm:
@@ -350,6 +429,12 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
             if q["ratio"] is not None:
                 print(f"{q['method']}: {q['forwards']:.0f} forwards; confidence top-k needs "
                       f"{q['confidence_forwards']:.1f} at the same gen PPL {q['gen_ppl']:.2f} (x{q['ratio']:.2f})")
+        if draft:
+            spec_rows = [by_name[m.name] for t, b, g in spec_groups for m in [b] + g]
+            print_table(spec_rows, [("temperature", "T", "g"), ("tokens_per_second", "tok/s", ".1f")] + SPEC_COLUMNS[1:]
+                        + [("draft_forwards", "draft fwd", ".0f")],
+                        title="speculative decoding: speedup = target alone / method, per prompt (median); "
+                              "tau pooled over cycles")
     if out:
         png = Path(out).with_suffix(".png")
         note = plot_quality(summaries, png)

@@ -114,7 +114,7 @@ def export_cmd(model: str, out: str, format: str = "hf", dtype: str = "float32")
     Args:
         model: checkpoint folder
         out: folder to write (replaced atomically)
-        format: hf (transformers / vLLM / SGLang layout) or dlm (weights only, no training state)
+        format: hf (transformers / vLLM / SGLang layout; DFlash drafters in the public DFlash layout) or dlm (weights only, no training state)
         dtype: float32, float16 or bfloat16
     """
     import torch
@@ -135,6 +135,10 @@ def export_cmd(model: str, out: str, format: str = "hf", dtype: str = "float32")
         from dlm.hf import export_hf
 
         path = export_hf(net, ck.tokenizer, out, dtypes[dtype])
+    elif ck.objective == "dflash":  # the layout of the public DFlash drafters (vLLM, SGLang)
+        from dlm.objectives.dflash import export_hf as export_dflash
+
+        path = export_dflash(net, ck, out, dtypes[dtype])
     else:
         raise DlmError(f"--format hf: objective {ck.objective!r} has no transformers layout (ar has)")
     print(f"exported: {path}")
@@ -154,7 +158,8 @@ def import_cmd(hf: str, out: str) -> None:
 
 def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 64,
               out: str | None = "bench.json", data: str | None = None, warmup: int = 1, naive: bool = True,
-              mdlm: str | None = None, usdm: str | None = None, sweep: bool = False) -> None:
+              mdlm: str | None = None, usdm: str | None = None, sweep: bool = False,
+              draft: list[str] | None = None, temperature: list[float] | None = None, gamma: int = 0) -> None:
     """Benchmark the paradigms side by side on held-out prompts (median tok/s, tok/forward, TTFT, quality).
 
     Args:
@@ -166,9 +171,14 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
         data: corpus for the held-out prompts (default: the checkpoint's)
         warmup: untimed runs before measuring each method
         naive: include the naive (no KV cache) AR loop
-        mdlm: an mdlm checkpoint for masked-diffusion rows (default: the shipped mdlm-small if present; '' for none)
-        usdm: a usdm checkpoint for uniform-state rows (default: the shipped usdm-small if present; '' for none)
+        mdlm: an mdlm checkpoint for masked-diffusion rows (default: the shipped mdlm-small if present
+            and no --draft; '' for none)
+        usdm: a usdm checkpoint for uniform-state rows (default: the shipped usdm-small if present
+            and no --draft; '' for none)
         sweep: sweep the diffusion samplers (steps, entropy bound, threshold, block length) instead of one row each
+        draft: speculative rows: drafter checkpoints (dflash or AR) and/or 'lookup', each verified by --model
+        temperature: temperatures of the speculative rows (default: 0 and 1), each beside the target alone
+        gamma: speculative block per cycle, last token + proposals (0 = each drafter's default)
     """
     from dlm.bench import run_bench
     from dlm.demo import shipped
@@ -182,8 +192,14 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
     model = default(model, "ar-small")
     if model is None:
         raise DlmError("--model: no AR checkpoint given and the shipped ar-small is missing")
+    temps = tuple(temperature) if temperature else (0.0, 1.0)
+    for t in temps:
+        if t < 0:
+            raise DlmError(f"--temperature must be >= 0, got {t}")
+    if draft:  # a speculation benchmark: diffusion rows only when asked for
+        mdlm, usdm = mdlm or "", usdm or ""
     run_bench(model, prompts, max_new_tokens, out or None, data, warmup, naive, mdlm=default(mdlm, "mdlm-small"),
-              usdm=default(usdm, "usdm-small"), sweep=sweep)
+              usdm=default(usdm, "usdm-small"), sweep=sweep, draft=draft, temperatures=temps, gamma=gamma)
     if out:
         print(f"report: {out}")
 
@@ -198,6 +214,33 @@ def demo_cmd(prompts: int = 3, max_new_tokens: int = 48) -> None:
     from dlm.demo import run_demo
 
     run_demo(prompts, max_new_tokens)
+
+
+def distill_cmd(target: str, out: str, data: str = "stdlib", prompts: int = 4096, max_new_tokens: int = 128,
+                batch_size: int = 32, temperature: float = 0.0, min_chars: int = 64, max_chars: int = 400,
+                seed: int = 0, device: str = "cpu", quiet: bool = False) -> None:
+    """Generate a drafter's training data: the target's own continuations of train-split prompts (.jsonl).
+
+    Args:
+        target: the AR checkpoint whose outputs the drafter will learn
+        out: the .jsonl file to write (one {"text", "prompt", "source"} object per line)
+        data: corpus the prompts are cut from (its train split)
+        prompts: number of prompts
+        max_new_tokens: tokens the target generates per prompt
+        batch_size: prompts generated together
+        temperature: 0 = the target's greedy outputs; > 0 samples
+        min_chars: shortest prompt, in characters (whole lines)
+        max_chars: longest prompt, in characters
+        seed: prompt choice and sampling seed
+        device: cpu, cuda or auto
+        quiet: no progress bar
+    """
+    from dlm.distill import distill
+
+    res = distill(target, out, data, prompts, max_new_tokens, batch_size, temperature, min_chars, max_chars, seed,
+                  device, quiet)
+    print(f"wrote {res['out']}: {res['prompts']} prompts, {res['generated_tokens']} generated tokens "
+          f"in {res['seconds']:.0f} s")
 
 
 _json = json  # the commands' `json` flag shadows the module inside them
@@ -216,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         "import": Command(import_cmd),
         "bench": Command(bench_cmd),
         "demo": Command(demo_cmd),
+        "distill": Command(distill_cmd),
     }
     try:
         run("dlm", "dlm: diffusion language models on one backbone", commands, argv)

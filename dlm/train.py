@@ -67,6 +67,9 @@ class TrainConfig:
     block_size: int = 16
     draft_layers: int = 0  # 0: the objective's default
     anchors: int = 0  # blocks per sequence; 0: the objective's default
+    target_layers: list[int] = dataclasses.field(default_factory=list)  # target layer ids; []: the objective's default
+    injection: str = "kv"  # dflash ablation: "kv" (context K/V in every layer) or "input" (context as input tokens)
+    target_features: bool = True  # dflash ablation: False = context from token embeddings, not target hidden states
 
     def validate(self) -> None:
         from dlm.objectives import REGISTRY
@@ -90,6 +93,10 @@ class TrainConfig:
             check(self.loss_weight in ("constant", "inverse"),
                   f"--loss-weight must be constant or inverse, got {self.loss_weight!r}")
             check(0 <= self.self_cond_prob <= 1, f"--self-cond-prob must be in [0, 1], got {self.self_cond_prob}")
+        if self.objective == "dflash":
+            from dlm.objectives.dflash import check_config
+
+            check_config(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -25,6 +25,7 @@ REGISTRY: dict[str, str] = {
     "ar": "dlm.objectives.ar:AR",
     "mdlm": "dlm.objectives.mdlm:MDLM",
     "usdm": "dlm.objectives.usdm:USDM",
+    "dflash": "dlm.objectives.dflash:DFlash",
 }
 
 

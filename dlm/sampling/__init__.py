@@ -54,8 +54,8 @@ class SampleConfig:
         suffix: infilling: text after the hole (pinned, comes out byte-exact)
         fill_length: template markers: positions per <fill> (<fill:N> asks for N)
         draft: speculative decoding: a drafter checkpoint folder, or 'lookup' (prompt lookup)
-        gamma: speculative: tokens proposed per cycle (0 = the drafter's block size)
-        draft_passes: DFlash: denoising passes per draft (1-3)
+        gamma: speculative: block of one cycle, the last committed token + gamma-1 proposals (0 = the drafter's default: its block size for DFlash, 5 for an AR draft, 8 for lookup)
+        draft_passes: DFlash: denoising passes per draft (1-3; later passes re-predict the slots below 0.9 confidence)
         lookup_ngram: prompt lookup: longest n-gram to match in the context
         check_lossless: speculative: also run the target alone and report whether the outputs agree
     """

@@ -1,0 +1,454 @@
+"""Lossless speculative decoding: one verifier, three drafters.
+
+Each cycle the drafter proposes up to gamma-1 tokens (optionally with their probabilities q), the
+target scores [last committed token, proposals] in one forward over its KV cache, and
+
+  greedy       the longest prefix of proposals equal to the target's argmax is accepted, then the
+               target's own next token (the bonus): the output is the target's greedy output;
+  temperature  proposal x_i is accepted with probability min(1, p(x_i)/q(x_i)); at the first
+               rejection a token is drawn from the normalised residual max(0, p - q) instead; after
+               all are accepted the bonus is drawn from p. A drafter without probabilities counts
+               as one-hot (q(x_i) = 1). The output is distributed exactly as the target's samples.
+
+The target's cache is cropped back to the committed length; the drafter is told how many of its
+tokens were accepted (and given the target's features of the committed positions, if it reads
+them), and rolls its own state back.
+
+Drafter protocol (three methods; attributes taps, and name/default_gamma/forwards for reports):
+  taps                      target layers whose outputs the drafter reads (() for none)
+  reset(prompt, feats)      a new sequence: prompt ids (P,), the target's taps over it (P, F) or None
+  propose(seq, k)           committed ids so far (S,) -> (tokens (k',), q (k', V) or None), k' <= k
+  accept(ids, feats)        the cycle's verified positions that stay: the last committed token and
+                            the n accepted proposals (n + 1,), with the target's taps over them
+                            (n + 1, F) or None. (The bonus token is committed but not yet verified.)
+
+Statistics (Done.stats.extra): tau (tokens committed per cycle, bonus included; 1 <= tau <= gamma),
+acceptance_histogram[n] (cycles that committed n tokens), cycles, draft_forwards, draft_seconds,
+verify_seconds, gamma, drafter; with --check-lossless, lossless (true when every prompt's output is
+the target's own greedy output).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol, Sequence
+
+import torch
+from torch import Tensor
+
+from dlm.errors import DlmError, check
+from dlm.model import Transformer
+from dlm.sampling.common import (
+    Clock, Commit, Done, Event, Stats, check_sampling, make_generator, probs_from_logits, sample_from,
+)
+
+AR_DRAFT_GAMMA = 5  # default block of an AR draft model: 4 proposals + the bonus
+LOOKUP_GAMMA = 8
+
+
+@dataclass
+class Verified(Event):
+    """One verify cycle: what the drafter proposed and how many of those the target accepted."""
+
+    proposed: list[int]
+    accepted: int
+    row: int = 0
+
+
+class Drafter(Protocol):
+    taps: tuple[int, ...]
+    name: str
+    default_gamma: int
+    forwards: int  # forward passes of the drafter's model so far
+
+    def reset(self, prompt: Tensor, feats: Tensor | None) -> None: ...
+
+    def propose(self, seq: Tensor, k: int) -> tuple[Tensor, Tensor | None]: ...
+
+    def accept(self, ids: Tensor, feats: Tensor | None) -> None: ...
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    gen: torch.Generator | None = None
+
+    def probs(self, logits: Tensor) -> Tensor:
+        return probs_from_logits(logits, self.temperature, self.top_k, self.top_p)
+
+
+# drafters -------------------------------------------------------------------------------------------
+
+class PromptLookup:
+    """Propose the tokens that followed an earlier occurrence of the context's last n-gram.
+
+    The longest n (<= max_ngram) with a match wins; among its matches the most recent one that is
+    followed by k tokens, else the earliest (the longest continuation there is).
+    """
+
+    taps: tuple[int, ...] = ()
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        check(max_ngram >= 1, f"--lookup-ngram must be >= 1, got {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min(min_ngram, max_ngram)
+        self.forwards = 0
+        self.default_gamma = LOOKUP_GAMMA
+        self.name = f"lookup (n<={max_ngram})"
+
+    def reset(self, prompt: Tensor, feats: Tensor | None) -> None:
+        pass
+
+    def propose(self, seq: Tensor, k: int) -> tuple[Tensor, None]:
+        S = seq.shape[0]
+        for n in range(min(self.max_ngram, S - 1), self.min_ngram - 1, -1):
+            windows = seq.unfold(0, n, 1)[:-1]  # (S-n, n): every earlier n-gram (the suffix itself excluded)
+            starts = (windows == seq[S - n:]).all(-1).nonzero()[:, 0] + n
+            if starts.numel():
+                full = starts[starts <= S - k]
+                start = int(full[-1]) if full.numel() else int(starts[0])
+                return seq[start:start + k], None
+        return seq[:0], None
+
+    def accept(self, ids: Tensor, feats: Tensor | None) -> None:
+        pass
+
+
+class ARDraft:
+    """A small AR model (same tokenizer) drafting one token per forward with its own KV cache."""
+
+    taps: tuple[int, ...] = ()
+
+    def __init__(self, model: Transformer, sampling: Sampling, capacity: int, name: str = "ar-draft"):
+        self.model, self.sampling, self.capacity = model, sampling, capacity
+        self.forwards = 0
+        self.default_gamma = AR_DRAFT_GAMMA
+        self.name = name
+
+    def reset(self, prompt: Tensor, feats: Tensor | None) -> None:
+        self.cache = self.model.new_cache(1, self.capacity)
+
+    def propose(self, seq: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
+        # feed what the cache lacks (the last committed token, and after a full acceptance one more)
+        x = seq[self.cache.length:][None]
+        toks, qs = [], []
+        self.base = seq.shape[0]
+        for i in range(k):
+            logits = self.model(x, cache=self.cache).logits[0, -1]  # (V,)
+            self.forwards += 1
+            if self.sampling.temperature == 0:
+                t = logits.argmax()
+            else:
+                q = self.sampling.probs(logits)
+                t = sample_from(q, self.sampling.gen)
+                qs.append(q)
+            toks.append(t)
+            x = t.view(1, 1)
+        return torch.stack(toks) if toks else seq[:0], torch.stack(qs) if qs else None
+
+    def accept(self, ids: Tensor, feats: Tensor | None) -> None:
+        # the cache holds seq + proposals[:k-1]; the accepted ones stay
+        self.cache.crop(min(self.cache.length, self.base + ids.shape[0] - 1))
+
+
+class DFlashDraft:
+    """A DFlash drafter: one bidirectional pass over [last token, masks] conditioned on target features."""
+
+    def __init__(self, drafter, target: Transformer, sampling: Sampling, capacity: int, passes: int = 1,
+                 name: str = "dflash"):
+        check(1 <= passes <= 3, f"--draft-passes must be 1, 2 or 3, got {passes}")
+        self.d, self.target, self.sampling, self.capacity, self.passes = drafter, target, sampling, capacity, passes
+        self.taps = drafter.taps
+        self.forwards = 0
+        self.default_gamma = drafter.block_size
+        self.name = name
+
+    def _feats(self, ids: Tensor, feats: Tensor | None) -> Tensor:
+        if self.d.target_features:
+            return feats[None]  # (1, n, F)
+        return self.target.embed_tokens(ids[None])  # the ablation without target features
+
+    def reset(self, prompt: Tensor, feats: Tensor | None) -> None:
+        self.cache = self.d.new_cache(self.capacity)
+        self.pending = self._feats(prompt, feats)  # context not yet in the drafter's cache: (1, C, F)
+
+    def propose(self, seq: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
+        if k == 0:
+            return seq[:0], None
+        start = seq.shape[0] - 1  # position of the last committed token (the block's anchor)
+        dev = seq.device
+        C = self.pending.shape[1]
+        ctx = self.d.context(self.pending) if C else None
+        ctx_pos = torch.arange(start - C, start, device=dev)
+        block = torch.full((1, k + 1), self.d.mask_id, dtype=torch.long, device=dev)
+        block[0, 0] = seq[-1]
+        pos = torch.arange(start, start + k + 1, device=dev)
+        L0 = self.cache.length
+        h = self.d(self.target.embed_tokens(block), ctx, pos, ctx_pos, cache=self.cache,
+                   mask=self.d.draft_mask(L0, C, k + 1))
+        self.forwards += 1
+        self.pending = self.pending[:, :0]
+        logits = self.target.lm_head(h[0, 1:])  # (k, V)
+        for _ in range(self.passes - 1):  # refine: keep confident slots, re-predict the uncertain ones
+            conf, guess = logits.float().softmax(-1).max(-1)  # (k,)
+            keep = conf >= 0.9
+            if bool(keep.all()) or not bool(keep.any()):
+                break
+            block[0, 1:] = torch.where(keep, guess, self.d.mask_id)
+            h = self.d(self.target.embed_tokens(block), None, pos, None, cache=self.cache, mask="full")
+            self.forwards += 1
+            logits = torch.where(keep[:, None], logits, self.target.lm_head(h[0, 1:]))
+        if self.sampling.temperature == 0:
+            return logits.argmax(-1), None
+        q = self.sampling.probs(logits)  # (k, V): slots drawn independently
+        return sample_from(q, self.sampling.gen), q
+
+    def accept(self, ids: Tensor, feats: Tensor | None) -> None:
+        self.pending = torch.cat((self.pending, self._feats(ids, feats)), dim=1)
+
+
+# the verifier ----------------------------------------------------------------------------------------
+
+@dataclass
+class SpecStats:
+    cycles: int = 0
+    committed: int = 0
+    histogram: list[int] = field(default_factory=list)
+    forwards: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    def add(self, n: int) -> None:
+        while len(self.histogram) <= n:
+            self.histogram.append(0)
+        self.histogram[n] += 1
+        self.cycles += 1
+        self.committed += n
+
+
+def verify_greedy(draft: Tensor, logits: Tensor) -> tuple[int, int]:
+    """draft (k,), target logits (k+1, V) -> (accepted, bonus token)."""
+    pred = logits.argmax(-1)  # (k+1,)
+    k = draft.shape[0]
+    n = int((pred[:k] == draft).int().cumprod(0).sum()) if k else 0
+    return n, int(pred[n])
+
+
+def verify_sample(draft: Tensor, p: Tensor, q: Tensor | None, gen: torch.Generator | None) -> tuple[int, int]:
+    """Speculative sampling. draft (k,), target probs p (k+1, V), draft probs q (k, V) or None (one-hot)."""
+    k = draft.shape[0]
+    n = 0
+    if k:
+        rows = torch.arange(k, device=p.device)
+        px = p[rows, draft]
+        qx = q[rows, draft] if q is not None else torch.ones_like(px)
+        r = torch.rand(k, generator=gen, device=p.device)
+        n = int((r * qx < px).int().cumprod(0).sum())  # accept x while r < p(x) / q(x)
+    if n == k:
+        return n, int(sample_from(p[k], gen))
+    residual = p[n].clone()
+    if q is not None:
+        residual -= q[n]
+    else:
+        residual[draft[n]] = 0.0
+    residual.clamp_(min=0.0)
+    total = residual.sum()
+    residual = residual / total if total > 0 else p[n]
+    return n, int(sample_from(residual, gen))
+
+
+def _taps(out, layers: tuple[int, ...]) -> Tensor | None:
+    return torch.cat([out.taps[i][0] for i in layers], dim=-1) if layers else None  # (T, F)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+@torch.inference_mode()
+def speculate(
+    target: Transformer, drafter: Drafter, prompt: Sequence[int], *, gamma: int, max_new_tokens: int = 128,
+    sampling: Sampling | None = None, eos_id: int | None = None, row: int = 0, stats: SpecStats | None = None,
+) -> Iterator[Event]:
+    """Generate from one prompt with `drafter` proposing and `target` verifying (no Done event)."""
+    sampling = sampling or Sampling()
+    stats = stats if stats is not None else SpecStats()
+    dev = target.device
+    k_max = gamma - 1
+    ids = torch.tensor(list(prompt), dtype=torch.long, device=dev)
+    P = ids.shape[0]
+    cache = target.new_cache(1, P + max_new_tokens + gamma + 1)
+    greedy = sampling.temperature == 0
+
+    t0 = time.perf_counter()
+    out = target(ids[None], cache=cache, taps=drafter.taps)
+    stats.forwards += 1
+    logits = out.logits[0, -1]
+    tok = int(logits.argmax()) if greedy else int(sample_from(sampling.probs(logits), sampling.gen))
+    drafter.reset(ids, _taps(out, drafter.taps))
+    _sync(dev)
+    stats.verify_seconds += time.perf_counter() - t0
+
+    seq = torch.empty(P + max_new_tokens + gamma + 1, dtype=torch.long, device=dev)
+    seq[:P] = ids
+    seq[P] = tok
+    S = P + 1
+    new = 1
+    yield Commit([tok], row=row)
+    while new < max_new_tokens and tok != eos_id:
+        t0 = time.perf_counter()
+        draft, q = drafter.propose(seq[:S], min(k_max, max_new_tokens - new - 1))
+        _sync(dev)
+        t1 = time.perf_counter()
+        stats.draft_seconds += t1 - t0
+        k = draft.shape[0]
+        block = torch.cat((seq[S - 1:S], draft))[None]  # (1, k+1)
+        out = target(block, cache=cache, taps=drafter.taps)
+        stats.forwards += 1
+        if greedy:
+            n, bonus = verify_greedy(draft, out.logits[0])
+        else:
+            n, bonus = verify_sample(draft, sampling.probs(out.logits[0]), q, sampling.gen)
+        cache.crop(cache.length - k + n)  # keep the last committed token and the accepted proposals
+        feats = _taps(out, drafter.taps)
+        drafter.accept(block[0, :n + 1], feats[:n + 1] if feats is not None else None)
+        _sync(dev)
+        stats.verify_seconds += time.perf_counter() - t1
+        committed = draft[:n].tolist() + [bonus]
+        committed = committed[:max_new_tokens - new]
+        if eos_id is not None and eos_id in committed:
+            committed = committed[:committed.index(eos_id) + 1]
+        stats.add(len(committed))
+        seq[S:S + len(committed)] = torch.tensor(committed, device=dev)
+        S += len(committed)
+        new += len(committed)
+        tok = committed[-1]
+        yield Verified(draft.tolist(), n, row=row)
+        yield Commit(committed, row=row)
+
+
+# loading drafters ------------------------------------------------------------------------------------
+
+def load_drafter(spec: str, target: Transformer, ck, sampling: Sampling, capacity: int, passes: int = 1,
+                 lookup_ngram: int = 3) -> Drafter:
+    """'lookup', or a drafter checkpoint folder (a dflash drafter or an AR model) for this target."""
+    if spec == "lookup":
+        return PromptLookup(lookup_ngram)
+    from dlm.checkpoint import load_model, open_checkpoint
+    from pathlib import Path
+
+    dck = open_checkpoint(spec) if Path(spec).is_dir() else None
+    if dck is None:
+        raise DlmError(f"--draft must be 'lookup' or a drafter checkpoint folder, got {spec!r} (no such folder)")
+    if dck.tokenizer.sha256 != ck.tokenizer.sha256:
+        raise DlmError(f"--draft {spec}: its tokenizer differs from the target's ({ck.path}); "
+                       "a drafter must share the target's tokenizer")
+    if dck.objective not in ("dflash", "ar"):
+        raise DlmError(f"--draft {spec}: objective {dck.objective!r} cannot draft (dflash and ar checkpoints can)")
+    model, dck = load_model(spec, device=target.device, dtype=target.embed_tokens.weight.dtype)
+    if dck.objective == "ar":
+        if model.cfg.vocab_size != target.cfg.vocab_size:
+            raise DlmError(f"--draft {spec}: vocabulary {model.cfg.vocab_size} differs from the target's "
+                           f"{target.cfg.vocab_size}")
+        return ARDraft(model, sampling, capacity, name=f"ar-draft ({Path(spec).name})")
+    from dlm.objectives.dflash import check_target
+
+    check_target(dck.config["dflash"], target, ck.tokenizer.sha256, spec)
+    N = target.cfg.n_layers
+    bad = [i for i in model.layer_ids if not 0 <= i < N]
+    if bad:
+        raise DlmError(f"--draft {spec}: reads target layers {bad}, the target has {N}")
+    return DFlashDraft(model, target, sampling, capacity, passes, name=f"dflash ({Path(spec).name})")
+
+
+def resolve_gamma(drafter: Drafter, gamma: int) -> int:
+    if gamma == 0:
+        return drafter.default_gamma
+    check(gamma >= 2, f"--gamma must be >= 2 (the last token + at least one proposal), got {gamma}")
+    if isinstance(drafter, DFlashDraft) and gamma > drafter.d.block_size:
+        raise DlmError(f"--gamma {gamma} is larger than the block size the drafter was built for "
+                       f"({drafter.d.block_size})")
+    return gamma
+
+
+def spec_stats(stats: SpecStats, drafter: Drafter, gamma: int, new: int, seconds: float, ttft: float | None,
+               draft_forwards: int) -> Stats:
+    return Stats(new_tokens=new, forwards=stats.forwards, seconds=seconds, ttft=ttft, extra={
+        "tau": stats.committed / stats.cycles if stats.cycles else 0.0,
+        "acceptance_histogram": stats.histogram + [0] * (gamma + 1 - len(stats.histogram)),
+        "cycles": stats.cycles, "draft_forwards": draft_forwards, "draft_seconds": stats.draft_seconds,
+        "verify_seconds": stats.verify_seconds, "gamma": gamma, "drafter": drafter.name,
+    })
+
+
+def generate_ids(target: Transformer, drafter: Drafter, prompt: Sequence[int], gamma: int, max_new_tokens: int,
+                 sampling: Sampling, eos_id: int | None) -> Iterator[Event]:
+    """One prompt's events, ending with Done and its statistics (the benchmark's unit)."""
+    stats = SpecStats()
+    clock = Clock()
+    f0 = drafter.forwards
+    new = 0
+    for ev in speculate(target, drafter, prompt, gamma=gamma, max_new_tokens=max_new_tokens, sampling=sampling,
+                        eos_id=eos_id, stats=stats):
+        if isinstance(ev, Commit):
+            clock.mark_first()
+            new += len(ev.tokens)
+        yield ev
+    yield Done(spec_stats(stats, drafter, gamma, new, clock.elapsed(), clock.first, drafter.forwards - f0))
+
+
+def stream(model: Transformer, ck, prompts: list[str], cfg) -> Iterator[Event]:
+    """`dlm generate --draft ...`: the speculative loop over each prompt in turn (cfg: SampleConfig)."""
+    check_sampling(cfg.temperature, cfg.top_k, cfg.top_p)
+    check(cfg.max_new_tokens > 0, f"--max-new-tokens must be > 0, got {cfg.max_new_tokens}")
+    if cfg.suffix is not None:
+        raise DlmError("--suffix: speculative decoding continues a prompt; it cannot infill")
+    if cfg.check_lossless and cfg.temperature > 0:
+        raise DlmError("--check-lossless compares greedy outputs token for token: use --temperature 0 "
+                       "(sampling is lossless in distribution, which tests/test_speculative.py checks)")
+    tok = ck.tokenizer
+    ids = [tok.encode(p) for p in prompts]
+    from dlm.sampling.ar import check_room
+
+    for p in ids:
+        check_room(model, len(p), cfg.max_new_tokens)
+    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, make_generator(cfg.seed, model.device))
+    capacity = max(len(p) for p in ids) + cfg.max_new_tokens + 64 + 2
+    drafter = load_drafter(cfg.draft, model, ck, sampling, capacity, cfg.draft_passes, cfg.lookup_ngram)
+    gamma = resolve_gamma(drafter, cfg.gamma)
+    if gamma > 64:
+        raise DlmError(f"--gamma must be <= 64, got {gamma}")
+    return _run(model, ck, drafter, ids, gamma, sampling, cfg)
+
+
+def _run(model, ck, drafter, ids, gamma, sampling, cfg) -> Iterator[Event]:
+    tok = ck.tokenizer
+    stats = SpecStats()
+    clock = Clock()
+    outputs: list[list[int]] = [[] for _ in ids]
+    for b, p in enumerate(ids):
+        for ev in speculate(model, drafter, p, gamma=gamma, max_new_tokens=cfg.max_new_tokens, sampling=sampling,
+                            eos_id=tok.eos_id, row=b, stats=stats):
+            if isinstance(ev, Commit):
+                clock.mark_first()
+                outputs[b].extend(ev.tokens)
+            yield ev
+    st = spec_stats(stats, drafter, gamma, sum(len(o) for o in outputs), clock.elapsed(), clock.first, drafter.forwards)
+    if cfg.check_lossless:
+        st.extra["lossless"] = all(o == target_greedy(model, p, cfg.max_new_tokens, tok.eos_id)
+                                   for o, p in zip(outputs, ids))
+    yield Done(st)
+
+
+def target_greedy(model: Transformer, prompt: Sequence[int], max_new_tokens: int, eos_id: int | None) -> list[int]:
+    """The target's own greedy output (AR with its KV cache): the reference of losslessness."""
+    from dlm.sampling.ar import ar_stream
+
+    out: list[int] = []
+    for ev in ar_stream(model, [list(prompt)], max_new_tokens=max_new_tokens, eos_id=eos_id):
+        if isinstance(ev, Commit):
+            out.extend(ev.tokens)
+    return out

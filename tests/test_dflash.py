@@ -1,0 +1,402 @@
+"""DFlash: target layers, the multi-block mask, drafting = training computation, training, export, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from dlm.checkpoint import load_model
+from dlm.config import ModelConfig
+from dlm.errors import DlmError
+from dlm.model import Transformer
+from dlm.objectives.dflash import (
+    DFlashDrafter, default_draft_layers, gamma_w, multi_block_mask, slot_weights, target_layer_ids,
+)
+from dlm.sampling.speculative import DFlashDraft, Sampling, _taps, speculate, target_greedy
+from tests.conftest import run_cli, tiny_train_config
+
+
+def test_target_layer_ids_follow_the_paper_and_handle_small_targets():
+    assert target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B
+    assert target_layer_ids(48, 5) == [1, 12, 23, 34, 45]
+    assert target_layer_ids(36, 1) == [18]
+    assert target_layer_ids(4, 4) == [0, 1, 2, 3]  # N - 4 = 0: spread over every layer instead
+    assert target_layer_ids(4, 2) == [0, 3]
+    assert target_layer_ids(2, 2) == [0, 1]
+    assert target_layer_ids(7, 5) == [0, 2, 3, 4, 6]  # N - 4 < L - 1
+    assert target_layer_ids(8, 5) == [1, 2, 3, 4, 5]  # N - 4 = L - 1: the formula, all distinct
+    with pytest.raises(DlmError, match="too shallow"):
+        target_layer_ids(4, 5)
+    assert default_draft_layers(36) == 5 and default_draft_layers(4) == 1
+
+
+def test_slot_weights_decay_and_normalise():
+    w = slot_weights(16)
+    assert w.shape == (15,) and math.isclose(float(w.sum()), 1.0, rel_tol=1e-6)
+    assert math.isclose(float(w[1] / w[0]), math.exp(-1 / 7), rel_tol=1e-6)
+    assert gamma_w(16) == 7 and gamma_w(10) == 5 and gamma_w(8) == 4
+    assert bool((w[1:] < w[:-1]).all())
+
+
+def _tiny_target(seed=0, layers=4):
+    torch.manual_seed(seed)
+    return Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                                   max_seq_len=128)).double().eval()
+
+
+def _drafter(target, injection="kv", features=True, layers=2, block=6):
+    torch.manual_seed(1)
+    mc = ModelConfig(**{**target.cfg.to_dict(), "n_layers": layers})
+    return DFlashDrafter(mc, target_layer_ids(target.cfg.n_layers, 3), block, mask_id=3, injection=injection,
+                         target_features=features).double().eval()
+
+
+@pytest.mark.parametrize("injection", ["kv", "input"])
+def test_multi_block_training_equals_one_block_at_a_time(injection):
+    """Many blocks in one masked forward = each block alone over the context strictly before its anchor."""
+    tgt = _tiny_target()
+    d = _drafter(tgt, injection)
+    torch.manual_seed(2)
+    batch = torch.randint(8, 64, (2, 30))
+    g = d.block_size
+    anchors = torch.tensor([[0, 7, 20], [3, 4, 24]])
+    with torch.no_grad():
+        out = tgt(batch, taps=d.layer_ids, head=False)
+        ctx = d.context(d.features(tgt, batch, out.taps))
+        B, A = anchors.shape
+        idx = anchors[:, :, None] + torch.arange(g)
+        block = torch.full((B, A, g), d.mask_id)
+        block[:, :, 0] = batch.gather(1, anchors)
+        x = tgt.embed_tokens(block.view(B, A * g))
+        mask = multi_block_mask(anchors, 30, g, causal_ctx=injection == "input")
+        h = d(x, ctx, pos=idx.view(B, -1), ctx_pos=torch.arange(30), mask=mask).view(B, A, g, -1)
+        for b in range(B):
+            for a in range(A):
+                p = int(anchors[b, a])
+                xa = x[b:b + 1, a * g:(a + 1) * g]
+                cache = d.new_cache(64)
+                m = d.draft_mask(0, p, g)
+                ref = d(xa, ctx[b:b + 1, :p] if p else None, idx[b, a], torch.arange(p), cache=cache, mask=m)
+                assert torch.allclose(ref[0], h[b, a], atol=1e-10), (b, a)
+                assert cache.length == p  # only context K/V persist
+
+
+def test_mask_blocks_see_context_strictly_before_their_anchor_and_not_each_other():
+    m = multi_block_mask(torch.tensor([[2, 5]]), 8, 3)[0, 0]  # (6, 8 + 6)
+    assert m.shape == (6, 14)
+    assert m[0, :8].tolist() == [True, True] + [False] * 6
+    assert m[3, :8].tolist() == [True] * 5 + [False] * 3
+    assert m[:3, 8:].tolist() == [[True] * 3 + [False] * 3] * 3
+    assert m[3:, 8:].tolist() == [[False] * 3 + [True] * 3] * 3
+
+
+@pytest.mark.parametrize("injection,features", [("kv", True), ("input", True), ("kv", False)])
+def test_incremental_drafting_matches_a_fresh_forward(injection, features):
+    """The drafter's cache (context K/V only, grown each cycle) gives what a fresh forward over all context gives."""
+    tgt = _tiny_target()
+    d = _drafter(tgt, injection, features)
+    dd = DFlashDraft(d, tgt, Sampling(), capacity=128)
+    seq = torch.randint(8, 64, (48,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = tgt(seq[None], taps=d.layer_ids)
+        feats = _taps(full, d.layer_ids) if features else None
+        P = 10
+        dd.reset(seq[:P], feats[:P] if features else None)
+        S = P + 1  # committed: the prompt and the prefill's token
+        for n in (None, 3, 0, 5, 4):  # accepted proposals of each cycle
+            if n is not None:  # the verified block [last token, n accepted] stays; a bonus follows
+                dd.accept(seq[S - 1:S + n], feats[S - 1:S + n] if features else None)
+                S += n + 1
+            toks, _ = dd.propose(seq[:S], 5)
+            start = S - 1
+            ctx = d.context(d.features(tgt, seq[None, :start], {i: full.taps[i][:, :start] for i in d.layer_ids}))
+            block = torch.full((1, 6), d.mask_id)
+            block[0, 0] = seq[start]
+            mask = multi_block_mask(torch.tensor([[start]]), start, 6, causal_ctx=injection == "input")
+            h = d(tgt.embed_tokens(block), ctx, pos=torch.arange(start, start + 6)[None], ctx_pos=torch.arange(start),
+                  mask=mask)
+            assert toks.tolist() == tgt.lm_head(h[0, 1:]).argmax(-1).tolist()
+
+
+# training on the tiny preset -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_draft_data(tiny_ar, corpus_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("distill") / "gen.jsonl"
+    run_cli("distill", "--target", str(tiny_ar), "--data", str(corpus_dir), "--out", str(out), "--prompts", "192",
+            "--max-new-tokens", "64", "--batch-size", "64", "--quiet", check=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_dflash(tiny_ar, tiny_draft_data, corpus_dir, tokenizer_path, tmp_path_factory):
+    from dlm.train import train
+
+    out = tmp_path_factory.mktemp("dflash") / "tiny-dflash"
+    cfg = tiny_train_config(corpus_dir, tokenizer_path, objective="dflash", target=str(tiny_ar), tokenizer=None,
+                            data=str(tiny_draft_data), seq_len=96, batch_size=8, max_steps=150, lr=3e-3,
+                            block_size=8, eval_every=150, save_every=150)
+    train(cfg, out, quiet=True)
+    return out
+
+
+def test_distill_writes_the_targets_own_continuations(tiny_ar, tiny_draft_data):
+    rows = [json.loads(x) for x in tiny_draft_data.read_text().splitlines()]
+    assert len(rows) == 192
+    model, ck = load_model(tiny_ar)
+    r = rows[0]
+    assert r["text"].startswith(r["prompt"]) and len(r["text"]) > len(r["prompt"])
+    ids = ck.tokenizer.encode(r["prompt"])
+    ref = target_greedy(model, ids, 64, ck.tokenizer.eos_id)
+    cut = ref.index(ck.tokenizer.eos_id) if ck.tokenizer.eos_id in ref else len(ref)
+    assert r["text"] == r["prompt"] + ck.tokenizer.decode(ref[:cut])
+
+
+def test_dflash_trains_on_tiny_and_drafts_with_tau_above_one(tiny_ar, tiny_dflash, corpus_dir):
+    cfg = json.loads((tiny_dflash / "config.json").read_text())
+    assert cfg["objective"] == "dflash" and cfg["dflash"]["block_size"] == 8
+    assert cfg["dflash"]["target_layer_ids"] == [0, 1]  # every layer of a 2-layer target
+    rows = [json.loads(x) for x in (tiny_dflash / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert losses[-1] < losses[0] - 1.0
+    from dlm.data.corpus import Corpus
+    from dlm.data.tokens import heldout_prompts
+
+    target, ck = load_model(tiny_ar)
+    drafter, _ = load_model(tiny_dflash)
+    dd = DFlashDraft(drafter, target, Sampling(), capacity=512)
+    committed = cycles = 0
+    for p in heldout_prompts(Corpus(str(corpus_dir)), "test", n=4):
+        from dlm.sampling.speculative import SpecStats
+
+        ids = ck.tokenizer.encode(p.text)
+        st = SpecStats()
+        out = [t for e in speculate(target, dd, ids, gamma=8, max_new_tokens=48, stats=st) if hasattr(e, "tokens")
+               for t in e.tokens]
+        assert out == target_greedy(target, ids, 48, None)
+        committed, cycles = committed + st.committed, cycles + st.cycles
+    assert committed / cycles > 1.3
+
+
+def test_generate_json_and_check_lossless(tiny_ar, tiny_dflash):
+    for draft, extra in ((str(tiny_dflash), ["--gamma", "4"]), ("lookup", []), (str(tiny_ar), [])):
+        r = run_cli("generate", "--model", str(tiny_ar), "--prompt", "def main(self):\n", "--max-new-tokens", "24",
+                    "--draft", draft, "--json", "--check-lossless", *extra, check=True)
+        out = json.loads(r.stdout)
+        assert out["lossless"] is True and 1 <= out["tau"] <= out["gamma"]
+        assert sum(out["acceptance_histogram"]) == out["cycles"] and len(out["acceptance_histogram"]) == out["gamma"] + 1
+        assert out["forwards"] == out["cycles"] + 1 and 0 < out["new_tokens"] <= 24
+        assert ("draft_forwards" in out) and out["draft_seconds"] >= 0 and out["verify_seconds"] > 0
+
+
+def test_export_matches_the_public_dflash_layout(tiny_dflash, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "hf"
+    run_cli("export", "--model", str(tiny_dflash), "--out", str(out), "--format", "hf", check=True)
+    cfg = json.loads((out / "config.json").read_text())
+    drafter, ck = load_model(tiny_dflash)
+    mc = drafter.cfg
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["dflash_config"]["target_layer_ids"] == ck.config["dflash"]["target_layer_ids"]
+    assert cfg["dflash_config"]["mask_token_id"] == ck.tokenizer.mask_id
+    assert cfg["block_size"] == cfg["dflash_config"]["block_size"] == 8
+    assert cfg["num_target_layers"] == 2 and cfg["num_hidden_layers"] == mc.n_layers
+    assert cfg["tie_word_embeddings"] is False and cfg["layer_types"] == ["full_attention"] * mc.n_layers
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "rms_norm_eps", "rope_theta", "vocab_size", "max_position_embeddings", "hidden_act"):
+        assert key in cfg
+    w = load_file(str(out / "model.safetensors"))
+    D, hd, H, Hkv, F = mc.dim, mc.head_dim, mc.n_heads, mc.n_kv_heads, mc.ffn_dim
+    L = len(cfg["dflash_config"]["target_layer_ids"])
+    want = {"fc.weight": (D, L * D), "hidden_norm.weight": (D,), "norm.weight": (D,)}
+    for i in range(mc.n_layers):
+        p = f"layers.{i}."
+        want.update({p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
+                     p + "self_attn.q_proj.weight": (H * hd, D), p + "self_attn.k_proj.weight": (Hkv * hd, D),
+                     p + "self_attn.v_proj.weight": (Hkv * hd, D), p + "self_attn.o_proj.weight": (D, H * hd),
+                     p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+                     p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
+                     p + "mlp.down_proj.weight": (D, F)})
+    assert {k: tuple(v.shape) for k, v in w.items()} == want
+    # the exported weights, run by the public formula (written out here from the layout alone), give our drafts
+    _check_public_forward(cfg, w, drafter, load_model(ck.config["dflash"]["target"]["path"])[0])
+
+
+def _rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _check_public_forward(cfg, w, drafter, target):
+    """DFlash's published draft forward, from config.json + weights: q from the block; k/v from [ctx ; block]."""
+    eps, hd = cfg["rms_norm_eps"], cfg["head_dim"]
+    H, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    torch.manual_seed(0)
+    ids = torch.randint(8, 500, (1, 20))
+    with torch.no_grad():
+        hs = target(ids, taps=cfg["dflash_config"]["target_layer_ids"]).taps
+        feat = torch.cat([hs[i] for i in cfg["dflash_config"]["target_layer_ids"]], -1)  # (1, 20, L*D)
+        ctx = _rms(feat @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
+        B = cfg["block_size"]
+        block = torch.full((1, B), cfg["dflash_config"]["mask_token_id"])
+        block[0, 0] = 77
+        x = target.embed_tokens(block)
+        pos = torch.arange(20 + B)
+        inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd))
+        ang = pos[:, None].float() * inv
+        cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+
+        def rope(t, c, s):
+            t1, t2 = t.chunk(2, -1)
+            return t * c + torch.cat((-t2, t1), -1) * s
+
+        for i in range(cfg["num_hidden_layers"]):
+            p = f"layers.{i}."
+            hn = _rms(x, w[p + "input_layernorm.weight"], eps)
+            q = (hn @ w[p + "self_attn.q_proj.weight"].T).view(B, H, hd)
+            q = _rms(q, w[p + "self_attn.q_norm.weight"], eps).transpose(0, 1)
+            kv_in = torch.cat((ctx[0], hn[0]), 0)  # (20 + B, D)
+            k = (kv_in @ w[p + "self_attn.k_proj.weight"].T).view(-1, Hkv, hd)
+            k = _rms(k, w[p + "self_attn.k_norm.weight"], eps).transpose(0, 1)
+            v = (kv_in @ w[p + "self_attn.v_proj.weight"].T).view(-1, Hkv, hd).transpose(0, 1)
+            q, k = rope(q, cos[20:], sin[20:]), rope(k, cos, sin)
+            k, v = k.repeat_interleave(H // Hkv, 0), v.repeat_interleave(H // Hkv, 0)
+            att = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(hd), -1) @ v  # non-causal
+            x = x + (att.transpose(0, 1).reshape(1, B, H * hd) @ w[p + "self_attn.o_proj.weight"].T)
+            hn = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
+            g = hn @ w[p + "mlp.gate_proj.weight"].T
+            x = x + (torch.nn.functional.silu(g) * (hn @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+        ref = _rms(x, w["norm.weight"], eps)
+        ours = drafter(target.embed_tokens(block), drafter.context(feat), pos=torch.arange(20, 20 + B),
+                       ctx_pos=torch.arange(20))
+        assert torch.allclose(ref, ours, atol=1e-4)
+
+
+def test_ablations_train_and_stay_lossless(tiny_ar, tiny_draft_data, corpus_dir, tokenizer_path, tmp_path):
+    from dlm.train import train
+
+    target, ck = load_model(tiny_ar)
+    for name, kw in (("input", dict(injection="input")), ("nofeat", dict(target_features=False))):
+        out = tmp_path / name
+        cfg = tiny_train_config(corpus_dir, tokenizer_path, objective="dflash", target=str(tiny_ar), tokenizer=None,
+                                data=str(tiny_draft_data), seq_len=64, batch_size=4, max_steps=6, block_size=8,
+                                eval_every=6, save_every=6, **kw)
+        train(cfg, out, quiet=True)
+        drafter, dck = load_model(out)
+        assert dck.config["dflash"]["injection"] == kw.get("injection", "kv")
+        assert drafter.fc.weight.shape[1] == (64 if name == "nofeat" else 128)
+        ids = ck.tokenizer.encode("class A:\n    def f(self):\n")
+        out_t = [t for e in speculate(target, DFlashDraft(drafter, target, Sampling(), 256), ids, gamma=8,
+                                      max_new_tokens=20) if hasattr(e, "tokens") for t in e.tokens]
+        assert out_t == target_greedy(target, ids, 20, None)
+    r = run_cli("export", "--model", str(tmp_path / "nofeat"), "--out", str(tmp_path / "x"), "--format", "hf")
+    assert r.returncode == 2 and "ablation" in r.stderr
+
+
+# bad input -------------------------------------------------------------------------------------------
+
+def test_bad_input_is_one_clear_error(tiny_ar, tiny_dflash, tmp_path, corpus_dir, tokenizer_path):
+    from dlm.sampling import SampleConfig, generate
+    from dlm.train import train
+
+    def err(*args):  # through the CLI: one line on stderr, exit code 2
+        r = run_cli(*args)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.startswith("dlm: error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        return r.stderr
+
+    gen = ["generate", "--model", str(tiny_ar), "--prompt", "x = 1\n", "--max-new-tokens", "8"]
+    assert "--gamma" in err(*gen, "--draft", str(tiny_dflash), "--gamma", "1")
+    assert "too shallow" in err("train", "--objective", "dflash", "--data", str(corpus_dir), "--target", str(tiny_ar),
+                                "--target-layers", "0", "1", "5", "--out", str(tmp_path / "a"))
+    assert not (tmp_path / "a").exists()  # refused before anything was written
+
+    target, ck = load_model(tiny_ar)
+
+    def refused(match, **kw):
+        with pytest.raises(DlmError, match=match):
+            generate(target, ck, "x = 1\n", SampleConfig(max_new_tokens=8, **kw))
+
+    refused("larger than the block size", draft=str(tiny_dflash), gamma=9)
+    refused("no such folder", draft=str(tmp_path / "nope"))
+    refused("--check-lossless", draft="lookup", check_lossless=True, temperature=1.0)
+    refused("--draft-passes", draft=str(tiny_dflash), draft_passes=4)
+    # a target of the same shape but other weights than the drafter was trained for
+    other = tmp_path / "other-ar"
+    train(tiny_train_config(corpus_dir, tokenizer_path, max_steps=2, eval_every=2, save_every=2, seq_len=32,
+                            batch_size=2), other, quiet=True)
+    other_model, other_ck = load_model(other)
+    with pytest.raises(DlmError, match="another target"):
+        generate(other_model, other_ck, "x", SampleConfig(max_new_tokens=4, draft=str(tiny_dflash)))
+    # a drafter with another tokenizer
+    from dlm.data.corpus import Corpus
+    from dlm.tokenizer import Tokenizer
+
+    tok2 = tmp_path / "tok2.json"
+    Tokenizer.train(Corpus(str(corpus_dir)).texts("train"), vocab_size=600).save(tok2)
+    other2 = tmp_path / "other-tok"
+    train(tiny_train_config(corpus_dir, tok2, max_steps=2, eval_every=2, save_every=2, seq_len=32, batch_size=2),
+          other2, quiet=True)
+    refused("tokenizer differs", draft=str(other2))
+    # training options
+    from dlm.train import TrainConfig
+
+    def bad_train(match, **kw):
+        with pytest.raises(DlmError, match=match):
+            TrainConfig(objective="dflash", data=str(corpus_dir), **kw).validate()
+
+    bad_train("needs --target")
+    bad_train("--block-size", target=str(tiny_ar), block_size=1)
+    bad_train("--draft-layers", target=str(tiny_ar), draft_layers=-1)
+    bad_train("--injection", target=str(tiny_ar), injection="cross")
+    bad_train("too shallow", target=str(tiny_ar), target_layers=[0, 1, 1])
+    bad_train("distinct", target=str(tiny_ar), target_layers=[1, 1])
+    bad_train("AR checkpoint", target=str(tiny_dflash))
+
+
+def test_bench_puts_drafters_beside_the_target_alone(tiny_ar, tiny_dflash, corpus_dir, tmp_path):
+    from dlm.bench import run_bench
+
+    out = tmp_path / "bench.json"
+    rep = run_bench(str(tiny_ar), prompts=2, max_new_tokens=16, out=str(out), data=str(corpus_dir), warmup=0,
+                    naive=False, quiet=True, draft=["lookup", str(tiny_dflash)], temperatures=(0.0, 1.0))
+    rows = {s["method"]: s for s in rep["summaries"]}
+    spec = [s for s in rep["summaries"] if s["paradigm"] == "spec"]
+    assert len(spec) == 4 and "target alone T=1" in rows and rows["ar (KV cache)"]["speedup"] == 1.0
+    for s in spec:
+        assert 1 <= s["tau"] <= s["settings"]["gamma"] and s["speedup"] > 0 and 0 <= s["draft_share"] <= 1
+        assert sum(s["acceptance_histogram"]) > 0
+        assert s["lossless"] == (1.0 if s["temperature"] == 0 else None)
+    assert json.loads(out.read_text())["summaries"][0]["method"] == "ar (KV cache)"
+
+
+def test_dflash_training_resumes_exactly(tiny_ar, tiny_draft_data, corpus_dir, tokenizer_path, tmp_path, monkeypatch):
+    from dlm.data.tokens import Batches
+    from dlm.train import train
+
+    def cfg(steps):
+        return tiny_train_config(corpus_dir, tokenizer_path, objective="dflash", target=str(tiny_ar), tokenizer=None,
+                                 data=str(tiny_draft_data), seq_len=48, batch_size=2, max_steps=steps, block_size=8,
+                                 log_every=1, eval_every=100, save_every=3)
+
+    train(cfg(6), tmp_path / "straight", quiet=True)
+    batch = Batches.batch
+
+    def interrupted(self, step):
+        if step == 4:
+            raise KeyboardInterrupt
+        return batch(self, step)
+
+    monkeypatch.setattr(Batches, "batch", interrupted)
+    with pytest.raises(KeyboardInterrupt):  # killed after the state of step 3 was saved
+        train(cfg(6), tmp_path / "resumed", quiet=True)
+    monkeypatch.setattr(Batches, "batch", batch)
+    train(cfg(6), tmp_path / "resumed", resume=True, quiet=True)
+
+    def losses(p):
+        return [r["loss"] for r in map(json.loads, (p / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+    assert losses(tmp_path / "straight") == losses(tmp_path / "resumed")

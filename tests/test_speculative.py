@@ -1,0 +1,216 @@
+"""The lossless verifier: greedy equality with the target's own output, and exact distributions when sampling."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+
+from dlm.config import ModelConfig
+from dlm.model import Transformer
+from dlm.sampling.common import Commit, Done, drain
+from dlm.sampling.speculative import (
+    ARDraft, DFlashDraft, PromptLookup, Sampling, SpecStats, Verified, speculate, spec_stats, target_greedy,
+    verify_sample,
+)
+
+
+def random_model(seed: int, vocab: int = 48, dim: int = 32, layers: int = 2, std: float = 0.02,
+                 dtype=torch.float64) -> Transformer:
+    torch.manual_seed(seed)
+    m = Transformer(ModelConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                                max_seq_len=256))
+    if std != 0.02:
+        with torch.no_grad():
+            for p in m.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0, std)
+    return m.to(dtype).eval()
+
+
+def random_dflash(target: Transformer, seed: int, block: int = 6, injection: str = "kv", features: bool = True):
+    from dlm.objectives.dflash import DFlashDrafter, target_layer_ids
+
+    torch.manual_seed(seed)
+    mc = ModelConfig(**{**target.cfg.to_dict(), "n_layers": 1})
+    ids = target_layer_ids(target.cfg.n_layers, target.cfg.n_layers)
+    mask = min(3, target.cfg.vocab_size - 1)
+    return DFlashDrafter(mc, ids, block, mask_id=mask, injection=injection, target_features=features).to(
+        target.embed_tokens.weight.dtype).eval()
+
+
+def run(target, drafter, prompt, gamma, max_new, sampling=None, eos=None):
+    stats = SpecStats()
+    events = list(speculate(target, drafter, prompt, gamma=gamma, max_new_tokens=max_new, sampling=sampling,
+                            eos_id=eos, stats=stats))
+    toks = [t for e in events if isinstance(e, Commit) for t in e.tokens]
+    return toks, stats, events
+
+
+def drafters_for(target, seed, sampling):
+    return {
+        "lookup": PromptLookup(3),
+        "ar-self": ARDraft(target, sampling, 512),  # the target drafting for itself: everything accepted
+        "ar-other": ARDraft(random_model(seed + 100, std=0.2), sampling, 512),
+        "dflash-kv": DFlashDraft(random_dflash(target, seed), target, sampling, 512),
+        "dflash-input": DFlashDraft(random_dflash(target, seed, injection="input"), target, sampling, 512, passes=2),
+        "dflash-nofeat": DFlashDraft(random_dflash(target, seed, features=False), target, sampling, 512),
+    }
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_greedy_equals_target_over_random_models(seed):
+    target = random_model(seed, std=0.15)  # peaked enough to repeat itself: drafts get accepted
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(4, 48, (int(n),), generator=g).tolist() for n in torch.randint(1, 20, (3,), generator=g)]
+    for name, drafter in drafters_for(target, seed, Sampling()).items():
+        for prompt in prompts:
+            ref = target_greedy(target, prompt, 30, eos_id=None)
+            gamma = 6 if name.startswith("dflash") else 5
+            out, stats, _ = run(target, drafter, prompt, gamma, 30)
+            assert out == ref, (name, prompt)
+            assert 1 <= stats.committed / stats.cycles <= gamma
+            if name == "ar-self":
+                assert stats.committed / stats.cycles > gamma - 1  # all accepted (but the end)
+
+
+def test_eos_and_budget_cut_like_the_target():
+    target = random_model(7, std=0.15)
+    prompt = [5, 6, 7, 8]
+    ref = target_greedy(target, prompt, 60, eos_id=None)
+    eos = ref[17]  # a token the target emits: generation must stop right after its first occurrence
+    for drafter in (ARDraft(target, Sampling(), 512), PromptLookup(2)):
+        out, _, _ = run(target, drafter, prompt, 5, 60, eos=eos)
+        assert out == target_greedy(target, prompt, 60, eos_id=eos)
+        assert out[-1] == eos and eos not in out[:-1]
+        for n in (1, 2, 3, 13):
+            assert run(target, drafter, prompt, 5, n)[0] == ref[:n]
+
+
+def test_tau_histogram_and_rollback_bookkeeping():
+    target = random_model(3, std=0.15)
+    prompt = list(range(4, 14))
+    out, stats, events = run(target, ARDraft(target, Sampling(), 512), prompt, 5, 41)
+    assert len(out) == 41
+    assert stats.cycles == 8 and stats.committed == 40  # 1 token from the prefill, then 8 full cycles of 4 + 1
+    assert stats.histogram[5] == 8 and stats.forwards == 9
+    ver = [e for e in events if isinstance(e, Verified)]
+    assert all(v.accepted == len(v.proposed) == 4 for v in ver)
+    # a drafter that never agrees: one token per cycle
+    class Wrong(PromptLookup):
+        def propose(self, seq, k):
+            return (target_greedy(target, seq.tolist(), 1, None)[0] + 1 + torch.arange(k)) % 48, None
+    out2, st2, _ = run(target, Wrong(), prompt, 5, 20)
+    assert out2 == target_greedy(target, prompt, 20, None)
+    assert st2.histogram == [0, 19] and st2.committed / st2.cycles == 1.0
+    s = spec_stats(st2, Wrong(), 5, 20, 1.0, 0.1, 0).as_dict()
+    assert s["tau"] == 1.0 and s["acceptance_histogram"] == [0, 19, 0, 0, 0, 0] and s["forwards"] == 20
+
+
+def test_prompt_lookup_proposes_the_continuation_of_the_last_ngram():
+    lk = PromptLookup(3)
+    seq = torch.tensor([1, 2, 3, 9, 8, 7, 6, 1, 2, 3])
+    assert lk.propose(seq, 3)[0].tolist() == [9, 8, 7]
+    assert lk.propose(seq, 10)[0].tolist() == [9, 8, 7, 6, 1, 2, 3]  # runs to the end of the context
+    assert lk.propose(torch.tensor([5, 6, 7]), 4)[0].tolist() == []
+    periodic = torch.tensor([4, 5] * 6)
+    assert lk.propose(periodic, 4)[0].tolist() == [4, 5, 4, 5]  # a full continuation, not a stub
+
+
+def test_verify_sample_residual_is_exact():
+    """Accept/resample probabilities of one slot equal p exactly (analytic check, no sampling)."""
+    torch.manual_seed(0)
+    V = 5
+    p = torch.softmax(torch.randn(2, V, dtype=torch.float64), -1)
+    q = torch.softmax(torch.randn(1, V, dtype=torch.float64), -1)
+    # P(out = y) = q(y) min(1, p/q)(y) + P(reject) * residual(y)
+    acc = q[0] * torch.clamp(p[0] / q[0], max=1)
+    res = torch.clamp(p[0] - q[0], min=0)
+    res = res / res.sum()
+    total = acc + (1 - acc.sum()) * res
+    assert torch.allclose(total, p[0])
+    # the implementation: with a forced rejection it samples the residual (its support)
+    g = torch.Generator().manual_seed(1)
+    draws = {verify_sample(torch.tensor([int(q[0].argmax())]), p, q, g) for _ in range(200)}
+    assert all(n in (0, 1) for n, _ in draws)
+
+
+def exact_distribution(target: Transformer, prompt: list[int], n: int, temperature: float) -> dict:
+    """P(x_1..x_n | prompt) for every sequence, by enumeration."""
+    V = target.cfg.vocab_size
+    out = {}
+    with torch.no_grad():
+        for seq in itertools.product(range(V), repeat=n):
+            x = torch.tensor([prompt + list(seq)])
+            logp = torch.log_softmax(target(x).logits[0].double() / temperature, -1)
+            P = len(prompt)
+            out[seq] = math.exp(sum(float(logp[P - 1 + i, seq[i]]) for i in range(n)))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["ar-other", pytest.param("lookup", marks=pytest.mark.slow),
+                                  pytest.param("dflash-kv", marks=pytest.mark.slow)])
+def test_sampling_distribution_matches_target(kind):
+    """Temperature 1: the speculative loop's sequences follow the target's exact distribution (chi-square).
+
+    Four tokens: the prefill's, then one cycle of two proposals and the bonus, so acceptance, the
+    residual draw at every slot and the bonus draw are all exercised. Seeded: the verdict is fixed.
+    """
+    V, n, N = 3, 4, 1200
+    target = random_model(11, vocab=V, dim=16, layers=1, std=0.5)
+    prompt = [1, 2, 1, 2, 1]
+    exact = exact_distribution(target, prompt, n, 1.0)
+    sampling = Sampling(temperature=1.0, gen=torch.Generator().manual_seed(123))
+    drafter = {"ar-other": lambda: ARDraft(random_model(5, vocab=V, dim=16, layers=1, std=0.5), sampling, 64),
+               "lookup": lambda: PromptLookup(2),
+               "dflash-kv": lambda: DFlashDraft(_mask_free_dflash(target), target, sampling, 64)}[kind]()
+    counts: dict = {}
+    accepted = 0
+    for _ in range(N):
+        out, stats, events = run(target, drafter, prompt, 3, n, sampling)
+        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+        accepted += sum(e.accepted for e in events if isinstance(e, Verified))
+    assert accepted > N // 10  # the drafts were really used, not just rejected
+    # chi-square over cells with enough expected mass (the rest pooled)
+    chi, dof, pooled_e, pooled_o = 0.0, -1, 0.0, 0
+    for seq, p in exact.items():
+        e, o = p * N, counts.get(seq, 0)
+        if e >= 5:
+            chi += (o - e) ** 2 / e
+            dof += 1
+        else:
+            pooled_e += e
+            pooled_o += o
+    if pooled_e > 0:
+        chi += (pooled_o - pooled_e) ** 2 / pooled_e
+        dof += 1
+    # 99.9% quantile of chi-square(dof), Wilson-Hilferty approximation
+    z = 3.09
+    crit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    assert chi < crit, (chi, crit, dof)
+
+
+def _mask_free_dflash(target):
+    """A DFlash drafter for a tiny vocabulary (no room for <mask>: its id is an ordinary token's)."""
+    return random_dflash(target, 2, block=4)
+
+
+def test_plain_sampling_is_reproducible_and_drafts_are_probabilities():
+    target = random_model(4, vocab=8, dim=16, layers=1, std=0.5)
+    s1 = Sampling(1.0, gen=torch.Generator().manual_seed(9))
+    s2 = Sampling(1.0, gen=torch.Generator().manual_seed(9))
+    a = run(target, ARDraft(target, s1, 64), [1, 2, 3], 4, 12, s1)[0]
+    b = run(target, ARDraft(target, s2, 64), [1, 2, 3], 4, 12, s2)[0]
+    assert a == b
+    d = DFlashDraft(random_dflash(target, 0, block=5), target, s1, 64)
+    with torch.no_grad():
+        out = target(torch.tensor([[1, 2, 3]]), taps=d.taps)
+        from dlm.sampling.speculative import _taps
+
+        d.reset(torch.tensor([1, 2, 3]), _taps(out, d.taps))
+        toks, q = d.propose(torch.tensor([1, 2, 3, 4]), 4)
+    assert toks.shape == (4,) and q.shape == (4, 8)
+    assert torch.allclose(q.sum(-1), torch.ones(4, dtype=q.dtype))
