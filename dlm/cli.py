@@ -69,7 +69,7 @@ def generate_cmd(
     from rich.text import Text
 
     con = Console()
-    con.print(Text(prompt, style="dim") + Text(res.text, style="bold green"))
+    con.print(Text.assemble((prompt, "dim"), (res.text, "bold green")))
     con.print(f"[dim]{stats['new_tokens']} tokens, {stats['forwards']} forwards "
               f"({stats['tokens_per_forward']:.2f} tok/forward), {stats['tokens_per_second']:.1f} tok/s[/]")
 
@@ -269,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("dlm: interrupted\n")
         return 130
+    except BrokenPipeError:  # `dlm ... | head`: the reader left; say nothing more, as a Unix tool does
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     return 0
 
 
