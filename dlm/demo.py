@@ -20,7 +20,7 @@ def shipped(name: str) -> Path | None:
     return p if (p / "config.json").is_file() else None
 
 
-def run_demo(prompts: int = 3, max_new_tokens: int = 48, bench_prompts: int = 4) -> None:
+def run_demo(prompts: int = 3, max_new_tokens: int = 48, bench_prompts: int = 4, temperature: float = 0.7) -> None:
     from rich.console import Console
     from rich.panel import Panel
     from rich.text import Text
@@ -39,13 +39,18 @@ def run_demo(prompts: int = 3, max_new_tokens: int = 48, bench_prompts: int = 4)
     con = Console(width=max(100, Console().width))
     model, ck = load_model(ar)
     con.print(f"[bold]dlm demo[/]: {ar.name} ({ck.config.get('params', 0) / 1e6:.1f}M parameters, "
-              f"trained on the Python standard library) completing held-out files it never saw\n")
+              f"trained on the Python standard library) completing held-out files it never saw "
+              f"(temperature {temperature:g}, top-p 0.95, seed 0)\n")
     for p in heldout_prompts(Corpus("stdlib"), "test", n=prompts, seed=1):
-        res = generate(model, ck, p.text, SampleConfig(max_new_tokens=max_new_tokens))
+        res = generate(model, ck, p.text, SampleConfig(max_new_tokens=max_new_tokens, temperature=temperature,
+                                                       top_p=0.95, seed=0))
         s = res.stats.as_dict()
-        body = Text(p.text[-300:], style="dim") + Text(res.text, style="bold green")
+        body = Text.assemble((p.text[-300:], "dim"), (res.text, "bold green"))
         con.print(Panel(body, title=p.name, subtitle=f"{s['new_tokens']} tokens, {s['tokens_per_second']:.0f} tok/s",
                         title_align="left"))
-    con.print("\n[bold]Side by side[/] (dlm bench; greedy; medians over held-out prompts)")
-    run_bench(str(ar), prompts=bench_prompts, max_new_tokens=max_new_tokens, out=None)
+    mdlm, usdm, dflash = shipped("mdlm-small"), shipped("usdm-small"), shipped("dflash-small")
+    con.print("\n[bold]Side by side[/] (dlm bench: every shipped paradigm on the same held-out prompts; medians)")
+    run_bench(str(ar), prompts=bench_prompts, max_new_tokens=max_new_tokens, out=None, naive=False,
+              mdlm=str(mdlm) if mdlm else None, usdm=str(usdm) if usdm else None,
+              draft=[str(dflash), "lookup"] if dflash else None, temperatures=(0.0,))
     con.print(f"[dim]demo took {time.perf_counter() - t0:.1f} s[/]")
