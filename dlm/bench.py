@@ -7,7 +7,6 @@ reports medians. Each paradigm contributes methods (see `methods_for`).
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics

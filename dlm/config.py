@@ -6,7 +6,7 @@ The field names follow the model, not transformers; `dlm.hf` maps them onto Qwen
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from dlm.errors import DlmError, check
@@ -87,13 +87,3 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
         raise DlmError(f"--preset must be one of {sorted(PRESETS)}, got {name!r}")
     return ModelConfig(**{**PRESETS[name], **{k: v for k, v in overrides.items() if v is not None}})
 
-
-@dataclass
-class SpecialTokens:
-    """Token ids every paradigm relies on; filled from the tokenizer."""
-
-    bos: int
-    eos: int
-    pad: int
-    mask: int | None = None
-    extra: dict[str, int] = field(default_factory=dict)

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from dlm.data.corpus import Corpus
 from dlm.errors import DlmError, check

@@ -12,10 +12,9 @@ Special-token strings inside ordinary text are encoded as text (never as control
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -146,17 +145,3 @@ class Tokenizer:
             "model_max_length": 1 << 30, "split_special_tokens": True,
         }
 
-
-def batched(texts: Iterator[str], n: int = 256) -> Iterator[list[str]]:
-    buf: list[str] = []
-    for t in texts:
-        buf.append(t)
-        if len(buf) == n:
-            yield buf
-            buf = []
-    if buf:
-        yield buf
-
-
-def tokenizer_file_json(path: Path) -> dict:
-    return json.loads(Path(path).read_text())

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from dlm.checkpoint import (
-    find_state, read_json, read_tensors, load_weights, restore_optimizer, save_checkpoint, save_state, write_json,
+    find_state, read_json, read_tensors, load_weights, restore_optimizer, save_checkpoint, save_state,
 )
 from dlm.data.corpus import Corpus
 from dlm.data.tokens import Batches, load_tokens

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import math
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 
 from dlm.config import ModelConfig
 from dlm.model import Transformer
-from dlm.sampling.common import Commit, Done, drain
+from dlm.sampling.common import Commit
 from dlm.sampling.speculative import (
     ARDraft, DFlashDraft, PromptLookup, Sampling, SpecStats, Verified, speculate, spec_stats, target_greedy,
     verify_sample,

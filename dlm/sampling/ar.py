@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Iterator, Sequence
 
 import torch
-from torch import Tensor
 
 from dlm.errors import DlmError, check
 from dlm.model import Transformer
