@@ -400,3 +400,23 @@ def test_dflash_training_resumes_exactly(tiny_ar, tiny_draft_data, corpus_dir, t
         return [r["loss"] for r in map(json.loads, (p / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
     assert losses(tmp_path / "straight") == losses(tmp_path / "resumed")
+
+
+def test_init_from_continues_a_drafter_and_refuses_a_mismatch(tiny_ar, tiny_dflash, tiny_draft_data, corpus_dir,
+                                                              tokenizer_path):
+    from dlm.objectives.dflash import DFlash
+    from dlm.tokenizer import Tokenizer
+
+    def objective(**kw):
+        cfg = tiny_train_config(corpus_dir, tokenizer_path, objective="dflash", target=str(tiny_ar), tokenizer=None,
+                                data=str(tiny_draft_data), seq_len=96, **{"block_size": 8, **kw})
+        return DFlash(cfg, Tokenizer.from_file(tiny_ar / "tokenizer.json"))
+
+    warm = objective(init_from=str(tiny_dflash)).build_model()
+    trained, _ = load_model(tiny_dflash)
+    for k, v in trained.state_dict().items():
+        torch.testing.assert_close(warm.state_dict()[k], v)
+    with pytest.raises(DlmError, match="block size 8"):
+        objective(init_from=str(tiny_dflash), block_size=4).build_model()
+    with pytest.raises(DlmError, match="starts from a dflash drafter"):
+        objective(init_from=str(tiny_ar)).build_model()

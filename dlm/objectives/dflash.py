@@ -286,6 +286,21 @@ class DFlash(Objective):
                               self.cfg.target_features)
         with torch.no_grad():  # the drafter's output feeds the target's head: start at the target's scale
             model.norm.weight.copy_(self.target.norm.weight)
+        if self.cfg.init_from:  # warm start: continue a drafter of the same shape (e.g. longer, or on more data)
+            from dlm.checkpoint import load_weights, open_checkpoint
+
+            ck = open_checkpoint(self.cfg.init_from)
+            if ck.objective != "dflash":
+                raise DlmError(f"--init-from {ck.path}: a dflash run starts from a dflash drafter, "
+                               f"not from objective {ck.objective!r}")
+            d = ck.config["dflash"]
+            check_target(d, self.target, self.target_ck.tokenizer.sha256, str(ck.path))
+            if (d["target_layer_ids"], d["block_size"], d["injection"]) != (self.layer_ids, self.gamma,
+                                                                              self.cfg.injection):
+                raise DlmError(f"--init-from {ck.path}: target layers {d['target_layer_ids']}, block size "
+                               f"{d['block_size']}, injection {d['injection']!r}; this run has {self.layer_ids}, "
+                               f"{self.gamma}, {self.cfg.injection!r}")
+            load_weights(model, ck.tensors(), ck.path / "model.safetensors")
         return model
 
     def trainable(self, model: nn.Module) -> list[nn.Parameter]:
