@@ -328,7 +328,7 @@ def spec_methods(model, ck, drafts: list[str], max_new_tokens: int, temperature:
     from dlm.sampling.speculative import Sampling, generate_ids, load_drafter, resolve_gamma
 
     tok = ck.tokenizer
-    methods = []
+    methods, seen = [], set()
     for spec in drafts:
         sampling = Sampling(temperature, gen=make_generator(seed, model.device))
         drafter = load_drafter(spec, model, ck, sampling, capacity=model.cfg.max_seq_len + 66)
@@ -338,7 +338,9 @@ def spec_methods(model, ck, drafts: list[str], max_new_tokens: int, temperature:
             return drain(generate_ids(model, drafter, ids, g, max_new_tokens, sampling, tok.eos_id), tok.decode,
                          tok.eos_id)
 
-        methods.append(Method(f"{drafter.name} T={temperature:g}", "spec", run,
+        name = drafter.name if drafter.name not in seen else f"{drafter.name} [{spec}]"  # two folders, one name
+        seen.add(drafter.name)
+        methods.append(Method(f"{name} T={temperature:g}", "spec", run,
                               {"draft": spec, "gamma": g, "temperature": temperature}))
     return methods
 
