@@ -48,9 +48,10 @@ def run_demo(prompts: int = 3, max_new_tokens: int = 48, bench_prompts: int = 4,
         body = Text.assemble((p.text[-300:], "dim"), (res.text, "bold green"))
         con.print(Panel(body, title=p.name, subtitle=f"{s['new_tokens']} tokens, {s['tokens_per_second']:.0f} tok/s",
                         title_align="left"))
-    mdlm, usdm, dflash = shipped("mdlm-small"), shipped("usdm-small"), shipped("dflash-small")
+    mdlm, usdm = shipped("mdlm-small"), shipped("usdm-small")
+    drafts = [str(p) for p in (shipped("dflash-small"), shipped("ar-draft")) if p] + ["lookup"]
     con.print("\n[bold]Side by side[/] (dlm bench: every shipped paradigm on the same held-out prompts; medians)")
     run_bench(str(ar), prompts=bench_prompts, max_new_tokens=max_new_tokens, out=None, naive=False,
               mdlm=str(mdlm) if mdlm else None, usdm=str(usdm) if usdm else None,
-              draft=[str(dflash), "lookup"] if dflash else None, temperatures=(0.0,))
+              draft=drafts, temperatures=(0.0,))
     con.print(f"[dim]demo took {time.perf_counter() - t0:.1f} s[/]")
