@@ -171,10 +171,10 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
         data: corpus for the held-out prompts (default: the checkpoint's)
         warmup: untimed runs before measuring each method
         naive: include the naive (no KV cache) AR loop
-        mdlm: an mdlm checkpoint for masked-diffusion rows (default: the shipped mdlm-small if present
-            and no --draft; '' for none)
-        usdm: a usdm checkpoint for uniform-state rows (default: the shipped usdm-small if present
-            and no --draft; '' for none)
+        mdlm: an mdlm checkpoint for masked-diffusion rows (default: the shipped mdlm-small when --model and
+            --draft are not given; '' for none)
+        usdm: a usdm checkpoint for uniform-state rows (default: the shipped usdm-small when --model and
+            --draft are not given; '' for none)
         sweep: sweep the diffusion samplers (steps, entropy bound, threshold, block length) instead of one row each
         draft: speculative rows: drafter checkpoints (dflash or AR) and/or 'lookup', each verified by --model
         temperature: temperatures of the speculative rows (default: 0 and 1), each beside the target alone
@@ -189,6 +189,8 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
         found = shipped(name)
         return str(found) if found else None
 
+    if model is not None or draft:  # your own model, or a speculation benchmark: diffusion rows only when asked
+        mdlm, usdm = mdlm or "", usdm or ""
     model = default(model, "ar-small")
     if model is None:
         raise DlmError("--model: no AR checkpoint given and the shipped ar-small is missing")
@@ -196,8 +198,6 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
     for t in temps:
         if t < 0:
             raise DlmError(f"--temperature must be >= 0, got {t}")
-    if draft:  # a speculation benchmark: diffusion rows only when asked for
-        mdlm, usdm = mdlm or "", usdm or ""
     run_bench(model, prompts, max_new_tokens, out or None, data, warmup, naive, mdlm=default(mdlm, "mdlm-small"),
               usdm=default(usdm, "usdm-small"), sweep=sweep, draft=draft, temperatures=temps, gamma=gamma)
     if out:
