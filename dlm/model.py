@@ -276,6 +276,16 @@ def run_blocks(
     return x, out_taps
 
 
+def init_weights(model: nn.Module, n_layers: int) -> None:
+    """GPT-2 style: N(0, 0.02) for every linear and embedding; residual outputs scaled by 1/sqrt(2 n_layers)."""
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+    for name, p in model.named_parameters():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layers))
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -288,15 +298,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.self_cond = SelfConditioning(cfg) if cfg.self_cond else None
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self.apply(self._init)
-        for name, p in self.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layers))
-
-    @staticmethod
-    def _init(m: nn.Module) -> None:
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
+        init_weights(self, cfg.n_layers)
 
     def new_cache(self, batch: int, capacity: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
         cfg = self.cfg

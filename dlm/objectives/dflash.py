@@ -32,7 +32,6 @@ fc.weight, hidden_norm.weight, norm.weight (no embedding, no lm_head).
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 from pathlib import Path
@@ -44,7 +43,7 @@ from torch import Tensor, nn
 
 from dlm.config import ModelConfig
 from dlm.errors import DlmError, check
-from dlm.model import Block, KVCache, RMSNorm, Transformer, rope_inv_freq, run_blocks
+from dlm.model import Block, KVCache, RMSNorm, Transformer, init_weights, rope_inv_freq, run_blocks
 from dlm.objectives import Objective
 
 INJECTIONS = ("kv", "input")
@@ -139,10 +138,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self.apply(Transformer._init)
-        for name, p in self.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layers))
+        init_weights(self, cfg.n_layers)
 
     @property
     def taps(self) -> tuple[int, ...]:
