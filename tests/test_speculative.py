@@ -150,8 +150,7 @@ def exact_distribution(target: Transformer, prompt: list[int], n: int, temperatu
     return out
 
 
-@pytest.mark.parametrize("kind", ["ar-other", pytest.param("lookup", marks=pytest.mark.slow),
-                                  pytest.param("dflash-kv", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["ar-other", "lookup", "dflash-kv"])
 def test_sampling_distribution_matches_target(kind):
     """Temperature 1: the speculative loop's sequences follow the target's exact distribution (chi-square).
 
