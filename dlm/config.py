@@ -72,7 +72,7 @@ class ModelConfig:
 PRESETS: dict[str, dict[str, Any]] = {
     # for tests: ~0.3M parameters with a 4k vocabulary
     "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, max_seq_len=512),
-    # the shipped reference models: ~3.7M parameters with a 4k vocabulary
+    # the shipped reference models: ~3.8M parameters with a 4k vocabulary
     "small": dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=640, max_seq_len=1024),
     # the AR draft model of ar-small (speculative-decoding baseline): ~0.92M parameters with a 4k vocabulary,
     # comparable to a 1-layer DFlash drafter at ar-small's width (~0.95M, embedding and head shared with the target)
