@@ -162,3 +162,29 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     g = torch.Generator(device=device)
     g.manual_seed(seed if seed is not None else torch.seed())
     return g
+
+
+def entropy(probs: Tensor) -> Tensor:
+    """Entropy in nats of distributions (..., V) -> (...); 0 log 0 = 0."""
+    return -(probs * probs.clamp_min(1e-30).log()).sum(-1)
+
+
+def entropy_bound_accept(ent: Tensor, bound: float, free: Tensor | None = None, k_min: int = 1) -> Tensor:
+    """Which positions to accept: sort the free positions by entropy ascending and keep the longest
+    prefix whose cumulative entropy minus its largest entropy is <= bound; at least k_min (usdm: 1;
+    mdlm: its step budget). DiffusionGemma's rule, shared by the usdm and mdlm samplers.
+
+    ent (n,) entropies; free (n,) bool: positions that may be accepted (default all). -> (n,) bool.
+    """
+    n = ent.shape[0]
+    free = torch.ones(n, dtype=torch.bool, device=ent.device) if free is None else free
+    accept = torch.zeros(n, dtype=torch.bool, device=ent.device)
+    idx = free.nonzero().squeeze(1)
+    if idx.numel() == 0:
+        return accept
+    e, order = torch.sort(ent[idx].double(), stable=True)
+    # the largest of an ascending prefix is its last term, so cumsum - max = the sum of the terms before it
+    before = torch.cat([e.new_zeros(1), e.cumsum(0)[:-1]])  # non-decreasing: the passing ones form a prefix
+    k = min(idx.numel(), max(k_min, int((before <= bound).sum())))
+    accept[idx[order[:k]]] = True
+    return accept

@@ -38,7 +38,8 @@ from torch import Tensor
 
 from dlm.errors import DlmError, check
 from dlm.sampling.common import (
-    Clock, Commit, Done, Event, Stats, Step, check_sampling, make_generator, sample_token,
+    Clock, Commit, Done, Event, Stats, Step, check_sampling, entropy, entropy_bound_accept, make_generator,
+    sample_token,
 )
 from dlm.sampling.infill import Template, build_template, check_fits
 
@@ -83,9 +84,7 @@ def select_threshold(conf: Tensor, masked: Tensor, threshold: float, k_min: int 
 
 def select_entropy_bound(ent: Tensor, masked: Tensor, bound: float, k_min: int = 1) -> Tensor:
     """The lowest-entropy prefix whose cumulative entropy minus its largest entropy <= bound (>= k_min)."""
-    e = ent[masked].sort().values  # ascending: the largest entropy of a prefix is its last one
-    k = int(((e.cumsum(0) - e) <= bound).sum())  # the condition only gets harder along the prefix
-    return top_k_of(-ent, masked, max(k, k_min))
+    return entropy_bound_accept(ent, bound, masked, k_min)
 
 
 @dataclass(frozen=True)
@@ -109,7 +108,7 @@ def propose(logits: Tensor, temperature: float, top_k: int, top_p: float,
             gen: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor]:
     """logits (N, V) -> proposed tokens (N,), their probability under the model (N,), entropy (N,) in nats."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    ent = torch.special.entr(logp.exp()).sum(-1)
+    ent = entropy(logp.exp())
     cand = sample_token(logits, temperature, top_k, top_p, gen)
     conf = logp.gather(-1, cand[:, None])[:, 0].exp()
     return cand, conf, ent

@@ -36,7 +36,8 @@ from dlm.errors import DlmError, check
 from dlm.model import Transformer
 from dlm.objectives.usdm import canvas_embeds, noise_vocab
 from dlm.sampling.common import (
-    Clock, Commit, Done, Event, Stats, Step, check_sampling, make_generator, probs_from_logits, sample_from,
+    Clock, Commit, Done, Event, Stats, Step, check_sampling, entropy, entropy_bound_accept, make_generator,
+    probs_from_logits, sample_from,
 )
 from dlm.sampling.infill import Template, build_template, check_fits
 
@@ -49,31 +50,6 @@ def temperature(step: int, max_steps: int, t_max: float, t_min: float) -> float:
     """Temperature of 1-based `step`: t_max on the first step, t_min + (t_max - t_min) / max_steps on the last."""
     remaining = max_steps - step + 1
     return t_min + (t_max - t_min) * remaining / max_steps
-
-
-def entropy(probs: Tensor) -> Tensor:
-    """Entropy in nats of distributions (..., V) -> (...); 0 log 0 = 0."""
-    return -(probs * probs.clamp_min(1e-30).log()).sum(-1)
-
-
-def entropy_bound_accept(ent: Tensor, bound: float, free: Tensor | None = None) -> Tensor:
-    """Which positions to accept: sort the free positions by entropy ascending and keep the longest
-    prefix whose cumulative entropy minus its largest entropy is <= bound; at least one.
-
-    ent (n,) entropies; free (n,) bool: positions that may be accepted (default all). -> (n,) bool.
-    """
-    n = ent.shape[0]
-    free = torch.ones(n, dtype=torch.bool, device=ent.device) if free is None else free
-    accept = torch.zeros(n, dtype=torch.bool, device=ent.device)
-    idx = free.nonzero().squeeze(1)
-    if idx.numel() == 0:
-        return accept
-    e, order = torch.sort(ent[idx].double(), stable=True)
-    # the largest of an ascending prefix is its last term, so cumsum - max = the sum of the terms before it
-    before = torch.cat([e.new_zeros(1), e.cumsum(0)[:-1]])  # non-decreasing: the passing ones form a prefix
-    k = max(1, int((before <= bound).sum()))
-    accept[idx[order[:k]]] = True
-    return accept
 
 
 def renoise(candidates: Tensor, accepted: Tensor, holes: Tensor, pins: Tensor, noise: Tensor) -> Tensor:
