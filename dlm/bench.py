@@ -124,22 +124,29 @@ def ar_methods(model, ck, max_new_tokens: int, naive: bool = True) -> list[Metho
     return methods
 
 
+def load_paired(path: str, objective: str, ref_ck):
+    """A diffusion checkpoint for the bench: of the given objective, with the reference model's tokenizer
+    (the quality column scores its text under that model)."""
+    from dlm.checkpoint import load_model
+
+    net, ck = load_model(path)
+    if ck.objective != objective:
+        raise DlmError(f"--{objective} {path}: objective {ck.objective!r}, expected a {objective} checkpoint")
+    if ck.tokenizer.sha256 != ref_ck.tokenizer.sha256:
+        raise DlmError(f"--{objective} {path}: its tokenizer differs from the reference model's {ref_ck.path} "
+                       "(the quality column needs one)")
+    return net, ck
+
+
 # usdm rows --------------------------------------------------------------------------------------
-
-
 
 def usdm_methods(path: str, ref_ck, max_new_tokens: int) -> list[Method]:
     """usdm at its default settings (adaptive stopping) and with a fixed 48 steps per canvas."""
-    from dlm.checkpoint import load_model
     from dlm.sampling import SampleConfig
     from dlm.sampling.common import drain
     from dlm.sampling.usdm import check_options, stream_ids
 
-    net, ck = load_model(path)
-    if ck.objective != "usdm":
-        raise DlmError(f"--usdm {path}: objective {ck.objective!r}, expected a usdm checkpoint")
-    if ck.tokenizer.sha256 != ref_ck.tokenizer.sha256:
-        raise DlmError(f"--usdm {path}: its tokenizer differs from {ref_ck.path}'s (the quality column needs one)")
+    net, ck = load_paired(path, "usdm", ref_ck)
     tok = ck.tokenizer
 
     def method(name: str, cfg: SampleConfig) -> Method:
@@ -239,18 +246,12 @@ def equal_quality(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def mdlm_methods(path: str, ref_ck, max_new_tokens: int, sweep: bool = False) -> list[Method]:
     """Rows for an mdlm checkpoint, greedy, with the reference AR model's tokenizer."""
-    from dlm.checkpoint import load_model
     from dlm.objectives.mdlm import checkpoint_block_length
     from dlm.sampling import SampleConfig
     from dlm.sampling.common import drain
     from dlm.sampling.mdlm import stream_ids
 
-    net, ck = load_model(path)
-    if ck.objective != "mdlm":
-        raise DlmError(f"--mdlm {path}: not an mdlm checkpoint (objective {ck.objective!r})")
-    if ck.tokenizer.sha256 != ref_ck.tokenizer.sha256:
-        raise DlmError(f"--mdlm {path}: its tokenizer differs from the reference model's {ref_ck.path} "
-                       "(must be shared)")
+    net, ck = load_paired(path, "mdlm", ref_ck)
     tok = ck.tokenizer
     block = checkpoint_block_length(ck) or max_new_tokens
     methods = []
