@@ -1,8 +1,9 @@
 """The side-by-side harness: every paradigm on the same held-out prompts, measured the same way.
 
-A `Method` turns one prompt's token ids into a `Result` (text, tokens, statistics). `measure`
-warms each method up, runs it on every prompt and keeps the per-prompt statistics; `summarize`
-reports medians. Each paradigm contributes methods (see `methods_for`).
+A `Method` is a model, its checkpoint and one SampleConfig (and a drafter for speculation): it runs
+one prompt through the sampler contract (dlm.sampling.stream) into a `Result`. `measure` warms each
+method up, runs it on every prompt and keeps the per-prompt statistics; `summarize` reports medians.
+Each paradigm contributes methods (`ar_methods`, `mdlm_methods`, `usdm_methods`, `spec_methods`).
 """
 
 from __future__ import annotations
@@ -13,20 +14,29 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from dlm.checkpoint import load_model
 from dlm.errors import DlmError
-from dlm.sampling.common import Result
+from dlm.sampling import SampleConfig, stream
+from dlm.sampling.common import Result, drain
 
 
 @dataclass
 class Method:
     name: str  # row label, e.g. "ar (KV cache)"
     paradigm: str  # ar | mdlm | usdm | spec | ...
-    run: Callable[[list[int]], Result]
+    model: Any
+    ck: Any
+    cfg: SampleConfig
     settings: dict[str, Any] = field(default_factory=dict)  # what a reader needs to reproduce the row
+    drafter: Any = None  # speculation: the drafter, loaded once
+
+    def run(self, ids: list[int]) -> Result:
+        tok = self.ck.tokenizer
+        return drain(stream(self.model, self.ck, [ids], self.cfg, self.drafter), tok.decode, tok.eos_id)
 
 
 def measure(method: Method, prompts: list[list[int]], warmup: int = 1) -> list[dict[str, Any]]:
@@ -50,7 +60,7 @@ def summarize(method: Method, rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"method": method.name, "paradigm": method.paradigm, "prompts": len(rows),
                            **{k: median([r[k] for r in rows]) for k in keys}, "settings": method.settings}
     for k in ("canvases", "forwards_per_canvas"):  # diffusion samplers
-        if all(k in r for r in rows):
+        if all(r.get(k) for r in rows):
             out[k] = median([r[k] for r in rows])
     return out
 
@@ -106,29 +116,17 @@ def check_positive(name: str, v: int) -> None:
 # AR rows -----------------------------------------------------------------------------------------
 
 def ar_methods(model, ck, max_new_tokens: int, naive: bool = True) -> list[Method]:
-    from dlm.sampling.ar import ar_stream, naive_stream
-    from dlm.sampling.common import drain
-
-    tok = ck.tokenizer
-    opts = dict(max_new_tokens=max_new_tokens, temperature=0.0, eos_id=tok.eos_id, pad_id=tok.pad_id)
-
-    def cached(ids: list[int]) -> Result:
-        return drain(ar_stream(model, [ids], **opts), tok.decode, tok.eos_id)
-
-    def recompute(ids: list[int]) -> Result:
-        return drain(naive_stream(model, ids, **opts), tok.decode, tok.eos_id)
-
-    methods = [Method("ar (KV cache)", "ar", cached, {"model": str(ck.path), "greedy": True})]
+    cfg = SampleConfig(max_new_tokens=max_new_tokens)
+    settings = {"model": str(ck.path), "greedy": True}
+    methods = [Method("ar (KV cache)", "ar", model, ck, cfg, settings)]
     if naive:
-        methods.append(Method("ar (naive, no cache)", "ar", recompute, {"model": str(ck.path), "greedy": True}))
+        methods.append(Method("ar (naive, no cache)", "ar", model, ck, cfg.replace(naive=True), settings))
     return methods
 
 
 def load_paired(path: str, objective: str, ref_ck):
     """A diffusion checkpoint for the bench: of the given objective, with the reference model's tokenizer
     (the quality column scores its text under that model)."""
-    from dlm.checkpoint import load_model
-
     net, ck = load_model(path)
     if ck.objective != objective:
         raise DlmError(f"--{objective} {path}: objective {ck.objective!r}, expected a {objective} checkpoint")
@@ -142,22 +140,15 @@ def load_paired(path: str, objective: str, ref_ck):
 
 def usdm_methods(path: str, ref_ck, max_new_tokens: int) -> list[Method]:
     """usdm at its default settings (adaptive stopping) and with a fixed 48 steps per canvas."""
-    from dlm.sampling import SampleConfig
-    from dlm.sampling.common import drain
-    from dlm.sampling.usdm import check_options, stream_ids
+    from dlm.sampling.usdm import check_options
 
     net, ck = load_paired(path, "usdm", ref_ck)
-    tok = ck.tokenizer
 
     def method(name: str, cfg: SampleConfig) -> Method:
-        L = check_options(net, ck, cfg)
-
-        def run(ids: list[int]) -> Result:
-            return drain(stream_ids(net, ck, [ids], cfg), tok.decode, tok.eos_id)
-
-        settings = {"model": str(ck.path), "canvas_length": L, "max_denoising_steps": cfg.max_denoising_steps,
-                    "adaptive": cfg.adaptive, "entropy_bound": cfg.entropy_bound, "seed": cfg.seed}
-        return Method(name, "usdm", run, settings)
+        L, steps = check_options(net, ck, cfg)
+        settings = {"model": str(ck.path), "canvas_length": L, "steps": steps, "adaptive": cfg.adaptive,
+                    "entropy_bound": cfg.entropy_bound, "seed": cfg.seed}
+        return Method(name, "usdm", net, ck, cfg, settings)
 
     cfg = SampleConfig(max_new_tokens=max_new_tokens)
     return [method("usdm (adaptive)", cfg), method("usdm (fixed 48 steps)", cfg.replace(adaptive=False))]
@@ -201,7 +192,7 @@ QUALITY_COLUMNS = [("gen_ppl", "gen PPL", ".2f"), ("entropy", "entropy", ".2f")]
 # mdlm rows ---------------------------------------------------------------------------------------
 
 def mdlm_settings(block: int, sweep: bool) -> list[dict[str, Any]]:
-    """The sampler settings of the mdlm rows (SampleConfig fields); `block` is the sampling block length.
+    """The sampler settings of the mdlm rows (SampleConfig fields); `block` is the sampling block size.
 
     Without sweep: LLaDA confidence at one token per step, Fast-dLLM threshold 0.9, entropy bound 0.1.
     With sweep: confidence at block/1, /2, /4, /8 steps; entropy bounds 0.03 .. 3; thresholds 0.9 .. 0.5;
@@ -214,7 +205,7 @@ def mdlm_settings(block: int, sweep: bool) -> list[dict[str, Any]]:
         rows = [dict(sampler="confidence", steps=s) for s in steps]
         rows += [dict(sampler="entropy_bound", entropy_bound=b) for b in (0.1, 1.0, 3.0, 5.0, 8.0, 12.0)]
         rows += [dict(sampler="threshold", threshold=t) for t in (0.9, 0.5, 0.3, 0.1)]
-        rows += [dict(sampler="entropy_bound", entropy_bound=5.0, block_length=b)
+        rows += [dict(sampler="entropy_bound", entropy_bound=5.0, block_size=b)
                  for b in (max(1, block // 2), 2 * block)]
     return rows
 
@@ -232,7 +223,7 @@ def equal_quality(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         conf = sorted(((c["gen_ppl"], c["forwards"]) for c in summaries if c["paradigm"] == "mdlm"
                        and c["settings"].get("sampler") == "confidence"
-                       and c["settings"].get("block_length") == st.get("block_length")),
+                       and c["settings"].get("block_size") == st.get("block_size")),
                       key=lambda r: r[1], reverse=True)
         target, match = s["gen_ppl"], None
         for (p0, f0), (p1, f1) in zip(conf, conf[1:]):  # by falling forwards
@@ -246,25 +237,16 @@ def equal_quality(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def mdlm_methods(path: str, ref_ck, max_new_tokens: int, sweep: bool = False) -> list[Method]:
     """Rows for an mdlm checkpoint, greedy, with the reference AR model's tokenizer."""
-    from dlm.objectives.mdlm import checkpoint_block_length
-    from dlm.sampling import SampleConfig
-    from dlm.sampling.common import drain
-    from dlm.sampling.mdlm import stream_ids
-
     net, ck = load_paired(path, "mdlm", ref_ck)
-    tok = ck.tokenizer
-    block = checkpoint_block_length(ck) or max_new_tokens
+    block = ck.block_size or max_new_tokens
     methods = []
     for opts in mdlm_settings(block, sweep):
         cfg = SampleConfig(max_new_tokens=max_new_tokens, **opts)
-        short = {"steps": "steps", "entropy_bound": "bound", "threshold": "thr", "block_length": "block"}
+        short = {"steps": "steps", "entropy_bound": "bound", "threshold": "thr", "block_size": "block"}
         name = " ".join([f"mdlm {opts['sampler']}"] + [f"{short[k]}={v}" for k, v in opts.items() if k != "sampler"])
-
-        def run(ids: list[int], cfg=cfg) -> Result:
-            return drain(stream_ids(net, ck, ids, cfg), tok.decode, tok.eos_id)
-
-        methods.append(Method(name, "mdlm", run, {"model": str(ck.path), "greedy": True, "block_length":
-                                                   cfg.block_length or checkpoint_block_length(ck) or "whole", **opts}))
+        settings = {"model": str(ck.path), "greedy": True, "block_size": cfg.block_size or ck.block_size or "whole",
+                    **opts}
+        methods.append(Method(name, "mdlm", net, ck, cfg, settings))
     return methods
 
 
@@ -281,8 +263,8 @@ def plot_quality(summaries: list[dict[str, Any]], path: Path) -> str | None:
     groups: dict[str, list[dict[str, Any]]] = {}
     for s in summaries:
         st = s["settings"]
-        key = " ".join(str(x) for x in (s["paradigm"], st.get("sampler"), st.get("block_length") and
-                                        f"(block {st['block_length']})") if x)
+        key = " ".join(str(x) for x in (s["paradigm"], st.get("sampler"), st.get("block_size") and
+                                        f"(block {st['block_size']})") if x)
         groups.setdefault(key, []).append(s)
     for key, rows in groups.items():
         rows = sorted(rows, key=lambda r: r["tokens_per_forward"])
@@ -309,40 +291,25 @@ SPEC_COLUMNS = [("temperature", "T", "g"), ("tau", "tau", ".2f"), ("speedup", "s
 
 def target_method(model, ck, max_new_tokens: int, temperature: float, seed: int = 0) -> Method:
     """The target alone (AR with its KV cache) at a temperature: what speculation is measured against."""
-    from dlm.sampling.ar import ar_stream
-    from dlm.sampling.common import drain
-
-    tok = ck.tokenizer
-
-    def run(ids: list[int]) -> Result:
-        return drain(ar_stream(model, [ids], max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                               eos_id=tok.eos_id, pad_id=tok.pad_id), tok.decode, tok.eos_id)
-
-    return Method(f"target alone T={temperature:g}", "ar", run,
+    cfg = SampleConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    return Method(f"target alone T={temperature:g}", "ar", model, ck, cfg,
                   {"model": str(ck.path), "temperature": temperature, "spec_base": True})
 
 
-def spec_methods(model, ck, drafts: list[str], max_new_tokens: int, temperature: float, gamma: int = 0,
-                 seed: int = 0) -> list[Method]:
+def spec_methods(model, ck, drafts: list[str], max_new_tokens: int, temperature: float,
+                 block_size: int | None = None, seed: int = 0) -> list[Method]:
     """One row per drafter ('lookup' or a drafter checkpoint), in the lossless speculative loop."""
-    from dlm.sampling.common import drain, make_generator
-    from dlm.sampling.speculative import Sampling, generate_ids, load_drafter, resolve_gamma
+    from dlm.sampling.speculative import Sampling, load_drafter, resolve_gamma
 
-    tok = ck.tokenizer
     methods, seen = [], set()
     for spec in drafts:
-        sampling = Sampling(temperature, gen=make_generator(seed, model.device))
-        drafter = load_drafter(spec, model, ck, sampling, capacity=model.cfg.max_seq_len + 66)
-        g = resolve_gamma(drafter, gamma)
-
-        def run(ids: list[int], drafter=drafter, g=g, sampling=sampling) -> Result:
-            return drain(generate_ids(model, drafter, ids, g, max_new_tokens, sampling, tok.eos_id), tok.decode,
-                         tok.eos_id)
-
+        drafter = load_drafter(spec, model, ck, Sampling(temperature))
+        g = resolve_gamma(drafter, block_size)
+        cfg = SampleConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, block_size=g)
         name = drafter.name if drafter.name not in seen else f"{drafter.name} [{spec}]"  # two folders, one name
         seen.add(drafter.name)
-        methods.append(Method(f"{name} T={temperature:g}", "spec", run,
-                              {"draft": spec, "gamma": g, "temperature": temperature}))
+        methods.append(Method(f"{name} T={temperature:g}", "spec", model, ck, cfg,
+                              {"draft": spec, "gamma": g, "temperature": temperature}, drafter=drafter))
     return methods
 
 
@@ -365,17 +332,65 @@ def summarize_spec(rows: list[dict[str, Any]], base_rows: list[dict[str, Any]], 
     return out
 
 
+def build_methods(net, ck, max_new_tokens: int, naive: bool, mdlm: str | None, usdm: str | None, sweep: bool,
+                  draft: list[str] | None, temperatures: tuple[float, ...], block_size: int | None):
+    """Every row of a bench run; the speculative groups as (temperature, baseline, drafter rows)."""
+    methods = ar_methods(net, ck, max_new_tokens, naive=naive)
+    if mdlm:
+        methods += mdlm_methods(mdlm, ck, max_new_tokens, sweep)
+    if usdm:
+        methods += usdm_methods(usdm, ck, max_new_tokens)
+    spec_groups: list[tuple[float, Method, list[Method]]] = []
+    for t in (temperatures if draft else ()):
+        base = methods[0] if t == 0 else target_method(net, ck, max_new_tokens, t)
+        group = spec_methods(net, ck, list(draft), max_new_tokens, t, block_size)
+        spec_groups.append((t, base, group))
+        methods += ([] if t == 0 else [base]) + group
+    return methods, spec_groups
+
+
+def measure_all(methods: list[Method], ids: list[list[int]], warmup: int, net, ck):
+    """Per-prompt rows of every method with the quality columns, and the summaries."""
+    summaries, rows_of = [], {}
+    for m in methods:
+        rows = measure(m, ids, warmup=warmup)
+        rows_of[m.name] = rows
+        for r, p in zip(rows, ids):
+            r["gen_ppl"] = gen_perplexity(net, p, r["tokens"], ck.tokenizer.eos_id)
+            r["entropy"] = unigram_entropy(r["tokens"])
+        summary = summarize(m, rows)
+        summary.update(gen_ppl=median([r["gen_ppl"] for r in rows]), entropy=median([r["entropy"] for r in rows]))
+        if all(r["canvases"] for r in rows):
+            summary["forwards_per_canvas"] = median([r["forwards"] / r["canvases"] for r in rows])
+        summaries.append(summary)
+    return summaries, rows_of
+
+
+def print_report(report: dict[str, Any], spec_rows: list[dict[str, Any]], n_prompts: int, max_new_tokens: int) -> None:
+    print_table(report["summaries"], BASE_COLUMNS + [("forwards_per_canvas", "fwd/canvas", ".1f"),
+                                                     ("speedup_vs_ar", "vs AR", ".2f")] + QUALITY_COLUMNS,
+                title=f"{n_prompts} held-out prompts, {max_new_tokens} new tokens, medians")
+    for q in report.get("equal_quality", []):
+        if q["ratio"] is not None:
+            print(f"{q['method']}: {q['forwards']:.0f} forwards; confidence top-k needs "
+                  f"{q['confidence_forwards']:.1f} at the same gen PPL {q['gen_ppl']:.2f} (x{q['ratio']:.2f})")
+    if spec_rows:
+        print_table(spec_rows, [("temperature", "T", "g"), ("tokens_per_second", "tok/s", ".1f")] + SPEC_COLUMNS[1:]
+                    + [("draft_forwards", "draft fwd", ".0f")],
+                    title="speculative decoding: speedup = target alone / method, per prompt (median); "
+                          "tau pooled over cycles")
+
+
 def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str | None = None, data: str | None = None,
               warmup: int = 1, naive: bool = True, quiet: bool = False, mdlm: str | None = None,
               usdm: str | None = None, sweep: bool = False, draft: list[str] | None = None,
-              temperatures: tuple[float, ...] = (0.0, 1.0), gamma: int = 0) -> dict[str, Any]:
+              temperatures: tuple[float, ...] = (0.0, 1.0), block_size: int | None = None) -> dict[str, Any]:
     """Run every method on the same held-out prompts; print the table, write the JSON report (and a PNG
     of quality against tokens per forward beside it). mdlm/usdm: checkpoints for those rows (None: none).
 
     With `draft` (drafter checkpoints and/or 'lookup'), each drafter runs in the speculative loop at
     every temperature beside the target alone at that temperature (speedup, tau, lossless fraction).
     """
-    from dlm.checkpoint import load_model
     from dlm.data.corpus import Corpus
     from dlm.data.tokens import heldout_prompts
 
@@ -385,32 +400,9 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
     corpus = Corpus(data or ck.config.get("data", "stdlib"))
     ps = heldout_prompts(corpus, "test", n=prompts)
     ids = [ck.tokenizer.encode(p.text) for p in ps]
-    # one builder per paradigm; each returns its rows (the AR model is the reference of the quality column)
-    builders: list[Callable[[], list[Method]]] = [lambda: ar_methods(net, ck, max_new_tokens, naive=naive)]
-    if mdlm:
-        builders.append(lambda: mdlm_methods(mdlm, ck, max_new_tokens, sweep))
-    if usdm:
-        builders.append(lambda: usdm_methods(usdm, ck, max_new_tokens))
-    methods = [m for build in builders for m in build()]
-    spec_groups: list[tuple[float, Method, list[Method]]] = []
-    for t in (temperatures if draft else ()):
-        base = methods[0] if t == 0 else target_method(net, ck, max_new_tokens, t)
-        group = spec_methods(net, ck, list(draft), max_new_tokens, t, gamma)
-        spec_groups.append((t, base, group))
-        methods += ([] if t == 0 else [base]) + group
-    summaries, per_prompt, rows_of = [], {}, {}
-    for m in methods:
-        rows = measure(m, ids, warmup=warmup)
-        rows_of[m.name] = rows
-        for r, p in zip(rows, ids):
-            r["gen_ppl"] = gen_perplexity(net, p, r["tokens"], ck.tokenizer.eos_id)
-            r["entropy"] = unigram_entropy(r["tokens"])
-        summary = summarize(m, rows)
-        summary.update(gen_ppl=median([r["gen_ppl"] for r in rows]), entropy=median([r["entropy"] for r in rows]))
-        if all("canvases" in r for r in rows):
-            summary["forwards_per_canvas"] = median([r["forwards"] / max(r["canvases"], 1) for r in rows])
-        summaries.append(summary)
-        per_prompt[m.name] = [{k: v for k, v in r.items() if k != "tokens"} for r in rows]
+    methods, spec_groups = build_methods(net, ck, max_new_tokens, naive, mdlm, usdm, sweep, draft, temperatures,
+                                         block_size)
+    summaries, rows_of = measure_all(methods, ids, warmup, net, ck)
     base = summaries[0]["tokens_per_second"]
     for s in summaries:
         s["speedup_vs_ar"] = s["tokens_per_second"] / base if base else float("nan")
@@ -419,24 +411,13 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
         by_name[base_m.name].update(temperature=t, speedup=1.0)
         for m in group:
             by_name[m.name].update(summarize_spec(rows_of[m.name], rows_of[base_m.name], t))
+    per_prompt = {name: [{k: v for k, v in r.items() if k != "tokens"} for r in rows] for name, rows in rows_of.items()}
     report = {"environment": environment(), "model": str(ck.path), "max_new_tokens": max_new_tokens,
               "prompts": [p.name for p in ps], "summaries": summaries, "per_prompt": per_prompt}
     if mdlm:
         report["equal_quality"] = equal_quality(summaries)
     if not quiet:
-        print_table(summaries, BASE_COLUMNS + [("forwards_per_canvas", "fwd/canvas", ".1f"),
-                                               ("speedup_vs_ar", "vs AR", ".2f")] + QUALITY_COLUMNS,
-                    title=f"{len(ps)} held-out prompts, {max_new_tokens} new tokens, medians")
-        for q in report.get("equal_quality", []):
-            if q["ratio"] is not None:
-                print(f"{q['method']}: {q['forwards']:.0f} forwards; confidence top-k needs "
-                      f"{q['confidence_forwards']:.1f} at the same gen PPL {q['gen_ppl']:.2f} (x{q['ratio']:.2f})")
-        if draft:
-            spec_rows = [by_name[m.name] for t, b, g in spec_groups for m in [b] + g]
-            print_table(spec_rows, [("temperature", "T", "g"), ("tokens_per_second", "tok/s", ".1f")] + SPEC_COLUMNS[1:]
-                        + [("draft_forwards", "draft fwd", ".0f")],
-                        title="speculative decoding: speedup = target alone / method, per prompt (median); "
-                              "tau pooled over cycles")
+        print_report(report, [by_name[m.name] for t, b, g in spec_groups for m in [b] + g], len(ps), max_new_tokens)
     if out:
         png = Path(out).with_suffix(".png")
         note = plot_quality(summaries, png)

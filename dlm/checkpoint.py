@@ -16,9 +16,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors import SafetensorError
@@ -26,8 +27,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dlm.config import ModelConfig
-from dlm.errors import DlmError
+from dlm.drafter import build_drafter
+from dlm.errors import DlmError, check
+from dlm.model import Transformer
 from dlm.tokenizer import Tokenizer
+
+DEFAULT_CANVAS = 256  # usdm canvas length when a checkpoint records none (DiffusionGemma's)
 
 CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
 FORMAT_VERSION = 1
@@ -77,6 +82,44 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise DlmError(f"{path}: truncated or corrupt safetensors file ({str(e).splitlines()[0][:160]})") from None
+
+
+@contextmanager
+def write_folder(out: str | os.PathLike, *, overwrite: bool = False, inputs: tuple[str | os.PathLike, ...] = (),
+                 option: str = "--out") -> Iterator[Path]:
+    """Build a folder under a temporary name beside `out`, then move it into place.
+
+    `out` must not exist, or be empty, unless `overwrite`; even then only the files this write
+    produced replace their namesakes in `out`: nothing else there is deleted. `out` may never be
+    one of `inputs`, inside one, or hold one (an ancestor of an input). A failed build leaves
+    nothing behind.
+    """
+    out = Path(out)
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise DlmError(f"{option} {out}: exists and is not a folder")
+    dst = out.resolve()
+    for src in inputs:
+        src = Path(src).resolve()
+        if dst == src or dst in src.parents or src in dst.parents:
+            raise DlmError(f"{option} {out}: overlaps the input {src} (write somewhere else)")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise DlmError(f"{option} {out}: exists and is not empty; choose another folder, or pass --overwrite "
+                       "to replace the files this command writes there (nothing else is deleted)")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out.exists() and not any(out.iterdir()):
+            out.rmdir()
+        if not out.exists():
+            os.replace(tmp, dst)
+            return
+        for f in sorted(tmp.iterdir()):  # --overwrite: replace our files one by one, keep the rest
+            os.replace(f, dst / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # model weights -------------------------------------------------------------------------------
@@ -148,6 +191,22 @@ class Checkpoint:
     def tensors(self) -> dict[str, torch.Tensor]:
         return read_tensors(self.path / WEIGHTS)
 
+    @property
+    def block_size(self) -> int:
+        """The block a block-diffusion checkpoint was trained with (0: the whole sequence)."""
+        return int(self.config.get("block_size", self.config.get("block_length")) or 0)
+
+    @property
+    def canvas_length(self) -> int:
+        """Tokens per canvas of a usdm checkpoint."""
+        return int(self.config.get("canvas_length", self.config.get("train", {}).get("canvas_length",
+                                                                                       DEFAULT_CANVAS)))
+
+    @property
+    def noise_vocab(self) -> int:
+        """Size of the vocabulary uniform noise is drawn from (the tokenizer's, recorded at training)."""
+        return int(self.config.get("noise_vocab", self.tokenizer.vocab_size))
+
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """Read config.json and tokenizer.json of a checkpoint folder, checking they belong together."""
@@ -170,35 +229,34 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     return Checkpoint(p, cfg, tok)
 
 
+def resolve_device(name: str) -> torch.device:
+    """--device: auto (CUDA when there is one), cpu, cuda or cuda:N."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    check(name in ("cpu", "cuda") or name.startswith("cuda:"), f"--device must be auto, cpu or cuda[:N], got {name!r}")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise DlmError(f"--device {name}: no CUDA device is available")
+    return torch.device(name)
+
+
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Checkpoint]:
     """Build the model a checkpoint describes and load its weights (in eval mode)."""
     ck = open_checkpoint(path)
-    if ck.objective == "dflash":
-        from dlm.objectives.dflash import build_drafter  # the drafter is its own module
-
-        model = build_drafter(ck.config)
-    else:
-        from dlm.model import Transformer
-
-        model = Transformer(ck.model_config)
+    model = build_drafter(ck.config) if ck.objective == "dflash" else Transformer(ck.model_config)
     load_weights(model, ck.tensors(), ck.path / WEIGHTS)
     return model.to(device=device, dtype=dtype).eval(), ck
 
 
-def export_dlm(model: nn.Module, ck: Checkpoint, out: str | os.PathLike, dtype: torch.dtype) -> Path:
+def export_dlm(model: nn.Module, ck: Checkpoint, out: str | os.PathLike, dtype: torch.dtype,
+               overwrite: bool = False) -> Path:
     """Copy a checkpoint without its training state (optionally in a smaller dtype): what ships."""
-    out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     meta = {k: v for k, v in ck.config.items() if k not in ("format", "version", "tokenizer")}
-    save_checkpoint(tmp, model, ck.tokenizer, {**meta, "dtype": str(dtype).removeprefix("torch.")}, dtype=dtype)
-    if (ck.path / "metrics.jsonl").is_file():
-        shutil.copy(ck.path / "metrics.jsonl", tmp / "metrics.jsonl")
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
+    with write_folder(out, overwrite=overwrite, inputs=(ck.path,)) as tmp:
+        save_checkpoint(tmp, model, ck.tokenizer, {**meta, "dtype": str(dtype).removeprefix("torch.")}, dtype=dtype)
+        if (ck.path / "metrics.jsonl").is_file():
+            shutil.copy(ck.path / "metrics.jsonl", tmp / "metrics.jsonl")
+    return Path(out)
 
 
 # training state ------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from dlm.errors import DlmError
 
 
 def _device(name: str):
-    from dlm.train import resolve_device
+    from dlm.checkpoint import resolve_device
 
     return resolve_device(name)
 
@@ -26,9 +26,14 @@ def train_cmd(cfg, out: str, resume: bool = False, quiet: bool = False) -> None:
         resume: continue the training state saved in --out (exactly, after any interruption)
         quiet: no progress bar
     """
+    import dataclasses
+
+    from dlm.config import TrainConfig
     from dlm.train import train
 
-    path = train(cfg, out, resume=resume, quiet=quiet)
+    defaults = TrainConfig()
+    explicit = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(defaults, f.name)}
+    path = train(cfg, out, resume=resume, quiet=quiet, explicit=explicit)
     print(f"checkpoint: {path}")
 
 
@@ -47,7 +52,7 @@ def generate_cmd(
         device: cpu, cuda or auto
     """
     from dlm.checkpoint import load_model
-    from dlm.sampling import generate, stream
+    from dlm.sampling import encode, generate, stream
 
     if prompt_file:
         try:
@@ -58,7 +63,7 @@ def generate_cmd(
     if show:
         from dlm.sampling.show import live
 
-        res = live(stream(net, ck, [prompt], scfg), ck.tokenizer, prompt)
+        res = live(stream(net, ck, encode(ck, prompt, scfg), scfg), ck.tokenizer, prompt)
     else:
         res = generate(net, ck, prompt, scfg)
     stats = res.stats.as_dict()
@@ -108,18 +113,20 @@ def eval_cmd(model: str, split: str = "test", data: str | None = None, seq_len: 
         print(f"{split}: " + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in res.items()))
 
 
-def export_cmd(model: str, out: str, format: str = "hf", dtype: str = "float32") -> None:
+def export_cmd(model: str, out: str, format: str = "hf", dtype: str = "float32", overwrite: bool = False) -> None:
     """Export a checkpoint: as a transformers folder (Qwen3/Llama), or as a dlm folder for shipping.
 
     Args:
         model: checkpoint folder
-        out: folder to write (replaced atomically)
+        out: folder to write (built under a temporary name, then moved into place; must not exist or be empty)
         format: hf (transformers / vLLM / SGLang layout; DFlash drafters in the public DFlash layout) or dlm (weights only, no training state)
         dtype: float32, float16 or bfloat16
+        overwrite: --out may hold files: the files this export writes replace theirs; nothing else is deleted
     """
     import torch
 
-    from dlm.checkpoint import load_model
+    from dlm.checkpoint import export_dlm, load_model
+    from dlm.hf import export_drafter, export_hf
 
     dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     if dtype not in dtypes:
@@ -128,38 +135,34 @@ def export_cmd(model: str, out: str, format: str = "hf", dtype: str = "float32")
         raise DlmError(f"--format must be hf or dlm, got {format!r}")
     net, ck = load_model(model)
     if format == "dlm":
-        from dlm.checkpoint import export_dlm
-
-        path = export_dlm(net, ck, out, dtypes[dtype])
+        path = export_dlm(net, ck, out, dtypes[dtype], overwrite)
     elif ck.objective == "ar":
-        from dlm.hf import export_hf
-
-        path = export_hf(net, ck.tokenizer, out, dtypes[dtype])
+        path = export_hf(net, ck.tokenizer, out, dtypes[dtype], overwrite, inputs=(ck.path,))
     elif ck.objective == "dflash":  # the layout of the public DFlash drafters (vLLM, SGLang)
-        from dlm.objectives.dflash import export_hf as export_dflash
-
-        path = export_dflash(net, ck, out, dtypes[dtype])
+        path = export_drafter(net, ck, out, dtypes[dtype], overwrite)
     else:
         raise DlmError(f"--format hf: objective {ck.objective!r} has no transformers layout (ar has)")
     print(f"exported: {path}")
 
 
-def import_cmd(hf: str, out: str) -> None:
+def import_cmd(hf: str, out: str, overwrite: bool = False) -> None:
     """Import a local Qwen3 or Llama folder (safetensors, sharded or not) as a dlm AR checkpoint.
 
     Args:
         hf: the transformers folder (config.json, *.safetensors, tokenizer.json)
-        out: the dlm checkpoint folder to write
+        out: the dlm checkpoint folder to write (must not exist or be empty)
+        overwrite: --out may hold files: the files this import writes replace theirs; nothing else is deleted
     """
     from dlm.hf import import_hf
 
-    print(f"imported: {import_hf(hf, out)}")
+    print(f"imported: {import_hf(hf, out, overwrite)}")
 
 
 def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 64,
               out: str | None = "bench.json", data: str | None = None, warmup: int = 1, naive: bool = True,
               mdlm: str | None = None, usdm: str | None = None, sweep: bool = False,
-              draft: list[str] | None = None, temperature: list[float] | None = None, gamma: int = 0) -> None:
+              draft: list[str] | None = None, temperature: list[float] | None = None,
+              block_size: int | None = None) -> None:
     """Benchmark the paradigms side by side on held-out prompts (median tok/s, tok/forward, TTFT, quality).
 
     Args:
@@ -178,7 +181,7 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
         sweep: sweep the diffusion samplers (steps, entropy bound, threshold, block length) instead of one row each
         draft: speculative rows: drafter checkpoints (dflash or AR) and/or 'lookup', each verified by --model
         temperature: temperatures of the speculative rows (default: 0 and 1), each beside the target alone
-        gamma: speculative block per cycle, last token + proposals (0 = each drafter's default)
+        block_size: speculative block per cycle, last token + proposals (default: each drafter's)
     """
     from dlm.bench import run_bench
     from dlm.demo import shipped
@@ -199,7 +202,7 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
         if t < 0:
             raise DlmError(f"--temperature must be >= 0, got {t}")
     run_bench(model, prompts, max_new_tokens, out or None, data, warmup, naive, mdlm=default(mdlm, "mdlm-small"),
-              usdm=default(usdm, "usdm-small"), sweep=sweep, draft=draft, temperatures=temps, gamma=gamma)
+              usdm=default(usdm, "usdm-small"), sweep=sweep, draft=draft, temperatures=temps, block_size=block_size)
     if out:
         print(f"report: {out}")
 
@@ -246,10 +249,23 @@ def distill_cmd(target: str, out: str, data: str = "stdlib", prompts: int = 4096
 _json = json  # the commands' `json` flag shadows the module inside them
 
 
+def canonical_argv(argv: list[str]) -> list[str]:
+    """Older spellings of options that now share one name (--gamma, --block-length -> --block-size, ...)."""
+    from dlm.sampling import ALIASES
+
+    spelled = {f"--{old}": f"--{new}" for old, new in ALIASES.items()}
+    spelled.update({f"--{old.replace('_', '-')}": f"--{new.replace('_', '-')}" for old, new in ALIASES.items()})
+    out = []
+    for a in argv:
+        name, eq, value = a.partition("=")
+        out.append(spelled.get(name, name) + eq + value if a.startswith("--") else a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from dlm.cliargs import Command, run
+    from dlm.config import TrainConfig
     from dlm.sampling import SampleConfig
-    from dlm.train import TrainConfig
 
     commands = {
         "train": Command(train_cmd, TrainConfig, "cfg"),
@@ -262,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         "distill": Command(distill_cmd),
     }
     try:
+        argv = canonical_argv(list(sys.argv[1:] if argv is None else argv))
         run("dlm", "dlm: diffusion language models on one backbone", commands, argv)
     except DlmError as e:
         sys.stderr.write(f"dlm: error: {e}\n")

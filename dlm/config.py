@@ -1,6 +1,8 @@
-"""Model configuration: one dataclass, a few presets.
+"""Configuration: the model (`ModelConfig` + presets) and a training run (`TrainConfig`).
 
-The field names follow the model, not transformers; `dlm.hf` maps them onto Qwen3/Llama configs.
+Plain dataclasses that check their own fields; no behaviour. The model's field names follow the
+model, not transformers; `dlm.hf` maps them onto Qwen3/Llama configs. Options that belong to one
+objective are checked by that objective (`Objective.check_config`), once, before anything is written.
 """
 
 from __future__ import annotations
@@ -87,3 +89,110 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
         raise DlmError(f"--preset must be one of {sorted(PRESETS)}, got {name!r}")
     return ModelConfig(**{**PRESETS[name], **{k: v for k, v in overrides.items() if v is not None}})
 
+
+
+@dataclass
+class TrainConfig:
+    """A training run (the options of `dlm train`).
+
+    Attributes:
+        objective: ar | mdlm | usdm | dflash
+        preset: model size when training from scratch: tiny | small | draft | base
+        data: corpus: stdlib, a folder, a text file, or a .jsonl file with a "text" field
+        tokenizer: a tokenizer.json or a checkpoint folder (default: train one on the corpus)
+        vocab_size: vocabulary of a tokenizer trained on the corpus
+        seq_len: tokens per training window
+        batch_size: windows per step
+        max_steps: optimizer steps
+        lr: peak learning rate (AdamW)
+        min_lr_ratio: the cosine schedule decays to lr * min_lr_ratio
+        warmup: linear warmup: a fraction of max_steps (< 1) or a number of steps (>= 1)
+        weight_decay: AdamW weight decay of matrices
+        beta1: AdamW beta1
+        beta2: AdamW beta2
+        grad_clip: clip the gradient norm to this (0 = off)
+        eval_every: validate every this many steps
+        eval_batches: validation batches
+        save_every: checkpoint every this many steps
+        log_every: write metrics every this many steps
+        seed: data order and every random draw depend only on (seed, step)
+        device: auto, cpu, cuda or cuda:N
+        compile: torch.compile the model (CUDA only)
+        init_from: start from this checkpoint's weights (e.g. diffusion adapted from AR)
+        block_size: block of block diffusion (mdlm; default 0 = the whole window) or of the DFlash drafter (dflash; default 16)
+        canvas_length: usdm: tokens per canvas
+        loss_weight: usdm canvas loss: constant (1) or inverse (1 / (1 - t))
+        self_cond_prob: usdm: probability of a self-conditioned training pass
+        target: dflash: the AR checkpoint to speed up
+        draft_layers: dflash: decoder layers of the drafter (0 = default)
+        anchors: dflash: blocks per training window (0 = default)
+        target_layers: dflash: target layer ids read by the drafter (default: spread over the target)
+        injection: dflash ablation: kv (context K/V in every layer) or input (context as input tokens)
+        target_features: dflash ablation: off = context from token embeddings, not target hidden states
+    """
+
+    objective: str = "ar"
+    preset: str = "tiny"
+    data: str = "stdlib"
+    tokenizer: str | None = None
+    vocab_size: int = 4096
+    seq_len: int = 256
+    batch_size: int = 16
+    max_steps: int = 1000
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup: float = 0.04
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_batches: int = 8
+    save_every: int = 250
+    log_every: int = 10
+    seed: int = 0
+    device: str = "auto"
+    compile: bool = False
+    init_from: str | None = None
+    # block diffusion (mdlm) and the DFlash drafter (dflash): one name for one idea
+    block_size: int | None = None
+    # uniform-state diffusion (usdm)
+    canvas_length: int = 256
+    loss_weight: str = "constant"
+    self_cond_prob: float = 0.5
+    # DFlash drafter (dflash)
+    target: str | None = None
+    draft_layers: int = 0
+    anchors: int = 0
+    target_layers: list[int] = dataclasses.field(default_factory=list)
+    injection: str = "kv"
+    target_features: bool = True
+
+    def validate(self) -> None:
+        """The checks every objective shares (each objective checks its own options)."""
+        check(self.preset in PRESETS, f"--preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
+        for f in ("seq_len", "batch_size", "max_steps", "eval_batches", "eval_every", "save_every", "log_every"):
+            check(getattr(self, f) > 0, f"--{f.replace('_', '-')} must be > 0, got {getattr(self, f)}")
+        check(self.lr > 0, f"--lr must be > 0, got {self.lr}")
+        check(0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        check(self.warmup >= 0, f"--warmup must be >= 0, got {self.warmup}")
+        check(self.grad_clip >= 0, f"--grad-clip must be >= 0, got {self.grad_clip}")
+        check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+              f"--device must be auto, cpu or cuda[:N], got {self.device!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        """A saved run's config (older spellings of renamed options accepted)."""
+        d = dict(d)
+        if "block_length" in d:  # mdlm's block was `block_length` before it shared dflash's `block_size`
+            old = d.pop("block_length")
+            if d.get("objective") == "mdlm":
+                d["block_size"] = old
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise DlmError(f"train config has unknown fields {unknown}")
+        return cls(**d)

@@ -68,9 +68,9 @@ def distill(target: str, out: str, data: str = "stdlib", prompts: int = 4096, ma
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from dlm.checkpoint import load_model
-    from dlm.sampling.ar import ar_stream
+    from dlm.sampling import SampleConfig, stream
     from dlm.sampling.common import Commit
-    from dlm.train import resolve_device
+    from dlm.checkpoint import resolve_device
 
     check(prompts > 0, f"--prompts must be > 0, got {prompts}")
     check(max_new_tokens > 0, f"--max-new-tokens must be > 0, got {max_new_tokens}")
@@ -100,8 +100,8 @@ def distill(target: str, out: str, data: str = "stdlib", prompts: int = 4096, ma
                 batch = snippets[b0:b0 + batch_size]
                 ids = [tok.encode(s.text)[-room:] for s in batch]
                 new: list[list[int]] = [[] for _ in batch]
-                for ev in ar_stream(model, ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                                    seed=seed + b0, eos_id=tok.eos_id, pad_id=tok.pad_id):
+                cfg = SampleConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + b0)
+                for ev in stream(model, ck, ids, cfg):
                     if isinstance(ev, Commit):
                         new[ev.row].extend(ev.tokens)
                 for s, p, t in zip(batch, ids, new):

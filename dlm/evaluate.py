@@ -16,13 +16,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-import importlib
-
-from dlm.checkpoint import Checkpoint
+from dlm.checkpoint import Checkpoint, load_model, open_checkpoint
 from dlm.data.corpus import Corpus
-from dlm.errors import DlmError
 from dlm.data.tokens import Batches, load_tokens
+from dlm.errors import DlmError
 from dlm.model import Transformer
+from dlm.objectives import mdlm, usdm
 from dlm.tokenizer import Tokenizer
 
 
@@ -46,12 +45,13 @@ def ar_eval(model: Transformer, ck: Checkpoint, corpus: Corpus, split: str, seq_
     return ar_loss(model, ck.tokenizer, corpus, split, seq_len, batch_size, max_batches)
 
 
-# objective -> "module:function"
-EVALUATORS: dict[str, str] = {
-    "ar": "dlm.evaluate:ar_eval",
-    "mdlm": "dlm.objectives.mdlm:mdlm_eval",
-    "usdm": "dlm.objectives.usdm:evaluate",
+# objective -> its held-out evaluation (the likelihood bounds live beside their losses)
+EVALUATORS = {
+    "ar": ar_eval,
+    "mdlm": mdlm.mdlm_eval,
+    "usdm": usdm.evaluate,
 }
+
 
 def resolve_reference(ck: Checkpoint, reference: str | None) -> tuple[Checkpoint | None, str]:
     """The reference AR checkpoint: --reference, else the checkpoint's --init-from, else the shipped ar-small.
@@ -59,8 +59,6 @@ def resolve_reference(ck: Checkpoint, reference: str | None) -> tuple[Checkpoint
     Returns (checkpoint or None, why none). An explicit reference must exist and share the tokenizer.
     """
     from pathlib import Path
-
-    from dlm.checkpoint import open_checkpoint
 
     if reference:
         ref = open_checkpoint(reference)
@@ -84,17 +82,13 @@ def evaluate(model, ck: Checkpoint, corpus: Corpus, split: str, seq_len: int, ba
              reference: str | None = None) -> dict[str, Any]:
     if ck.objective not in EVALUATORS:
         raise DlmError(f"dlm eval: objective {ck.objective!r} has no evaluator (have {sorted(EVALUATORS)})")
-    module, fn = EVALUATORS[ck.objective].split(":")
-    res = getattr(importlib.import_module(module), fn)(model, ck, corpus, split, seq_len, batch_size, max_batches,
-                                                         seed, samples)
+    res = EVALUATORS[ck.objective](model, ck, corpus, split, seq_len, batch_size, max_batches, seed, samples)
     if ck.objective != "ar":
         ref, why = resolve_reference(ck, reference)
         if ref is None:
             res["reference"] = None
             res["reference_note"] = why
         else:
-            from dlm.checkpoint import load_model
-
             net, _ = load_model(ref.path, device=model.device)
             ar = ar_loss(net, ref.tokenizer, corpus, split, seq_len, batch_size, max_batches)
             res.update(reference=str(ref.path), reference_loss=ar["loss"], reference_perplexity=ar["perplexity"])

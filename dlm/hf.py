@@ -1,20 +1,28 @@
-"""transformers interop: export a dlm AR checkpoint as Qwen3/Llama, import a local Qwen3/Llama folder.
+"""transformers interop: export a dlm AR checkpoint as Qwen3/Llama, import a local Qwen3/Llama folder,
+and export a DFlash drafter in the layout of the public DFlash checkpoints.
 
 dlm's parameter names are transformers' without the `model.` prefix, so the mapping is a rename.
 Qwen3 when q/k-norm is on, Llama when it is off. Nothing here imports transformers.
+
+Drafters (`export_drafter`) get the layout of the public DFlash checkpoints (z-lab/*-DFlash-b16):
+architectures ["DFlashDraftModel"], model_type qwen3, `dflash_config` {target_layer_ids,
+mask_token_id, block_size}, top-level block_size and num_target_layers; weights layers.N.*,
+fc.weight, hidden_norm.weight, norm.weight (no embedding, no lm_head).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dlm.checkpoint import read_json, read_tensors, save_checkpoint, state_tensors, write_json, write_tensors
+from dlm.checkpoint import (
+    Checkpoint, read_json, read_tensors, save_checkpoint, state_tensors, write_folder, write_json, write_tensors,
+)
 from dlm.config import ModelConfig
+from dlm.drafter import DFlashDrafter
 from dlm.errors import DlmError
 from dlm.model import Transformer
 from dlm.tokenizer import Tokenizer
@@ -59,14 +67,17 @@ def hf_config(cfg: ModelConfig, tok: Tokenizer, dtype: str = "float32") -> dict[
     return out
 
 
-def export_hf(model: Transformer, tok: Tokenizer, out: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Path:
+def export_hf(model: Transformer, tok: Tokenizer, out: str | os.PathLike, dtype: torch.dtype = torch.float32,
+              overwrite: bool = False, inputs: tuple[str | os.PathLike, ...] = ()) -> Path:
     """Write a transformers-loadable folder (config.json, model.safetensors, tokenizer files)."""
-    out = Path(out)
     if model.cfg.self_cond:
         raise DlmError("--format hf: this checkpoint has a self-conditioning module that Qwen3/Llama cannot hold")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    with write_folder(out, overwrite=overwrite, inputs=inputs) as tmp:
+        _write_hf(model, tok, tmp, dtype)
+    return Path(out)
+
+
+def _write_hf(model: Transformer, tok: Tokenizer, tmp: Path, dtype: torch.dtype) -> None:
     tensors = {("" if k.startswith("lm_head.") else "model.") + k: v
                for k, v in state_tensors(model, dtype).items()}
     write_tensors(tmp / "model.safetensors", tensors, metadata={"format": "pt"})
@@ -79,10 +90,35 @@ def export_hf(model: Transformer, tok: Tokenizer, out: str | os.PathLike, dtype:
     write_json(tmp / "tokenizer_config.json", hfc)
     write_json(tmp / "special_tokens_map.json",
                {k: v for k, v in hfc.items() if k.endswith("_token") and v is not None})
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+
+
+def drafter_config(drafter: DFlashDrafter, ck: Checkpoint, dtype: str) -> dict[str, Any]:
+    """config.json in the layout of the public DFlash drafters (Qwen3 layers + dflash_config)."""
+    cfg = drafter.cfg
+    out = hf_config(cfg, ck.tokenizer, dtype)
+    out.update({
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "tie_word_embeddings": False,
+        "layer_types": ["full_attention"] * cfg.n_layers,
+        "block_size": drafter.block_size,  # top level, where the z-lab checkpoints keep it
+        "num_target_layers": ck.config["dflash"]["target"]["model"]["n_layers"],
+        "dflash_config": {"target_layer_ids": drafter.layer_ids, "mask_token_id": drafter.mask_id,
+                          "block_size": drafter.block_size},
+    })
     return out
+
+
+def export_drafter(drafter: DFlashDrafter, ck: Checkpoint, out: str | os.PathLike,
+                   dtype: torch.dtype = torch.float32, overwrite: bool = False) -> Path:
+    """Write the drafter as a public-layout DFlash folder (config.json + model.safetensors)."""
+    if not drafter.target_features or drafter.injection != "kv":
+        raise DlmError("--format hf: only drafters with target features and K/V injection have the public DFlash "
+                       "layout (this one is an ablation)")
+    with write_folder(out, overwrite=overwrite, inputs=(ck.path,)) as tmp:
+        write_tensors(tmp / "model.safetensors", state_tensors(drafter, dtype), metadata={"format": "pt"})
+        write_json(tmp / "config.json", drafter_config(drafter, ck, str(dtype).removeprefix("torch.")))
+    return Path(out)
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -138,7 +174,7 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def import_hf(folder: str | os.PathLike, out: str | os.PathLike) -> Path:
+def import_hf(folder: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Path:
     """Read a local Qwen3/Llama folder into a dlm checkpoint (objective "ar")."""
     src, out = Path(folder), Path(out)
     if not src.is_dir():
@@ -171,11 +207,7 @@ def import_hf(folder: str | os.PathLike, out: str | os.PathLike) -> Path:
     tied = {"lm_head.weight": tensors["embed_tokens.weight"]} if cfg.tie_embeddings else {}
     model.load_state_dict({**tensors, **tied}, assign=True)
     dtype = next(iter(raw.values())).dtype
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_checkpoint(tmp, model, tok, {"objective": "ar", "model": cfg.to_dict(), "imported_from": str(src.resolve()),
-                                      "data": "stdlib"}, dtype=dtype)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    with write_folder(out, overwrite=overwrite, inputs=(src,)) as tmp:
+        save_checkpoint(tmp, model, tok, {"objective": "ar", "model": cfg.to_dict(), "imported_from": src.name,
+                                          "data": "stdlib"}, dtype=dtype)
     return out

@@ -100,10 +100,6 @@ class KVCache:
     def capacity(self) -> int:
         return self.k.shape[3]
 
-    @property
-    def batch(self) -> int:
-        return self.k.shape[1]
-
     def crop(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise ValueError(f"crop({length}) outside [0, {self.length}]")
@@ -216,6 +212,17 @@ class SelfConditioning(nn.Module):
         if soft_emb is None:
             return self.out_norm(tok_emb)
         return self.out_norm(tok_emb + self.mlp(self.norm(soft_emb)))
+
+
+def canvas_embeds(model: Transformer, canvas: Tensor, probs: Tensor | None) -> Tensor:
+    """The usdm denoiser's input: token embeddings of the canvas (B, L) plus the self-conditioning signal.
+
+    probs (B, L, V): the previous pass's distribution (softmax of its processed logits), or None on
+    a canvas's first step (a zero signal: rows of zeros in probs are the same as None).
+    """
+    emb = model.embed_tokens(canvas)  # (B, L, D)
+    soft = None if probs is None else probs.to(emb.dtype) @ model.embed_tokens.weight  # (B, L, D)
+    return model.self_cond(emb, soft)
 
 
 @dataclass

@@ -20,9 +20,9 @@ def sample_t(batch: int, gen: torch.Generator, device: torch.device | str, eps: 
 
 
 def corrupt_positions(shape: tuple[int, ...], t: Tensor, gen: torch.Generator) -> Tensor:
-    """Bool (B, T): True where a token is corrupted, each with probability t[b]."""
+    """Bool (B, T): True where a token is corrupted, with probability t[b] (t (B,)) or t[b, i] (t (B, T))."""
     u = torch.rand(shape, generator=gen, device=t.device)
-    return u < t.view(-1, *([1] * (len(shape) - 1)))
+    return u < (t if t.dim() == len(shape) else t.view(-1, *([1] * (len(shape) - 1))))
 
 
 def mask_corrupt(x: Tensor, t: Tensor, mask_id: int, gen: torch.Generator,

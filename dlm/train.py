@@ -4,6 +4,9 @@ AdamW, linear warmup + cosine decay, gradient clipping, bf16 autocast and option
 on GPU, periodic validation, a rich progress bar, metrics.jsonl, atomic checkpoints and an exact
 --resume: the data order and every random draw depend only on (seed, step), and model + optimizer
 state are restored from safetensors, so the losses after a resume equal an uninterrupted run's.
+
+A run folder belongs to one process at a time (`RunLock`); every option is checked before anything
+is written, so a refused run leaves the folder as it found it.
 """
 
 from __future__ import annotations
@@ -16,90 +19,23 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from dlm.checkpoint import (
-    find_state, read_json, read_tensors, load_weights, restore_optimizer, save_checkpoint, save_state,
+    find_state, load_weights, read_json, read_tensors, resolve_device, restore_optimizer, save_checkpoint, save_state,
 )
+from dlm.config import TrainConfig
 from dlm.data.corpus import Corpus
 from dlm.data.tokens import Batches, load_tokens
 from dlm.errors import DlmError, check
-from dlm.objectives import Objective, make_objective
+from dlm.objectives import Objective, make_objective, objective_class
 from dlm.tokenizer import Tokenizer
 
-
-@dataclass
-class TrainConfig:
-    objective: str = "ar"
-    preset: str = "tiny"
-    data: str = "stdlib"
-    tokenizer: str | None = None  # a tokenizer.json or a checkpoint folder; default: train one on the corpus
-    vocab_size: int = 4096  # when training a tokenizer
-    seq_len: int = 256
-    batch_size: int = 16
-    max_steps: int = 1000
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup: float = 0.04  # < 1: fraction of max_steps; >= 1: steps
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    eval_every: int = 100
-    eval_batches: int = 8
-    save_every: int = 250
-    log_every: int = 10
-    seed: int = 0
-    device: str = "auto"
-    compile: bool = False
-    init_from: str | None = None  # start from this checkpoint's weights (e.g. diffusion from AR)
-    # masked / block diffusion (mdlm)
-    block_length: int = 0  # 0: whole-sequence diffusion; B: block diffusion with blocks of B tokens
-    # uniform-state diffusion (usdm)
-    canvas_length: int = 256
-    loss_weight: str = "constant"  # usdm canvas loss: "constant" (1) or "inverse" (1 / (1 - t))
-    self_cond_prob: float = 0.5
-    # DFlash drafter (dflash)
-    target: str | None = None
-    block_size: int = 16
-    draft_layers: int = 0  # 0: the objective's default
-    anchors: int = 0  # blocks per sequence; 0: the objective's default
-    target_layers: list[int] = dataclasses.field(default_factory=list)  # target layer ids; []: the objective's default
-    injection: str = "kv"  # dflash ablation: "kv" (context K/V in every layer) or "input" (context as input tokens)
-    target_features: bool = True  # dflash ablation: False = context from token embeddings, not target hidden states
-
-    def validate(self) -> None:
-        from dlm.objectives import REGISTRY
-
-        check(self.objective in REGISTRY, f"--objective must be one of {sorted(REGISTRY)}, got {self.objective!r}")
-        from dlm.config import PRESETS
-
-        check(self.preset in PRESETS, f"--preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
-        for f in ("seq_len", "batch_size", "max_steps", "eval_batches", "eval_every", "save_every", "log_every"):
-            check(getattr(self, f) > 0, f"--{f.replace('_', '-')} must be > 0, got {getattr(self, f)}")
-        check(self.lr > 0, f"--lr must be > 0, got {self.lr}")
-        check(0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
-        check(self.warmup >= 0, f"--warmup must be >= 0, got {self.warmup}")
-        check(self.grad_clip >= 0, f"--grad-clip must be >= 0, got {self.grad_clip}")
-        check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
-              f"--device must be auto, cpu or cuda[:N], got {self.device!r}")
-        if self.objective == "usdm":
-            check(0 < self.canvas_length <= self.seq_len,
-                  f"--canvas-length must be in [1, --seq-len {self.seq_len}] (a prefix precedes the canvas), "
-                  f"got {self.canvas_length}")
-            check(self.loss_weight in ("constant", "inverse"),
-                  f"--loss-weight must be constant or inverse, got {self.loss_weight!r}")
-            check(0 <= self.self_cond_prob <= 1, f"--self-cond-prob must be in [0, 1], got {self.self_cond_prob}")
-        if self.objective == "dflash":
-            from dlm.objectives.dflash import check_config
-
-            check_config(self)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+# options a resumed run may change: the rest define the run and must match what was saved
+RESUMABLE = {"max_steps", "eval_every", "eval_batches", "save_every", "log_every", "device", "compile"}
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -108,14 +44,6 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
         return cfg.lr * (step + 1) / warm
     frac = (step - warm) / max(1, cfg.max_steps - warm)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise DlmError(f"--device {name}: no CUDA device is available")
-    return torch.device(name)
 
 
 def step_generator(device: torch.device, seed: int, step: int) -> torch.Generator:
@@ -135,12 +63,12 @@ def make_optimizer(params: list[nn.Parameter], cfg: TrainConfig, fused: bool) ->
 def resolve_tokenizer(cfg: TrainConfig, corpus: Corpus, out: Path, resuming: bool) -> Tokenizer:
     if resuming:
         return Tokenizer.from_file(out / "tokenizer.json")
-    if cfg.tokenizer:
-        return Tokenizer.from_file(cfg.tokenizer)
-    if cfg.init_from:
-        return Tokenizer.from_file(Path(cfg.init_from) / "tokenizer.json")
-    if cfg.target:
-        return Tokenizer.from_file(Path(cfg.target) / "tokenizer.json")
+    for option, source in (("--tokenizer", cfg.tokenizer), ("--init-from", cfg.init_from), ("--target", cfg.target)):
+        if source:
+            path = Path(source)
+            if not path.exists():
+                raise DlmError(f"{option} {source}: no such file or checkpoint folder")
+            return Tokenizer.from_file(path / "tokenizer.json" if path.is_dir() else path)
     return Tokenizer.train(corpus.texts("train"), vocab_size=cfg.vocab_size)
 
 
@@ -157,14 +85,81 @@ def validate(model: nn.Module, objective: Objective, val: Batches, cfg: TrainCon
     return sum(losses) / len(losses)
 
 
+# the run folder -----------------------------------------------------------------------------------
+
+class RunLock:
+    """OUT/.lock holds the pid of the process training into OUT; a lock whose process is gone is stale."""
+
+    def __init__(self, out: Path):
+        self.path = out / ".lock"
+        self.held = False
+
+    def acquire(self) -> None:
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                if self._alive():
+                    raise DlmError(f"--out {self.path.parent}: another training (pid {self._pid()}) is writing "
+                                   "this folder; wait for it or choose another folder") from None
+                self.path.unlink(missing_ok=True)  # stale: its process is gone
+                continue
+            with os.fdopen(fd, "w") as fh:
+                fh.write(str(os.getpid()))
+            self.held = True
+            return
+        raise DlmError(f"--out {self.path.parent}: could not take the run lock {self.path}")
+
+    def _pid(self) -> int | None:
+        try:
+            return int(self.path.read_text().strip() or 0) or None
+        except (OSError, ValueError):
+            return None
+
+    def _alive(self) -> bool:
+        pid = self._pid()
+        if pid is None or pid == os.getpid():
+            return pid == os.getpid()
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+
+def remove_stale_temps(out: Path) -> None:
+    """Temporary files of writes a killed process left behind (each as big as what it was writing).
+    Called with the run lock held, before this run writes anything: every one of them is stale."""
+    for p in [*out.glob(".*.tmp"), *out.glob("state.tmp"), *out.glob("state/.*.tmp")]:
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+
 class MetricsLog:
-    """metrics.jsonl: one JSON object per logged step; on resume, rows past the resumed step are dropped."""
+    """metrics.jsonl: one JSON object per logged step; on resume, rows past the resumed step (and a line
+    torn by a crash) are dropped."""
 
     def __init__(self, path: Path, resume_step: int | None):
         self.path = path
         if resume_step is not None and path.exists():
-            keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
-            tmp = path.with_name(path.name + ".tmp")
+            keep = []
+            for ln in path.read_text(errors="replace").splitlines():
+                try:
+                    row = json.loads(ln)
+                except json.JSONDecodeError:
+                    continue  # the last line of a killed run may be cut short
+                if isinstance(row, dict) and row.get("step", 0) <= resume_step:
+                    keep.append(ln)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             tmp.write_text("".join(ln + "\n" for ln in keep))
             os.replace(tmp, path)
         elif path.exists():
@@ -176,106 +171,154 @@ class MetricsLog:
             fh.flush()
 
 
-def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, quiet: bool = False) -> Path:
-    """Train cfg.objective into the checkpoint folder `out`; return it."""
-    out = Path(out)
-    cfg.validate()
-    state_dir = find_state(out) if resume else None
-    if resume and state_dir is None and out.exists() and (out / "config.json").exists():
+def resumed_config(saved: TrainConfig, given: TrainConfig, explicit: set[str]) -> TrainConfig:
+    """The saved run's config with the options the user changed on purpose: those a resume can apply
+    (max_steps, logging, device) are applied; any other change is refused, naming the options."""
+    conflicts = [f.name for f in dataclasses.fields(TrainConfig)
+                 if f.name in explicit and f.name not in RESUMABLE
+                 and getattr(given, f.name) != getattr(saved, f.name)]
+    if conflicts:
+        detail = ", ".join(f"--{n.replace('_', '-')} {getattr(given, n)!r} (saved: {getattr(saved, n)!r})"
+                           for n in conflicts)
+        raise DlmError(f"--resume continues the saved run; these options differ from it: {detail}. "
+                       "Drop them, or start a new run in another folder")
+    return dataclasses.replace(saved, **{n: getattr(given, n) for n in RESUMABLE if n in explicit})
+
+
+@dataclass
+class Run:
+    """Everything a training run needs, built and checked before the first byte is written."""
+
+    cfg: TrainConfig
+    out: Path
+    state_dir: Path | None
+    start_step: int
+    device: torch.device
+    tok: Tokenizer
+    objective: Objective
+    model: nn.Module
+    train_batches: Batches
+    val_batches: Batches
+
+
+def prepare(cfg: TrainConfig, out: Path, resume: bool, explicit: set[str] | None) -> Run:
+    """Check the options, resolve the resumed state, build tokenizer, objective, model and data."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise DlmError(f"--out {out}: exists and is not a folder")
+    state_dir = find_state(out) if resume and out.is_dir() else None
+    if resume and state_dir is None and (out / "config.json").exists():
         raise DlmError(f"--resume: {out} holds a checkpoint but no training state (state/) to resume from")
-    if state_dir is None and out.exists() and any(out.iterdir()) and not resume:
-        raise DlmError(f"--out {out} exists and is not empty; pass --resume to continue it or choose another folder")
+    if state_dir is None and out.exists() and any(p.name != ".lock" for p in out.iterdir()):
+        hint = "pass --resume to continue it or " if not resume else ""
+        raise DlmError(f"--out {out} exists and is not empty; {hint}choose another folder")
     start_step = 0
-    trainer: dict[str, Any] = {}
     if state_dir is not None:
         trainer = read_json(state_dir / "trainer.json")
-        saved = TrainConfig(**trainer["config"])
-        if saved.max_steps != cfg.max_steps and cfg.max_steps > saved.max_steps:
-            saved.max_steps = cfg.max_steps  # extending a finished run is allowed
-        cfg = saved
-        start_step = trainer["step"]
-
+        saved = TrainConfig.from_dict(trainer["config"])
+        if explicit is None:  # a library call: the saved run, extended when asked for more steps
+            explicit = {"max_steps"} if cfg.max_steps > saved.max_steps else set()
+        cfg = resumed_config(saved, cfg, explicit)
+        start_step = int(trainer["step"])
+    cfg.validate()
+    objective_class(cfg.objective).check_config(cfg)
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     corpus = Corpus(cfg.data)
+    tok = resolve_tokenizer(cfg, corpus, out, resuming=state_dir is not None)
+    objective = make_objective(cfg, tok)
+    model = objective.build_model().to(device)
+    train_batches = Batches(load_tokens(corpus, tok, "train"), cfg.seq_len, cfg.batch_size, cfg.seed)
+    val_batches = Batches(load_tokens(corpus, tok, "val"), cfg.seq_len, cfg.batch_size, cfg.seed)
+    return Run(cfg, out, state_dir, start_step, device, tok, objective, model, train_batches, val_batches)
+
+
+def make_progress(objective: str, quiet: bool):
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(
+        TextColumn(f"[bold]{objective}[/] step {{task.completed}}/{{task.total}}"), BarColumn(),
+        TextColumn("loss {task.fields[loss]:.4f}  val {task.fields[val]:.4f}  {task.fields[tps]:,.0f} tok/s"),
+        TimeRemainingColumn(),
+        disable=quiet,
+    )
+
+
+def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, quiet: bool = False,
+          explicit: set[str] | None = None) -> Path:
+    """Train cfg.objective into the checkpoint folder `out`; return it.
+
+    explicit: the options the user gave (on --resume, those may not contradict the saved run);
+    None = the saved run's options, with cfg.max_steps when it is larger (extending a run).
+    """
+    out = Path(out)
     created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(out)
     try:
-        tok = resolve_tokenizer(cfg, corpus, out, resuming=state_dir is not None)
-        objective = make_objective(cfg.objective, cfg, tok)
-        model = objective.build_model().to(device)
-        train_batches = Batches(load_tokens(corpus, tok, "train"), cfg.seq_len, cfg.batch_size, cfg.seed)
-        val_batches = Batches(load_tokens(corpus, tok, "val"), cfg.seq_len, cfg.batch_size, cfg.seed)
-        out.mkdir(parents=True, exist_ok=True)
-        if state_dir is None:
-            tok.save(out / "tokenizer.json")
-    except BaseException:
-        if created:  # a refused run leaves nothing behind
-            shutil.rmtree(out, ignore_errors=True)
-        raise
+        lock.acquire()
+        try:
+            run = prepare(cfg, out, resume, explicit)
+        except BaseException:
+            lock.release()
+            if created and not any(out.iterdir()):  # a refused run leaves nothing behind
+                out.rmdir()
+            raise
+        remove_stale_temps(out)
+        if run.state_dir is None:
+            run.tok.save(out / "tokenizer.json")
+        _loop(run, quiet)
+    finally:
+        lock.release()
+    return out
+
+
+def _loop(run: Run, quiet: bool) -> None:
+    cfg, model, objective, device, out = run.cfg, run.model, run.objective, run.device, run.out
     params = objective.trainable(model)
     opt = make_optimizer(params, cfg, fused=device.type == "cuda")
-    if state_dir is not None:
-        load_weights(model, read_tensors(state_dir / "model.safetensors"), state_dir / "model.safetensors")
-        restore_optimizer(opt, read_tensors(state_dir / "optimizer.safetensors"), read_json(state_dir / "optimizer.json"))
-
+    if run.state_dir is not None:
+        sd = run.state_dir
+        load_weights(model, read_tensors(sd / "model.safetensors"), sd / "model.safetensors")
+        restore_optimizer(opt, read_tensors(sd / "optimizer.safetensors"), read_json(sd / "optimizer.json"))
     use_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
 
     def autocast():
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
 
     fwd_model = torch.compile(model) if cfg.compile and device.type == "cuda" else model
-    log = MetricsLog(out / "metrics.jsonl", start_step if state_dir is not None else None)
+    log = MetricsLog(out / "metrics.jsonl", run.start_step if run.state_dir is not None else None)
     n_params = sum(p.numel() for p in params)
 
-    def meta(step: int) -> dict[str, Any]:
-        mc = getattr(model, "cfg", None)
-        return {"objective": cfg.objective, "model": mc.to_dict() if mc is not None else {},
-                "train": cfg.to_dict(), "data": cfg.data, "step": step, "params": n_params, **objective.meta()}
-
     def checkpoint(step: int) -> None:
+        mc = getattr(model, "cfg", None)
+        meta = {"objective": cfg.objective, "model": mc.to_dict() if mc is not None else {},
+                "train": cfg.to_dict(), "data": cfg.data, "step": step, "params": n_params, **objective.meta()}
         save_state(out, model, opt, {"step": step, "config": cfg.to_dict()})
-        save_checkpoint(out, model, tok, meta(step))
+        save_checkpoint(out, model, run.tok, meta)
 
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-    progress = Progress(
-        TextColumn(f"[bold]{cfg.objective}[/] step {{task.completed}}/{{task.total}}"), BarColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}  val {task.fields[val]:.4f}  {task.fields[tps]:,.0f} tok/s"),
-        TimeRemainingColumn(),
-        disable=quiet,
-    )
+    step_fn = _step_function(cfg, fwd_model, objective, params, opt, device, autocast)
     model.train()
     tokens_per_step = cfg.batch_size * cfg.seq_len
     t_log, steps_since, loss_acc = time.perf_counter(), 0, 0.0
+    progress = make_progress(cfg.objective, quiet)
     with progress:
-        task = progress.add_task("train", total=cfg.max_steps, completed=start_step, loss=float("nan"),
+        task = progress.add_task("train", total=cfg.max_steps, completed=run.start_step, loss=float("nan"),
                                  val=float("nan"), tps=0.0)
-        for step in range(start_step, cfg.max_steps):
-            lr = lr_at(cfg, step)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            batch = train_batches.batch(step).to(device, non_blocking=True)
-            with autocast():
-                loss, extra = objective.loss(fwd_model, batch, step_generator(device, cfg.seed, step))
-            if not torch.isfinite(loss):
-                raise DlmError(f"loss became {float(loss)} at step {step + 1}; lower --lr or check the data")
-            loss.backward()
-            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0 else torch.tensor(0.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            loss_acc += float(loss.detach())
+        for step in range(run.start_step, cfg.max_steps):
+            loss, gnorm, lr, extra = step_fn(step, run.train_batches.batch(step).to(device, non_blocking=True))
+            loss_acc += loss
             steps_since += 1
             done = step + 1
             if done % cfg.log_every == 0 or done == cfg.max_steps:
                 dt = time.perf_counter() - t_log
                 tps = steps_since * tokens_per_step / max(dt, 1e-9)
                 row = {"step": done, "loss": loss_acc / steps_since, "lr": lr, "tokens_per_second": tps,
-                       "grad_norm": float(gnorm), **extra}
+                       "grad_norm": gnorm, **extra}
                 log.write(row)
                 progress.update(task, loss=row["loss"], tps=tps)
                 t_log, steps_since, loss_acc = time.perf_counter(), 0, 0.0
             if done % cfg.eval_every == 0 or done == cfg.max_steps:
-                val = validate(model, objective, val_batches, cfg, device, autocast)
+                val = validate(model, objective, run.val_batches, cfg, device, autocast)
                 log.write({"step": done, "val_loss": val})
                 progress.update(task, val=val)
                 t_log = time.perf_counter()
@@ -283,6 +326,27 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, quiet:
                 checkpoint(done)
                 t_log = time.perf_counter()
             progress.update(task, completed=done)
-    if start_step >= cfg.max_steps:  # nothing left to do; make sure the folder is a checkpoint
-        checkpoint(start_step)
-    return out
+    if run.start_step >= cfg.max_steps:  # nothing left to do; make sure the folder is a checkpoint
+        checkpoint(run.start_step)
+
+
+def _step_function(cfg: TrainConfig, model: nn.Module, objective: Objective, params: list[nn.Parameter],
+                   opt: torch.optim.Optimizer, device: torch.device,
+                   autocast: Callable) -> Callable[[int, torch.Tensor], tuple[float, float, float, dict]]:
+    """One optimizer step: (step, batch) -> (loss, grad norm, lr, the objective's extra metrics)."""
+
+    def step_fn(step: int, batch: torch.Tensor):
+        lr = lr_at(cfg, step)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        with autocast():
+            loss, extra = objective.loss(model, batch, step_generator(device, cfg.seed, step))
+        if not torch.isfinite(loss):
+            raise DlmError(f"loss became {float(loss)} at step {step + 1}; lower --lr or check the data")
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0 else torch.tensor(0.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach()), float(gnorm), lr, extra
+
+    return step_fn

@@ -82,7 +82,7 @@ def tokenizer_path(corpus_dir, tmp_path_factory) -> Path:
 
 
 def tiny_train_config(corpus_dir, tokenizer_path, **kw):
-    from dlm.train import TrainConfig
+    from dlm.config import TrainConfig
 
     base = dict(objective="ar", preset="tiny", data=str(corpus_dir), tokenizer=str(tokenizer_path), seq_len=128,
                 batch_size=8, max_steps=120, lr=3e-3, eval_every=60, eval_batches=2, save_every=60, log_every=10)

@@ -12,9 +12,8 @@ from dlm.checkpoint import load_model
 from dlm.config import ModelConfig
 from dlm.errors import DlmError
 from dlm.model import Transformer
-from dlm.objectives.dflash import (
-    DFlashDrafter, default_draft_layers, gamma_w, multi_block_mask, slot_weights, target_layer_ids,
-)
+from dlm.drafter import DFlashDrafter, default_draft_layers, target_layer_ids
+from dlm.objectives.dflash import DFlash, gamma_w, multi_block_mask, slot_weights
 from dlm.sampling.speculative import DFlashDraft, Sampling, _taps, speculate, target_greedy
 from tests.conftest import run_cli, tiny_train_config
 
@@ -309,7 +308,7 @@ def test_bad_input_is_one_clear_error(tiny_ar, tiny_dflash, tmp_path, corpus_dir
         return r.stderr
 
     gen = ["generate", "--model", str(tiny_ar), "--prompt", "x = 1\n", "--max-new-tokens", "8"]
-    assert "--gamma" in err(*gen, "--draft", str(tiny_dflash), "--gamma", "1")
+    assert "--block-size" in err(*gen, "--draft", str(tiny_dflash), "--gamma", "1")  # the old spelling still works
     assert "too shallow" in err("train", "--objective", "dflash", "--data", str(corpus_dir), "--target", str(tiny_ar),
                                 "--target-layers", "0", "1", "5", "--out", str(tmp_path / "a"))
     assert not (tmp_path / "a").exists()  # refused before anything was written
@@ -320,7 +319,7 @@ def test_bad_input_is_one_clear_error(tiny_ar, tiny_dflash, tmp_path, corpus_dir
         with pytest.raises(DlmError, match=match):
             generate(target, ck, "x = 1\n", SampleConfig(max_new_tokens=8, **kw))
 
-    refused("larger than the block size", draft=str(tiny_dflash), gamma=9)
+    refused("larger than the block size", draft=str(tiny_dflash), block_size=9)
     refused("no such folder", draft=str(tmp_path / "nope"))
     refused("--check-lossless", draft="lookup", check_lossless=True, temperature=1.0)
     refused("--draft-passes", draft=str(tiny_dflash), draft_passes=4)
@@ -342,11 +341,11 @@ def test_bad_input_is_one_clear_error(tiny_ar, tiny_dflash, tmp_path, corpus_dir
           other2, quiet=True)
     refused("tokenizer differs", draft=str(other2))
     # training options
-    from dlm.train import TrainConfig
+    from dlm.config import TrainConfig
 
     def bad_train(match, **kw):
         with pytest.raises(DlmError, match=match):
-            TrainConfig(objective="dflash", data=str(corpus_dir), **kw).validate()
+            DFlash.check_config(TrainConfig(objective="dflash", data=str(corpus_dir), **kw))
 
     bad_train("needs --target")
     bad_train("--block-size", target=str(tiny_ar), block_size=1)

@@ -35,7 +35,7 @@ def tiny_mdlm(corpus_dir, tokenizer_path, tmp_path_factory):
     from dlm.train import train
 
     out = tmp_path_factory.mktemp("ckpt") / "tiny-mdlm"
-    cfg = tiny_train_config(corpus_dir, tokenizer_path, objective="mdlm", block_length=16, seq_len=64,
+    cfg = tiny_train_config(corpus_dir, tokenizer_path, objective="mdlm", block_size=16, seq_len=64,
                             batch_size=16, max_steps=100, eval_every=100, save_every=100)
     train(cfg, out, quiet=True)
     return out
@@ -61,7 +61,7 @@ def test_loss_falls_and_meta(tiny_mdlm):
     assert losses[-1] < losses[0] - 0.3
     assert all("ce_masked" in r and 0 < r["mask_rate"] < 1 for r in rows if "loss" in r)
     cfg = json.loads((tiny_mdlm / "config.json").read_text())
-    assert cfg["objective"] == "mdlm" and cfg["block_length"] == 16 and cfg["mask_id"] == 3
+    assert cfg["objective"] == "mdlm" and cfg["block_size"] == 16 and cfg["mask_id"] == 3
 
 
 def test_block_diffusion_mask_by_hand():
@@ -105,7 +105,7 @@ def test_loss_is_inverse_t_weighted_masked_cross_entropy(tokenizer_path, corpus_
     tok = Tokenizer.from_file(tokenizer_path)
     model = tiny_model(vocab=tok.vocab_size)
     for L in (0, 8):
-        obj = MDLM(tiny_train_config(corpus_dir, tokenizer_path, objective="mdlm", block_length=L, seq_len=32), tok)
+        obj = MDLM(tiny_train_config(corpus_dir, tokenizer_path, objective="mdlm", block_size=L, seq_len=32), tok)
         batch = torch.randint(16, tok.vocab_size, (3, 33), generator=torch.Generator().manual_seed(2))
         loss, extra = obj.loss(model, batch, torch.Generator().manual_seed(5))
         g = torch.Generator().manual_seed(5)  # the same draws, in the same order
@@ -131,18 +131,15 @@ def test_stratified_times_cover_the_unit_interval():
     assert sorted((t * 8).floor().long().tolist()) == list(range(8))  # one per stratum
 
 
-def test_block_length_must_divide_seq_len(corpus_dir, tokenizer_path):
-    from dlm.tokenizer import Tokenizer
-
-    with pytest.raises(DlmError, match="--block-length must divide"):
-        MDLM(tiny_train_config(corpus_dir, tokenizer_path, objective="mdlm", block_length=12, seq_len=64),
-             Tokenizer.from_file(tokenizer_path))
+def test_block_size_must_divide_seq_len(corpus_dir, tokenizer_path):
+    with pytest.raises(DlmError, match="--block-size must divide"):
+        MDLM.check_config(tiny_train_config(corpus_dir, tokenizer_path, objective="mdlm", block_size=12, seq_len=64))
 
 
 def test_init_from_ar_copies_the_weights(tiny_ar, corpus_dir, tokenizer_path):
     from dlm.tokenizer import Tokenizer
 
-    cfg = tiny_train_config(corpus_dir, tokenizer_path, objective="mdlm", block_length=16, init_from=str(tiny_ar))
+    cfg = tiny_train_config(corpus_dir, tokenizer_path, objective="mdlm", block_size=16, init_from=str(tiny_ar))
     model = MDLM(cfg, Tokenizer.from_file(tokenizer_path)).build_model()
     ar, _ = load_model(tiny_ar)
     for (n, p), (_, q) in zip(model.state_dict().items(), ar.state_dict().items()):
@@ -225,7 +222,7 @@ SETTINGS = [
     dict(),
     dict(sampler="threshold", threshold=0.5),
     dict(sampler="entropy_bound", entropy_bound=0.5),
-    dict(block_length=8, steps=3),
+    dict(block_size=8, steps=3),
     dict(sampler="confidence", remasking="random", steps=4),
     dict(temperature=1.0, top_k=20, seed=3, sampler="entropy_bound", entropy_bound=1.0),
 ]
@@ -278,7 +275,7 @@ def test_whole_sequence_checkpoint_denoises_prompt_and_answer_as_one_block(tiny_
     whole = tmp_path / "whole"
     shutil.copytree(tiny_mdlm, whole, ignore=shutil.ignore_patterns("state*"))
     cfg = json.loads((whole / "config.json").read_text())
-    (whole / "config.json").write_text(json.dumps({**cfg, "block_length": 0}))
+    (whole / "config.json").write_text(json.dumps({**cfg, "block_size": 0}))
     model, ck = load_model(whole, dtype=torch.float64)
     res = generate(model, ck, PROMPT, SampleConfig(max_new_tokens=20, steps=5), keep_events=True)
     naive = generate(model, ck, PROMPT, SampleConfig(max_new_tokens=20, steps=5, naive=True))
@@ -332,7 +329,7 @@ def test_generation_stops_at_eos(mdlm64):
     res = generate(EosAt(model, tok.eos_id, at), ck, PROMPT, SampleConfig(max_new_tokens=64))
     new = res.tokens[0]
     assert new[-1] == tok.eos_id and len(new) == at - P + 1
-    assert res.stats.extra["canvases"] == 2  # no block after the one with <eos>
+    assert res.stats.canvases == 2  # no block after the one with <eos>
     assert res.stats.extra["steps_per_canvas"][1] == 6  # <eos> first, then the 5 positions before it
     assert res.text == tok.decode(new[:-1])
 
@@ -344,7 +341,7 @@ def test_infill_keeps_the_suffix_byte_exact(mdlm64, block_length):
     model, ck = mdlm64
     tok = ck.tokenizer
     suffix = "\n        return result  # <eos> stays text\n"
-    res = generate(model, ck, PROMPT, SampleConfig(max_new_tokens=12, suffix=suffix, block_length=block_length))
+    res = generate(model, ck, PROMPT, SampleConfig(max_new_tokens=12, suffix=suffix, block_size=block_length))
     ids = tok.encode(suffix)
     assert res.tokens[0][-len(ids):] == ids and len(res.tokens[0]) == 12 + len(ids)
     assert res.text.endswith(suffix)
@@ -382,7 +379,7 @@ BAD = [
     (["--entropy-bound", "0", "--sampler", "entropy_bound"], "--entropy-bound must be > 0"),
     (["--suffix", "x = 1\n", "--max-new-tokens", "600"], "no room to fill"),
     (["--sampler", "ar"], "does not belong to an mdlm checkpoint"),
-    (["--block-length", "0"], "--block-length must be > 0"),
+    (["--block-length", "0"], "--block-size must be > 0"),  # the old spelling still works
     (["--threshold", "1.5", "--sampler", "threshold"], "--threshold must be in (0, 1]"),
     (["--remasking", "random", "--sampler", "threshold"], "--remasking random goes with --sampler confidence"),
     (["--prompt", "<fill:0> x"], "must ask for at least one token"),
@@ -465,7 +462,7 @@ def test_equal_quality_interpolates_the_confidence_curve():
 
     def row(sampler, forwards, ppl, block=32):
         return {"method": f"{sampler} {forwards}", "paradigm": "mdlm", "forwards": forwards, "gen_ppl": ppl,
-                "settings": {"sampler": sampler, "block_length": block}}
+                "settings": {"sampler": sampler, "block_size": block}}
 
     rows = [row("confidence", 64, 10.0), row("confidence", 32, 20.0), row("confidence", 16, 40.0),
             row("entropy_bound", 20, 15.0), row("entropy_bound", 8, 80.0), row("entropy_bound", 20, 15.0, block=16),

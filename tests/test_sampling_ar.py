@@ -8,7 +8,7 @@ from dlm.config import preset
 from dlm.errors import DlmError
 from dlm.model import Transformer
 from dlm.sampling import SampleConfig, generate
-from dlm.sampling.ar import ar_stream, naive_stream
+from dlm.sampling.ar import decode, decode_naive
 from dlm.sampling.common import Commit, Done, drain, probs_from_logits, sample_token
 
 
@@ -21,8 +21,8 @@ def test_cached_greedy_equals_naive_loop_on_random_models(seed):
     torch.manual_seed(seed)
     m = Transformer(preset("tiny", vocab_size=50, n_layers=2 + seed % 2)).eval()
     prompt = torch.randint(0, 50, (5 + 3 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-    a = tokens(ar_stream(m, [prompt], max_new_tokens=40))
-    b = tokens(naive_stream(m, prompt, max_new_tokens=40))
+    a = tokens(decode(m, [prompt], 40))
+    b = tokens(decode_naive(m, [prompt], 40))
     assert a == b and len(a) == 40
 
 
@@ -30,8 +30,8 @@ def test_cached_equals_naive_on_trained_model(tiny_ar):
     m, ck = load_model(tiny_ar)
     for text in ["def ", "import os\n", "class Foo(object):\n    def __init__(self"]:
         ids = ck.tokenizer.encode(text)
-        a = tokens(ar_stream(m, [ids], max_new_tokens=30, eos_id=ck.tokenizer.eos_id))
-        b = tokens(naive_stream(m, ids, max_new_tokens=30, eos_id=ck.tokenizer.eos_id))
+        a = tokens(decode(m, [ids], 30, eos_id=ck.tokenizer.eos_id))
+        b = tokens(decode_naive(m, [ids], 30, eos_id=ck.tokenizer.eos_id))
         assert a == b
 
 
@@ -57,10 +57,10 @@ def test_sampling_is_reproducible_with_a_seed(tiny_ar):
 def test_stops_at_eos_and_counts_forwards():
     torch.manual_seed(0)
     m = Transformer(preset("tiny", vocab_size=20)).eval()
-    events = list(ar_stream(m, [[5, 6, 7]], max_new_tokens=10, eos_id=None))
+    events = list(decode(m, [[5, 6, 7]], 10, eos_id=None))
     first = [e.tokens[0] for e in events if isinstance(e, Commit)]
     eos = first[3]  # pretend the 4th greedy token is the end token
-    stopped = list(ar_stream(m, [[5, 6, 7]], max_new_tokens=10, eos_id=eos))
+    stopped = list(decode(m, [[5, 6, 7]], 10, eos_id=eos))
     toks = [e.tokens[0] for e in stopped if isinstance(e, Commit)]
     assert toks == first[:first.index(eos) + 1]
     done = stopped[-1]

@@ -31,7 +31,7 @@ def random_model(seed: int, vocab: int = 48, dim: int = 32, layers: int = 2, std
 
 
 def random_dflash(target: Transformer, seed: int, block: int = 6, injection: str = "kv", features: bool = True):
-    from dlm.objectives.dflash import DFlashDrafter, target_layer_ids
+    from dlm.drafter import DFlashDrafter, target_layer_ids
 
     torch.manual_seed(seed)
     mc = ModelConfig(**{**target.cfg.to_dict(), "n_layers": 1})
@@ -105,7 +105,7 @@ def test_tau_histogram_and_rollback_bookkeeping():
     out2, st2, _ = run(target, Wrong(), prompt, 5, 20)
     assert out2 == target_greedy(target, prompt, 20, None)
     assert st2.histogram == [0, 19] and st2.committed / st2.cycles == 1.0
-    s = spec_stats(st2, Wrong(), 5, 20, 1.0, 0.1, 0).as_dict()
+    s = spec_stats(st2, Wrong(), 5, 20, 0).as_dict()
     assert s["tau"] == 1.0 and s["acceptance_histogram"] == [0, 19, 0, 0, 0, 0] and s["forwards"] == 20
 
 

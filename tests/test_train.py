@@ -13,7 +13,8 @@ import torch
 from conftest import tiny_train_config
 from dlm.checkpoint import find_state, load_model, open_checkpoint
 from dlm.errors import DlmError
-from dlm.train import TrainConfig, lr_at, train
+from dlm.config import TrainConfig
+from dlm.train import lr_at, train
 
 
 def rows(path):
@@ -95,7 +96,7 @@ def test_resume_extends_a_finished_run(corpus_dir, tokenizer_path, tmp_path):
     (dict(max_steps=0), "--max-steps must be > 0"),
     (dict(lr=-1.0), "--lr must be > 0"),
     (dict(seq_len=100000), "too few for one sequence"),
-    (dict(tokenizer="/nonexistent/tokenizer.json"), "tokenizer file not found"),
+    (dict(tokenizer="/nonexistent/tokenizer.json"), "--tokenizer .*no such file"),
 ])
 def test_refused_runs_leave_nothing_behind(corpus_dir, tokenizer_path, tmp_path, change, message):
     out = tmp_path / "out"

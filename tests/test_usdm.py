@@ -12,11 +12,9 @@ from conftest import run_cli, tiny_train_config
 from dlm.checkpoint import load_model
 from dlm.config import preset
 from dlm.errors import DlmError
-from dlm.model import Transformer
-from dlm.objectives.usdm import (
-    USDM, canvas_embeds, choose_canvas, fill_after_eos, joint_forward, uniform_elbo_integrand,
-)
-from dlm.sampling import SampleConfig, generate, stream
+from dlm.model import Transformer, canvas_embeds
+from dlm.objectives.usdm import USDM, choose_canvas, fill_after_eos, joint_forward, uniform_elbo_integrand
+from dlm.sampling import SampleConfig, encode, generate, stream
 from dlm.sampling import usdm as us
 from dlm.sampling.common import Commit, Done, Step
 
@@ -93,7 +91,7 @@ def test_canvas_choice_and_eos_fill():
 
 def test_loss_is_a_function_of_the_generator(tokenizer_path):
     from dlm.tokenizer import Tokenizer
-    from dlm.train import TrainConfig
+    from dlm.config import TrainConfig
 
     tok = Tokenizer.from_file(tokenizer_path)
     obj = USDM(TrainConfig(objective="usdm", seq_len=32, canvas_length=8), tok)
@@ -222,7 +220,7 @@ def test_adaptive_stopping_and_canvas_extension(tiny_usdm, monkeypatch):
     # fixed steps: adaptive off runs every step
     fake2 = FakeDenoiser(V)
     monkeypatch.setattr(us, "denoise", fake2)
-    res2 = generate(model, ck, prompt, cfg.replace(adaptive=False, max_denoising_steps=7))
+    res2 = generate(model, ck, prompt, cfg.replace(adaptive=False, steps=7))
     assert res2.stats.extra["steps_per_canvas"] == [7, 7, 7] and res2.tokens == res.tokens
     # stability threshold 3: three unchanged argmax canvases after the first
     monkeypatch.setattr(us, "denoise", FakeDenoiser(V))
@@ -233,7 +231,7 @@ def test_stop_waits_for_confidence(tiny_usdm, monkeypatch):
     """The argmax is stable from step 2, but the canvas stops only once the mean entropy is below the threshold."""
     model, ck = load_model(tiny_usdm)
     monkeypatch.setattr(us, "denoise", FakeDenoiser(model.cfg.vocab_size, peak=8.0, sharpen=0.1))  # sharper each call
-    res = generate(model, ck, "x = 1\n", SampleConfig(max_new_tokens=8, canvas_length=8, max_denoising_steps=10),
+    res = generate(model, ck, "x = 1\n", SampleConfig(max_new_tokens=8, canvas_length=8, steps=10),
                    keep_events=True)
     ents = [e.entropy for e in res.events if isinstance(e, Step)]
     assert res.stats.extra["steps_per_canvas"] == [4] and len(ents) == 4
@@ -247,7 +245,7 @@ def test_eos_ends_generation(tiny_usdm, monkeypatch):
     monkeypatch.setattr(us, "denoise", fake)
     res = generate(model, ck, "y = 2\n", SampleConfig(max_new_tokens=64, canvas_length=16))
     assert len(res.tokens[0]) == 16 + 6 and res.tokens[0][-1] == eos  # cut after the first <eos>
-    assert res.stats.extra["canvases"] == 2
+    assert res.stats.canvases == 2
     assert res.stats.forwards == 1 + 2 + 1 + 2  # no prefill after the last canvas
 
 
@@ -255,7 +253,7 @@ def test_eos_ends_generation(tiny_usdm, monkeypatch):
 
 def test_sampler_runs_and_is_reproducible(tiny_usdm):
     model, ck = load_model(tiny_usdm)
-    cfg = SampleConfig(max_new_tokens=24, max_denoising_steps=6, seed=3)
+    cfg = SampleConfig(max_new_tokens=24, steps=6, seed=3)
     a = generate(model, ck, "import os\n", cfg, keep_events=True)
     b = generate(model, ck, "import os\n", cfg)
     assert a.tokens == b.tokens and a.texts == b.texts
@@ -275,7 +273,7 @@ def test_infilling_keeps_the_suffix_byte_exact(tiny_usdm):
     model, ck = load_model(tiny_usdm)
     tok = ck.tokenizer
     suffix = "\n    return result\n"
-    res = generate(model, ck, "def f(x):\n    result = ", SampleConfig(max_new_tokens=6, suffix=suffix, max_denoising_steps=5),
+    res = generate(model, ck, "def f(x):\n    result = ", SampleConfig(max_new_tokens=6, suffix=suffix, steps=5),
                    keep_events=True)
     assert res.text.endswith(suffix) and res.tokens[0][-len(tok.encode(suffix)):] == tok.encode(suffix)
     assert res.stats.new_tokens == 6 and tok.eos_id not in res.tokens[0]
@@ -284,7 +282,7 @@ def test_infilling_keeps_the_suffix_byte_exact(tiny_usdm):
         if isinstance(e, Step):  # pinned positions are never re-noised
             assert e.canvas[6:] == pins and all(e.fixed[6:])
     # a template: everything but the markers is pinned
-    res = generate(model, ck, "a = [<fill:3>]\nb = <fill:2>\n", SampleConfig(max_denoising_steps=4))
+    res = generate(model, ck, "a = [<fill:3>]\nb = <fill:2>\n", SampleConfig(steps=4))
     tail = tok.decode(res.tokens[0])
     assert tail.endswith("\n") and "]\nb = " in tail and res.stats.new_tokens == 5
 
@@ -297,13 +295,15 @@ def test_bad_sampling_options(tiny_usdm):
         (dict(entropy_bound=0.0), "--entropy-bound"),
         (dict(t_min=0.9, t_max=0.5), "--t-min"),
         (dict(sampler="confidence"), "--sampler"),
-        (dict(steps=8), "--max-denoising-steps"),
+        (dict(steps=0), "--steps"),
+        (dict(block_size=8), "--block-size is an mdlm"),
         (dict(temperature=0.7), "--temperature"),
         (dict(suffix="x" * 3000, max_new_tokens=8), "no room to fill"),
     ]
     for kw, msg in bad:
         with pytest.raises(DlmError, match=msg):
-            stream(model, ck, ["a = 1"], SampleConfig(**kw))  # refused before any work
+            cfg = SampleConfig(**kw)
+            stream(model, ck, encode(ck, "a = 1", cfg), cfg)  # refused before any work
 
 
 def test_cli_generate_json_and_errors(tiny_usdm):

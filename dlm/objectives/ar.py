@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dlm.objectives import Objective
+from dlm.objectives.base import Objective
 
 
 def next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:

@@ -5,14 +5,14 @@ The denoiser sees the corrupted sequence bidirectionally and is trained with cro
 masked positions only, weighted by 1/t, summed and divided by the number of tokens: a Monte-Carlo
 estimate of the negative ELBO per token (MDLM, LLaDA).
 
-Block diffusion (`--block-length B`, BD3-LM): the window is cut into blocks of B tokens, each with a
+Block diffusion (`--block-size B`, BD3-LM): the window is cut into blocks of B tokens, each with a
 time of its own. One pass runs [x_t | x_0] (2T tokens, positions 0..T-1 twice) under a boolean mask:
 
     noisy block b  -> itself (bidirectional) and the clean blocks < b
     clean block b  -> the clean blocks <= b                      (what the KV cache holds at sampling)
 
 so the noisy half learns p(block b | clean blocks before it), which is how generation proceeds
-block by block with an exact KV cache. The loss reads the noisy half only. `block_length` 0 is
+block by block with an exact KV cache. The loss reads the noisy half only. `block_size` 0 is
 whole-sequence MDLM (mask "full", T tokens).
 
 The likelihood bound (`dlm eval`) uses LLaDA's lower-variance form of the same ELBO: per block,
@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dlm.config import TrainConfig
 from dlm.errors import DlmError, check
-from dlm.noise import EPS
-from dlm.objectives import Objective
+from dlm.noise import EPS, mask_corrupt
+from dlm.objectives.base import Objective
 
 
 def block_ids(T: int, L: int, device: torch.device | str = "cpu") -> Tensor:
@@ -84,27 +85,30 @@ class MDLM(Objective):
     def __init__(self, cfg, tokenizer):
         super().__init__(cfg, tokenizer)
         check(tokenizer.mask_id is not None, f"--objective mdlm: the tokenizer {tokenizer.source} has no <mask> token")
-        check(cfg.block_length >= 0, f"--block-length must be >= 0 (0 = whole sequence), got {cfg.block_length}")
-        if cfg.block_length and cfg.seq_len % cfg.block_length:
-            raise DlmError(f"--block-length must divide --seq-len ({cfg.seq_len}), got {cfg.block_length}")
         self.mask_id = tokenizer.mask_id
 
+    @classmethod
+    def check_config(cls, cfg: TrainConfig) -> None:
+        B = cfg.block_size or 0
+        check(B >= 0, f"--block-size must be >= 0 (0 = whole sequence), got {B}")
+        if B and cfg.seq_len % B:
+            raise DlmError(f"--block-size must divide --seq-len ({cfg.seq_len}), got {B}")
+
     @property
-    def block_length(self) -> int:
+    def block_size(self) -> int:
         """Blocks of this many tokens (the whole window when 0 or >= seq_len)."""
-        L = self.cfg.block_length
-        return L if 0 < L < self.cfg.seq_len else 0
+        B = self.cfg.block_size or 0
+        return B if 0 < B < self.cfg.seq_len else 0
 
     def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator) -> tuple[Tensor, dict[str, float]]:
         x0 = batch[:, :-1]  # (B, T)
         B, T = x0.shape
-        L = self.block_length or T
+        L = self.block_size or T
         nb = T // L
         t = stratified_t(B * nb, gen, x0.device).view(B, nb)  # one time per block
         t_tok = t.repeat_interleave(L, dim=1)  # (B, T)
-        masked = torch.rand(B, T, generator=gen, device=x0.device) < t_tok
-        xt = torch.where(masked, torch.full_like(x0, self.mask_id), x0)
-        h = noisy_hidden(model, xt, x0 if self.block_length else None, L)  # (B, T, D)
+        xt, masked = mask_corrupt(x0, t_tok, self.mask_id, gen)
+        h = noisy_hidden(model, xt, x0 if self.block_size else None, L)  # (B, T, D)
         logits = masked_logits(model, h[masked], self.mask_id)  # (N, V)
         ce = F.cross_entropy(logits, x0[masked], reduction="none")  # (N,)
         loss = (ce / t_tok[masked]).sum() / (B * T)
@@ -112,15 +116,10 @@ class MDLM(Objective):
         return loss, {"ce_masked": float(ce.detach().mean()) if n else 0.0, "mask_rate": n / (B * T)}
 
     def meta(self) -> dict[str, Any]:
-        return {"block_length": self.block_length, "mask_id": self.mask_id}
+        return {"block_size": self.block_size, "mask_id": self.mask_id}
 
 
 # likelihood bound --------------------------------------------------------------------------------
-
-def checkpoint_block_length(ck) -> int:
-    """The block length an mdlm checkpoint was trained with (0: whole sequence)."""
-    return int(ck.config.get("block_length") or 0)
-
 
 @torch.inference_mode()
 def elbo_nll(model: nn.Module, x0: Tensor, L: int, mask_id: int, samples: int, gen: torch.Generator) -> Tensor:
@@ -168,7 +167,7 @@ def mdlm_eval(model, ck, corpus, split: str, seq_len: int, batch_size: int, max_
 
     check(samples > 0, f"--samples must be > 0, got {samples}")
     tok = ck.tokenizer
-    L = checkpoint_block_length(ck)
+    L = ck.block_size
     T = min(seq_len, model.cfg.max_seq_len)
     batches = Batches(load_tokens(corpus, tok, split), T, batch_size)
     gen = torch.Generator(device=model.device)

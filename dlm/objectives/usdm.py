@@ -41,19 +41,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dlm.config import TrainConfig
+from dlm.errors import check
+from dlm.model import canvas_embeds
 from dlm.noise import sample_t, uniform_corrupt
-from dlm.objectives import Objective
-
-
-def canvas_embeds(model: nn.Module, canvas: Tensor, probs: Tensor | None) -> Tensor:
-    """Denoiser input: token embeddings of the canvas (B, L) plus the self-conditioning signal.
-
-    probs (B, L, V): the previous pass's distribution (softmax of its processed logits), or None on
-    a canvas's first step (a zero signal: rows of zeros in probs are the same as None).
-    """
-    emb = model.embed_tokens(canvas)  # (B, L, D)
-    soft = None if probs is None else probs.to(emb.dtype) @ model.embed_tokens.weight  # (B, L, D)
-    return model.self_cond(emb, soft)
+from dlm.objectives.base import Objective
 
 
 def joint_mask(T: int, L: int, start: Tensor) -> Tensor:
@@ -93,14 +85,18 @@ def choose_canvas(batch: Tensor, L: int, gen: torch.Generator) -> tuple[Tensor, 
     return start, batch.gather(1, idx)
 
 
-def noise_vocab(ck_config: dict[str, Any], tokenizer) -> int:
-    """Size of the vocabulary uniform noise is drawn from (the tokenizer's, recorded at training)."""
-    return int(ck_config.get("noise_vocab", tokenizer.vocab_size))
-
-
 class USDM(Objective):
     name = "usdm"
     self_cond = True
+
+    @classmethod
+    def check_config(cls, cfg: TrainConfig) -> None:
+        check(0 < cfg.canvas_length <= cfg.seq_len,
+              f"--canvas-length must be in [1, --seq-len {cfg.seq_len}] (a prefix precedes the canvas), "
+              f"got {cfg.canvas_length}")
+        check(cfg.loss_weight in ("constant", "inverse"),
+              f"--loss-weight must be constant or inverse, got {cfg.loss_weight!r}")
+        check(0 <= cfg.self_cond_prob <= 1, f"--self-cond-prob must be in [0, 1], got {cfg.self_cond_prob}")
 
     def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator) -> tuple[Tensor, dict[str, float]]:
         cfg, dev = self.cfg, batch.device
@@ -207,11 +203,9 @@ def evaluate(model: nn.Module, ck, corpus, split: str, seq_len: int, batch_size:
     from dlm.data.tokens import Batches, load_tokens
 
     tok = ck.tokenizer
-    N = noise_vocab(ck.config, tok)
-    L = int(ck.config.get("canvas_length", ck.config.get("train", {}).get("canvas_length", 256)))
+    N = ck.noise_vocab
+    L = ck.canvas_length
     seq = min(seq_len, model.cfg.max_seq_len)
-    from dlm.errors import check
-
     check(0 < L < seq + 1, f"--seq-len {seq} leaves no prefix before a canvas of {L} tokens (need seq-len >= {L})")
     check(samples > 0, f"samples must be > 0, got {samples}")
     dev = model.device

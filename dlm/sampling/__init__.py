@@ -1,30 +1,36 @@
-"""Samplers, one file per paradigm, and the dispatch from a checkpoint to its sampler.
+"""Samplers: one contract for every paradigm.
 
-`SampleConfig` holds every sampling option of every paradigm (the CLI's `generate` flags).
-Each sampler module exposes `stream(model, ck, prompts, cfg) -> Iterator[Event]`, where
-prompts are strings (a sampler may need them whole: templates, suffixes). `stream()` below picks
-the module from the checkpoint's objective, or the speculative loop when a drafter is given.
+    stream(model, ck, prompts, cfg, drafter=None) -> Iterator[Event]
+
+model: the network a checkpoint describes (`dlm.checkpoint.load_model`); ck: its Checkpoint
+(tokenizer, paradigm, training meta); prompts: Prompt objects (or plain lists of token ids), one
+output row each; cfg: one SampleConfig. The events end with exactly one Done (dlm.sampling.common
+defines the events and the statistics). The paradigm comes from the checkpoint; a drafter (`cfg.draft`,
+or a `drafter` object already loaded) makes it speculative decoding of an AR target.
+
+    ar           sampling/ar.py            prefill, then one token per forward with the KV cache
+    mdlm         sampling/mdlm.py          masked diffusion, block by block over a KV cache
+    usdm         sampling/usdm.py          DiffusionGemma's entropy-bound canvas sampler
+    speculative  sampling/speculative.py   the one lossless verifier and the drafters
+
+`generate()` is the text-in, text-out wrapper that drains the stream.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from torch import nn
 
 from dlm.checkpoint import Checkpoint
 from dlm.errors import DlmError
-from dlm.sampling.common import Event, Result, drain
+from dlm.sampling import ar, mdlm, speculative, usdm
+from dlm.sampling.common import Event, Prompt, Result, drain
+from dlm.sampling.infill import encode_prompt
 
-# objective -> sampler module
-SAMPLERS: dict[str, str] = {
-    "ar": "dlm.sampling.ar",
-    "mdlm": "dlm.sampling.mdlm",
-    "usdm": "dlm.sampling.usdm",
-}
+SAMPLERS = {"ar": ar, "mdlm": mdlm, "usdm": usdm}
 
 
 @dataclass
@@ -39,22 +45,20 @@ class SampleConfig:
         seed: makes sampling reproducible
         naive: AR, mdlm: recompute the whole sequence every step (no KV cache)
         sampler: diffusion sampler: confidence | threshold | entropy_bound (mdlm); entropy_bound (usdm); auto = the paradigm's default
-        steps: mdlm: denoising steps per block (default: one token per step; threshold / entropy_bound: at most this many)
+        steps: denoising steps per block (mdlm; default: one token per step; threshold / entropy_bound: at most this many) or per canvas at most (usdm; default 48)
         threshold: mdlm threshold sampler: commit every position with confidence >= this
-        entropy_bound: entropy-bound acceptance: cumulative entropy minus its largest term <= this
-        block_length: mdlm: semi-autoregressive block length (default: the checkpoint's training block length, else the whole generation)
+        entropy_bound: entropy-bound acceptance: cumulative entropy minus its largest entropy <= this
+        block_size: a block of positions: mdlm's semi-autoregressive block (default: the checkpoint's training block, else the whole generation); speculative: the block of one verify cycle, the last committed token + block_size-1 proposals (default: the drafter's: its block size for DFlash, 5 for an AR draft, 8 for lookup)
         remasking: mdlm: low_confidence | random
         canvas_length: usdm: tokens per canvas (default: the checkpoint's)
-        max_denoising_steps: usdm: denoising steps per canvas at most
         t_max: usdm: temperature of the first step
         t_min: usdm: temperature approached at the last step
         stability_threshold: usdm adaptive stopping: steps the argmax canvas must stay unchanged
         confidence_threshold: usdm adaptive stopping: mean entropy below which a canvas may stop
-        adaptive: usdm: stop a canvas early (adaptive stopping); off = always max_denoising_steps
+        adaptive: usdm: stop a canvas early (adaptive stopping); off = always the full number of steps
         suffix: infilling: text after the hole (pinned, comes out byte-exact)
         fill_length: template markers: positions per <fill> (<fill:N> asks for N)
         draft: speculative decoding: a drafter checkpoint folder, or 'lookup' (prompt lookup)
-        gamma: speculative: block of one cycle, the last committed token + gamma-1 proposals (0 = the drafter's default: its block size for DFlash, 5 for an AR draft, 8 for lookup)
         draft_passes: DFlash: denoising passes per draft (1-3; later passes re-predict the slots below 0.9 confidence)
         lookup_ngram: prompt lookup: longest n-gram to match in the context
         check_lossless: speculative: also run the target alone and report whether the outputs agree
@@ -71,10 +75,9 @@ class SampleConfig:
     steps: int | None = None
     threshold: float = 0.9
     entropy_bound: float = 0.1
-    block_length: int | None = None
+    block_size: int | None = None
     remasking: str = "low_confidence"
     canvas_length: int | None = None
-    max_denoising_steps: int = 48
     t_max: float = 0.8
     t_min: float = 0.4
     stability_threshold: int = 1
@@ -84,7 +87,6 @@ class SampleConfig:
     fill_length: int = 16
     # speculative decoding
     draft: str | None = None
-    gamma: int = 0
     draft_passes: int = 1
     lookup_ngram: int = 3
     check_lossless: bool = False
@@ -93,22 +95,36 @@ class SampleConfig:
         return dataclasses.replace(self, **kw)
 
 
-def stream(model: nn.Module, ck: Checkpoint, prompts: list[str], cfg: SampleConfig) -> Iterator[Event]:
-    """The event stream of the sampler that fits the checkpoint's paradigm (or the drafter)."""
-    if cfg.draft:
-        from dlm.sampling import speculative
+# older spellings of options that now share one name (accepted on the command line and in --config files)
+ALIASES = {"block_length": "block_size", "gamma": "block_size", "max_denoising_steps": "steps"}
 
-        return speculative.stream(model, ck, prompts, cfg)
+
+def stream(model: nn.Module, ck: Checkpoint, prompts: Sequence[Prompt | Sequence[int]], cfg: SampleConfig,
+           drafter: speculative.Drafter | None = None) -> Iterator[Event]:
+    """The event stream of the sampler that fits the checkpoint's paradigm (or the drafter)."""
+    if isinstance(prompts, str) or any(isinstance(p, str) for p in prompts):
+        raise TypeError("stream() takes Prompts or token ids; encode text with dlm.sampling.encode()")
+    ps = [p if isinstance(p, Prompt) else Prompt(list(p)) for p in prompts]
+    if not ps:
+        raise DlmError("no prompt given")
+    if cfg.draft or drafter is not None:
+        return speculative.stream(model, ck, ps, cfg, drafter)
     if ck.objective not in SAMPLERS:
         raise DlmError(f"checkpoint {ck.path}: objective {ck.objective!r} has no sampler "
-                       f"(samplers exist for {sorted(SAMPLERS)})")
-    return importlib.import_module(SAMPLERS[ck.objective]).stream(model, ck, prompts, cfg)
+                       f"(samplers exist for {sorted(SAMPLERS)}; a dflash drafter is used with --draft)")
+    return SAMPLERS[ck.objective].stream(model, ck, ps, cfg)
+
+
+def encode(ck: Checkpoint, texts: str | Sequence[str], cfg: SampleConfig) -> list[Prompt]:
+    """Text requests as Prompts (plain continuation, or infilling/templates per cfg.suffix and markers)."""
+    texts = [texts] if isinstance(texts, str) else list(texts)
+    return [encode_prompt(ck.tokenizer, t, cfg.suffix, cfg.max_new_tokens, cfg.fill_length) for t in texts]
 
 
 def generate(model: nn.Module, ck: Checkpoint, prompts: str | list[str], cfg: SampleConfig | None = None,
              keep_events: bool = False) -> Result:
     """Sample and decode: the Python entry point behind `dlm generate`."""
     cfg = cfg or SampleConfig()
-    texts = [prompts] if isinstance(prompts, str) else list(prompts)
-    return drain(stream(model, ck, texts, cfg), ck.tokenizer.decode, ck.tokenizer.eos_id, rows=len(texts),
+    ps = encode(ck, prompts, cfg)
+    return drain(stream(model, ck, ps, cfg), ck.tokenizer.decode, ck.tokenizer.eos_id, rows=len(ps),
                  keep_events=keep_events)

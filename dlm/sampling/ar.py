@@ -1,8 +1,8 @@
 """Autoregressive decoding: prefill, then one token per forward with the KV cache.
 
-`ar_stream` is the sampler (a generator of events) for a batch of prompts, left-padded, each row
-with its own positions; `naive_stream` recomputes the whole sequence every step (the reference
-that cached decoding must match token for token, and a benchmark row). `generate` drains either.
+`stream` runs a batch of prompts left-padded, each row with its own positions (`decode`); with
+`--naive` it recomputes the whole sequence every step instead, one prompt after another
+(`decode_naive`: the reference that cached decoding must match token for token, and a bench row).
 """
 
 from __future__ import annotations
@@ -13,18 +13,34 @@ import torch
 
 from dlm.errors import DlmError, check
 from dlm.model import Transformer
-from dlm.sampling.common import Clock, Commit, Done, Event, Result, Stats, check_sampling, drain, make_generator, sample_token
+from dlm.sampling.common import (
+    Clock, Commit, Event, Prompt, Stats, check_fits, check_sampling, make_generator, sample_token,
+)
 
 
-def check_room(model: Transformer, prompt_len: int, max_new_tokens: int) -> None:
-    check(max_new_tokens > 0, f"--max-new-tokens must be > 0, got {max_new_tokens}")
-    check(prompt_len > 0, "--prompt is empty: give at least one token of prompt")
-    ctx = model.cfg.max_seq_len
-    if prompt_len + max_new_tokens > ctx:
-        raise DlmError(
-            f"--prompt is {prompt_len} tokens; with --max-new-tokens {max_new_tokens} that exceeds the model's "
-            f"context of {ctx} tokens (allowed: prompt + max-new-tokens <= {ctx})"
-        )
+def check_options(model: Transformer, prompts: Sequence[Prompt], cfg, what: str = "an ar checkpoint") -> None:
+    """Refuse what an AR decoder cannot do (cfg: SampleConfig)."""
+    check_sampling(cfg.temperature, cfg.top_k, cfg.top_p)
+    check(cfg.max_new_tokens > 0, f"--max-new-tokens must be > 0, got {cfg.max_new_tokens}")
+    for p in prompts:
+        if p.canvas is not None:
+            raise DlmError(f"--suffix / <fill> markers: {what} cannot infill (use an mdlm or usdm checkpoint)")
+        check(len(p.ids) > 0, "--prompt is empty: give at least one token of prompt")
+        check_fits(model.cfg.max_seq_len, p, cfg.max_new_tokens)
+
+
+def stream(model: Transformer, ck, prompts: list[Prompt], cfg) -> Iterator[Event]:
+    """The AR sampler (cfg: SampleConfig)."""
+    if cfg.sampler not in ("auto", "ar"):
+        raise DlmError(f"--sampler {cfg.sampler} does not belong to an ar checkpoint (allowed: auto)")
+    check_options(model, prompts, cfg)
+    tok = ck.tokenizer
+    ids = [p.ids for p in prompts]
+    if cfg.naive:
+        return decode_naive(model, ids, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed,
+                            tok.eos_id)
+    return decode(model, ids, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, tok.eos_id,
+                  tok.pad_id)
 
 
 def prefill(model: Transformer, prompts: Sequence[Sequence[int]], capacity: int, pad_id: int):
@@ -53,17 +69,15 @@ def prefill(model: Transformer, prompts: Sequence[Sequence[int]], capacity: int,
 
 
 @torch.inference_mode()
-def ar_stream(
-    model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128, temperature: float = 0.0,
-    top_k: int = 0, top_p: float = 1.0, seed: int | None = 0, eos_id: int | None = None, pad_id: int = 0,
-) -> Iterator[Event]:
-    check_sampling(temperature, top_k, top_p)
-    check_room(model, max(len(p) for p in prompts), max_new_tokens)
+def decode(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
+           top_k: int = 0, top_p: float = 1.0, seed: int | None = 0, eos_id: int | None = None,
+           pad_id: int = 0) -> Iterator[Event]:
+    """A batch of prompts with the KV cache: one forward per new token for the whole batch."""
     gen = make_generator(seed, model.device)
     clock = Clock()
     B, P = len(prompts), max(len(p) for p in prompts)
     logits, cache, valid, pos = prefill(model, prompts, P + max_new_tokens, pad_id)
-    forwards, new = 1, 0
+    stats = Stats(forwards=1)
     done = torch.zeros(B, dtype=torch.bool, device=model.device)
     for i in range(max_new_tokens):
         nxt = sample_token(logits, temperature, top_k, top_p, gen)  # (B,)
@@ -71,7 +85,7 @@ def ar_stream(
         for b in range(B):
             if not done[b]:
                 yield Commit([int(nxt[b])], row=b)
-                new += 1
+                stats.new_tokens += 1
         if eos_id is not None:
             done |= nxt == eos_id
         if bool(done.all()) or i == max_new_tokens - 1:
@@ -80,62 +94,28 @@ def ar_stream(
         mask = valid[:, None, None, :cache.length + 1] if B > 1 else "causal"  # (B, 1, 1, S)
         logits = model(nxt[:, None], pos=pos[:, None], cache=cache, mask=mask).logits[:, -1]
         pos = pos + 1
-        forwards += 1
-    yield Done(Stats(new_tokens=new, forwards=forwards, seconds=clock.elapsed(), ttft=clock.first))
+        stats.forwards += 1
+    yield clock.finish(stats)
 
 
 @torch.inference_mode()
-def naive_stream(
-    model: Transformer, prompt: Sequence[int], *, max_new_tokens: int = 128, temperature: float = 0.0,
-    top_k: int = 0, top_p: float = 1.0, seed: int | None = 0, eos_id: int | None = None, pad_id: int = 0,
-) -> Iterator[Event]:
-    """No cache: every step runs the model over the whole sequence so far (one prompt)."""
-    check_sampling(temperature, top_k, top_p)
-    check_room(model, len(prompt), max_new_tokens)
+def decode_naive(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = 0,
+                 eos_id: int | None = None) -> Iterator[Event]:
+    """No cache: every step runs the model over the whole sequence so far (one prompt after another)."""
     gen = make_generator(seed, model.device)
     clock = Clock()
-    seq = torch.tensor([list(prompt)], dtype=torch.long, device=model.device)
-    forwards = new = 0
-    for _ in range(max_new_tokens):
-        logits = model(seq).logits[:, -1]
-        forwards += 1
-        nxt = sample_token(logits, temperature, top_k, top_p, gen)  # (1,)
-        clock.mark_first()
-        yield Commit([int(nxt[0])])
-        new += 1
-        if eos_id is not None and int(nxt[0]) == eos_id:
-            break
-        seq = torch.cat([seq, nxt[:, None]], dim=1)
-    yield Done(Stats(new_tokens=new, forwards=forwards, seconds=clock.elapsed(), ttft=clock.first))
-
-
-def stream(model: Transformer, ck, prompts: list[str], cfg) -> Iterator[Event]:
-    """The AR sampler for `dlm generate` (cfg: SampleConfig)."""
-    if cfg.sampler not in ("auto", "ar"):
-        raise DlmError(f"--sampler {cfg.sampler} does not belong to an ar checkpoint (allowed: auto)")
-    if cfg.suffix is not None:
-        raise DlmError("--suffix: an ar checkpoint cannot infill (use an mdlm or usdm checkpoint)")
-    tok = ck.tokenizer
-    ids = [tok.encode(p) for p in prompts]
-    opts = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                seed=cfg.seed, eos_id=tok.eos_id, pad_id=tok.pad_id)
-    if cfg.naive:
-        if len(ids) != 1:
-            raise DlmError("--naive takes one prompt at a time")
-        return naive_stream(model, ids[0], **opts)
-    return ar_stream(model, ids, **opts)
-
-
-def generate(model: Transformer, tokenizer, prompt: str | list[str], *, naive: bool = False, **opts) -> Result:
-    """Generate continuations of one prompt or a batch; returns texts, tokens and statistics."""
-    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-    ids = [tokenizer.encode(p) for p in prompts]
-    opts.setdefault("eos_id", tokenizer.eos_id)
-    opts.setdefault("pad_id", tokenizer.pad_id)
-    if naive:
-        if len(ids) != 1:
-            raise DlmError("the naive loop takes one prompt at a time")
-        events = naive_stream(model, ids[0], **opts)
-    else:
-        events = ar_stream(model, ids, **opts)
-    return drain(events, tokenizer.decode, tokenizer.eos_id, rows=len(ids))
+    stats = Stats()
+    for row, prompt in enumerate(prompts):
+        seq = torch.tensor([list(prompt)], dtype=torch.long, device=model.device)
+        for _ in range(max_new_tokens):
+            logits = model(seq).logits[:, -1]
+            stats.forwards += 1
+            nxt = sample_token(logits, temperature, top_k, top_p, gen)  # (1,)
+            clock.mark_first()
+            yield Commit([int(nxt[0])], row=row)
+            stats.new_tokens += 1
+            if eos_id is not None and int(nxt[0]) == eos_id:
+                break
+            seq = torch.cat([seq, nxt[:, None]], dim=1)
+    yield clock.finish(stats)

@@ -1,12 +1,23 @@
-"""What every sampler shares: events, statistics, and turning logits into tokens.
+"""What every sampler shares: the request, the events, the statistics, and turning logits into tokens.
 
-A sampler is a generator of events. `Commit` carries tokens that are final; paradigms add their
-own events (a denoising step with its canvas, an accepted draft). `Done` always comes last and
-carries the statistics, whose definitions are the project's (DESIGN.md):
+The sampler contract (dlm.sampling.stream): a function of the model(s), the prompts and one
+SampleConfig that returns a generator of events. Bad options raise DlmError when it is called,
+before any work. The events:
 
-  forwards            forward passes of the model that produces the final tokens
+  Commit    tokens that are final, appended to a row's output
+  Step      one denoising step of a canvas (mdlm block, usdm canvas): what the live view draws
+  Verified  one speculative verify cycle: what the drafter proposed and how much was accepted
+  Done      exactly one, last: the statistics of the whole call
+
+Statistics (Stats), one definition each, the same in every paradigm:
+
+  new_tokens          tokens generated (committed), over all rows
+  forwards            forward passes of the model that produces the final tokens (the target)
+  draft_forwards      forward passes of a drafter model (speculative decoding; 0 otherwise)
+  canvases            canvases (usdm) or blocks (mdlm) denoised (0 for AR and speculation)
+  steps               denoising steps over all canvases (0 for AR and speculation)
   tokens_per_forward  new tokens / forwards
-  tokens_per_second   new tokens / seconds (wall time of the whole generation, prefill included)
+  tokens_per_second   new tokens / seconds (wall time of the whole call, prefill included)
   ttft                seconds until the first token was committed
 """
 
@@ -19,7 +30,30 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
-from dlm.errors import check
+from dlm.errors import DlmError, check
+
+
+@dataclass
+class Prompt:
+    """One request: the prompt's token ids and, for infilling and templates, the canvas to fill.
+
+    canvas None: continue the prompt for max_new_tokens tokens. Otherwise each entry is a pinned
+    token (comes out byte-exact) or None (a hole to generate); the prompt precedes it.
+    """
+
+    ids: list[int]
+    canvas: list[int | None] | None = None
+
+
+def check_fits(context: int, prompt: Prompt, max_new_tokens: int) -> None:
+    """The one rule: the prompt and what is generated after it must fit the model's context."""
+    P = len(prompt.ids)
+    if prompt.canvas is None and P + max_new_tokens > context:
+        raise DlmError(f"--prompt is {P} tokens; with --max-new-tokens {max_new_tokens} that exceeds the model's "
+                       f"context of {context} tokens (allowed: prompt + max-new-tokens <= {context})")
+    if prompt.canvas is not None and P + len(prompt.canvas) > context:
+        raise DlmError(f"--prompt is {P} tokens and the canvas to fill (holes + pinned suffix or template text) "
+                       f"{len(prompt.canvas)}: more than the model's context of {context} tokens, no room to fill")
 
 
 @dataclass
@@ -37,10 +71,12 @@ class Commit(Event):
 
 @dataclass
 class Step(Event):
-    """One denoising step of a canvas (or block): what the live view draws and the tests read.
+    """One denoising step of a canvas: what the live view draws and the tests read.
 
-    `canvas` is the full canvas after the step (masks or noise included); `fixed[i]` is True where
-    position i holds an accepted/unmasked/pinned token, False where it is still mask or noise.
+    `canvas` is the canvas after the step: the positions this canvas generates (an mdlm block, a
+    usdm canvas, an infilling or template canvas), pinned positions included, the prompt excluded,
+    masks or noise where nothing is accepted yet. `offset` is where canvas[0] falls in the row's
+    output. `fixed[i]` is True where position i holds an accepted/unmasked/pinned token.
     """
 
     canvas: list[int]
@@ -49,20 +85,36 @@ class Step(Event):
     canvas_index: int = 0  # which canvas / block of the generation
     entropy: float | None = None  # mean entropy (nats) of the step's predictive distribution
     row: int = 0
+    offset: int = 0
+
+
+@dataclass
+class Verified(Event):
+    """One verify cycle: what the drafter proposed and how many of those the target accepted."""
+
+    proposed: list[int]
+    accepted: int
+    row: int = 0
 
 
 @dataclass
 class Stats:
     new_tokens: int = 0
     forwards: int = 0
+    draft_forwards: int = 0
+    canvases: int = 0
+    steps: int = 0
     seconds: float = 0.0
     ttft: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)  # paradigm-specific (canvases, tau, ...)
+    extra: dict[str, Any] = field(default_factory=dict)  # paradigm-specific (steps_per_canvas, tau, ...)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "new_tokens": self.new_tokens,
             "forwards": self.forwards,
+            "draft_forwards": self.draft_forwards,
+            "canvases": self.canvases,
+            "steps": self.steps,
             "tokens_per_forward": self.new_tokens / self.forwards if self.forwards else 0.0,
             "seconds": self.seconds,
             "tokens_per_second": self.new_tokens / self.seconds if self.seconds > 0 else 0.0,
@@ -120,6 +172,12 @@ class Clock:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
+
+    def finish(self, stats: Stats) -> Done:
+        """The Done event of a call: its statistics with the wall time and time to first token."""
+        stats.seconds = self.elapsed()
+        stats.ttft = self.first
+        return Done(stats)
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float) -> None:

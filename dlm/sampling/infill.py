@@ -1,7 +1,8 @@
-"""Infilling and templates: which canvas positions are pinned and which are to be generated.
+"""Turning a text request into a Prompt: plain continuation, infilling, or a template.
 
-Two ways to ask for it:
-- a prefix and a suffix (`--prompt PREFIX --suffix SUFFIX`): the middle has `fill_length`
+Three ways to ask:
+- plain text: continue it for max_new_tokens tokens (Prompt.canvas is None);
+- a prefix and a suffix (`--prompt PREFIX --suffix SUFFIX`): the middle has max_new_tokens
   positions to generate; the suffix is pinned after it;
 - a template: text with fill markers. `<fill>` stands for `fill_length` positions; `<fill:N>`
   for exactly N. Everything else is pinned. The text before the first marker is the prefix.
@@ -13,34 +14,19 @@ fixed text come out byte-exact.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from dlm.errors import DlmError
+from dlm.sampling.common import Prompt
 from dlm.tokenizer import Tokenizer
 
 FILL_RE = re.compile(r"<fill(?::(\d+))?>")
-
-
-@dataclass
-class Template:
-    prefix: list[int]  # the prompt (goes into the cache; may be empty)
-    canvas: list[int | None]  # None: generate here; int: pinned token
-
-    @property
-    def holes(self) -> int:
-        return sum(1 for c in self.canvas if c is None)
-
-    def fill(self, tokens: list[int]) -> list[int]:
-        """The canvas with its holes filled, in order, from `tokens` (len == holes)."""
-        it = iter(tokens)
-        return [next(it) if c is None else c for c in self.canvas]
 
 
 def has_markers(text: str) -> bool:
     return FILL_RE.search(text) is not None
 
 
-def parse_template(tok: Tokenizer, text: str, fill_length: int) -> Template:
+def parse_template(tok: Tokenizer, text: str, fill_length: int) -> Prompt:
     if fill_length <= 0:
         raise DlmError(f"--fill-length must be > 0, got {fill_length}")
     parts = FILL_RE.split(text)  # text, n, text, n, ..., text
@@ -52,30 +38,22 @@ def parse_template(tok: Tokenizer, text: str, fill_length: int) -> Template:
             raise DlmError(f"template: <fill:{n}> must ask for at least one token")
         canvas.extend([None] * n)
         canvas.extend(tok.encode(parts[i + 1]))
-    if not any(c is None for c in canvas):
-        raise DlmError("template has no <fill> marker")
-    return Template(prefix, canvas)
+    return Prompt(prefix, canvas)
 
 
-def infill_template(tok: Tokenizer, prefix: str, suffix: str, fill_length: int) -> Template:
-    if fill_length <= 0:
-        raise DlmError(f"--max-new-tokens (the middle's length) must be > 0 to leave room to fill, got {fill_length}")
-    return Template(tok.encode(prefix), [None] * fill_length + tok.encode(suffix))
+def infill_prompt(tok: Tokenizer, prefix: str, suffix: str, middle: int) -> Prompt:
+    if middle <= 0:
+        raise DlmError(f"--max-new-tokens (the middle's length) must be > 0 to leave room to fill, got {middle}")
+    return Prompt(tok.encode(prefix), [None] * middle + tok.encode(suffix))
 
 
-def build_template(tok: Tokenizer, prompt: str, suffix: str | None, fill_length: int) -> Template | None:
-    """The template a request describes, or None for plain continuation."""
+def encode_prompt(tok: Tokenizer, text: str, suffix: str | None = None, max_new_tokens: int = 128,
+                  fill_length: int = 16) -> Prompt:
+    """The Prompt a text request describes (continuation, infilling with a suffix, or a template)."""
     if suffix is not None:
-        if has_markers(prompt):
+        if has_markers(text):
             raise DlmError("--suffix cannot be combined with <fill> markers in --prompt")
-        return infill_template(tok, prompt, suffix, fill_length)
-    if has_markers(prompt):
-        return parse_template(tok, prompt, fill_length)
-    return None
-
-
-def check_fits(t: Template, context: int) -> None:
-    need = len(t.prefix) + len(t.canvas)
-    if need > context:
-        raise DlmError(f"prompt + fill + suffix is {need} tokens, more than the model's context of {context}: "
-                       "no room to fill")
+        return infill_prompt(tok, text, suffix, max_new_tokens)
+    if has_markers(text):
+        return parse_template(tok, text, fill_length)
+    return Prompt(tok.encode(text))

@@ -1,7 +1,7 @@
 """Masked-diffusion sampling (LLaDA, Fast-dLLM, entropy-bounded), block by block over a KV cache.
 
 The sequence (prompt + generation, or prompt + template canvas) is cut into blocks on a grid of
-`block_length` positions counted from position 0, as in training, so the prompt's last partial block
+`block_size` positions counted from position 0, as in training, so the prompt's last partial block
 is denoised together with the first generated tokens (its prompt tokens pinned). Each block starts
 with its holes set to <mask>; every denoising step runs the block against the cache (bidirectional
 inside the block, the finished blocks before it in the cache), proposes a token for every masked
@@ -38,10 +38,9 @@ from torch import Tensor
 
 from dlm.errors import DlmError, check
 from dlm.sampling.common import (
-    Clock, Commit, Done, Event, Stats, Step, check_sampling, entropy, entropy_bound_accept, make_generator,
-    sample_token,
+    Clock, Commit, Event, Prompt, Stats, Step, check_fits, check_sampling, entropy, entropy_bound_accept,
+    make_generator, sample_token,
 )
-from dlm.sampling.infill import Template, build_template, check_fits
 
 RULES = ("confidence", "threshold", "entropy_bound")
 
@@ -157,42 +156,64 @@ def block_mask(block_of: Tensor, rows: slice, keys: int) -> Tensor:
     return block_of[rows][:, None] >= block_of[:keys][None, :]
 
 
+class Denoising:
+    """The state of one sequence being denoised: tokens, holes, the block of each position, its cache."""
+
+    def __init__(self, model, job: Job, mask_id: int, naive: bool):
+        dev = model.device
+        self.model, self.job, self.naive = model, job, naive
+        total = len(job.known)
+        self.seq = torch.tensor([mask_id if k is None else k for k in job.known], dtype=torch.long, device=dev)
+        self.hole = torch.tensor([k is None for k in job.known], dtype=torch.bool, device=dev)
+        self.block_of = torch.empty(total, dtype=torch.long, device=dev)
+        for i, (s, e) in enumerate(job.blocks):
+            self.block_of[s:e] = i
+        self.cache = None if naive else model.new_cache(1, total)
+        self.cached = 0  # positions 0..cached-1 are in the cache (slots == positions)
+
+    def logits(self, s: int, e: int) -> Tensor:
+        """One denoising pass over block [s, e): its logits (e - s, V).
+
+        naive: the whole sequence so far, every finished block block-causal, this one last. Cached:
+        the finished blocks not yet in the cache are written in this same pass (block-causal, blind
+        to this block), then this block's K/V are dropped; else the block reads the cache only.
+        """
+        model, dev, seq, block_of = self.model, self.seq.device, self.seq, self.block_of
+        if self.naive:
+            start = 0
+            out = model(seq[None, :e], pos=torch.arange(e, device=dev), mask=block_mask(block_of, slice(0, e), e))
+        elif self.cached < s:
+            start = self.cached
+            out = model(seq[None, start:e], pos=torch.arange(start, e, device=dev), cache=self.cache,
+                        mask=block_mask(block_of, slice(start, e), e))
+            self.cache.crop(s)
+            self.cached = s
+        else:
+            start = s
+            out = model(seq[None, s:e], pos=torch.arange(s, e, device=dev), cache=self.cache, mask="full",
+                        write=False)
+        return out.logits[0, s - start:]
+
+
 @torch.inference_mode()
 def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: int, eos_id: int, *,
                      temperature: float, top_k: int, top_p: float, gen: torch.Generator | None,
-                     naive: bool = False, row: int = 0, clock: Clock | None = None) -> Iterator[Event]:
-    """Events of one sequence; returns (forwards, new tokens, steps of each denoised block)."""
-    dev = model.device
-    total, P = len(job.known), job.prefix_len
-    seq = torch.tensor([mask_id if k is None else k for k in job.known], dtype=torch.long, device=dev)  # (total,)
-    hole = torch.tensor([k is None for k in job.known], dtype=torch.bool, device=dev)
-    block_of = torch.empty(total, dtype=torch.long, device=dev)
-    for i, (s, e) in enumerate(job.blocks):
-        block_of[s:e] = i
-    cache = None if naive else model.new_cache(1, total)
-    cached = 0  # positions 0..cached-1 are in the cache (slots == positions)
-    forwards, new, steps_per_block = 0, 0, []
+                     naive: bool = False, row: int = 0, clock: Clock | None = None,
+                     stats: Stats | None = None) -> Iterator[Event]:
+    """Events of one sequence, block by block; counts forwards, steps, canvases and new tokens in `stats`."""
+    stats = stats if stats is not None else Stats()
+    state = Denoising(model, job, mask_id, naive)
+    seq, hole, P = state.seq, state.hole, job.prefix_len
+    index = 0  # canvases (blocks with holes) of this row so far
     for s, e in job.blocks:
         masked = hole[s:e].clone()  # (Lb,)
         n = int(masked.sum())
-        step = 0
         budget = step_budget(n, steps or n) if n else []
+        step = 0
+        g = max(s, P)  # the block's generated part starts here
         while bool(masked.any()):
-            if naive:  # the whole sequence so far, every finished block block-causal, this one last
-                start = 0
-                out = model(seq[None, :e], pos=torch.arange(e, device=dev), mask=block_mask(block_of, slice(0, e), e))
-            elif cached < s:  # fold the finished blocks' cache write into this pass, then drop this block's K/V
-                start = cached
-                out = model(seq[None, cached:e], pos=torch.arange(cached, e, device=dev), cache=cache,
-                            mask=block_mask(block_of, slice(cached, e), e))
-                cache.crop(s)
-                cached = s
-            else:
-                start = s
-                out = model(seq[None, s:e], pos=torch.arange(s, e, device=dev), cache=cache, mask="full",
-                            write=False)
-            forwards += 1
-            logits = out.logits[0, s - start:]  # (Lb, V)
+            logits = state.logits(s, e)  # (Lb, V)
+            stats.forwards += 1
             logits[:, mask_id] = float("-inf")
             if job.forbid_eos:
                 logits[:, eos_id] = float("-inf")
@@ -205,24 +226,25 @@ def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: in
                 if len(ends):
                     masked[int(ends[0]) + 1:] = False
             step += 1
-            g = max(s, P) - s  # the block's generated part starts here
-            yield Step(seq[s + g:e].tolist(), (seq[s + g:e] != mask_id).tolist(), step, len(steps_per_block), ent, row)
+            yield Step(seq[g:e].tolist(), (seq[g:e] != mask_id).tolist(), step, index, ent, row, g - P)
         if n:
-            steps_per_block.append(step)
-        out = seq[max(s, P):e].tolist()
+            index += 1
+            stats.canvases += 1
+            stats.steps += step
+            stats.extra.setdefault("steps_per_canvas", []).append(step)
+        out = seq[g:e].tolist()
         if not out:
             continue
-        gen_here = hole[max(s, P):e].tolist()
+        generated = hole[g:e].tolist()
         if clock is not None:
             clock.mark_first()
         if job.stop_at_eos and eos_id in out:
             cut = out.index(eos_id) + 1
-            new += sum(gen_here[:cut])
+            stats.new_tokens += sum(generated[:cut])
             yield Commit(out[:cut], row)
             break
-        new += sum(gen_here)
+        stats.new_tokens += sum(generated)
         yield Commit(out, row)
-    return forwards, new, steps_per_block
 
 
 # the sampler --------------------------------------------------------------------------------------
@@ -234,10 +256,11 @@ def check_options(cfg) -> Rule:
         raise DlmError(f"--sampler {cfg.sampler} does not belong to an mdlm checkpoint "
                        f"(allowed: auto, {', '.join(RULES)})")
     check_sampling(cfg.temperature, cfg.top_k, cfg.top_p)
+    check(cfg.max_new_tokens > 0, f"--max-new-tokens must be > 0, got {cfg.max_new_tokens}")
     check(cfg.steps is None or cfg.steps > 0, f"--steps must be > 0, got {cfg.steps}")
     check(0 < cfg.threshold <= 1, f"--threshold must be in (0, 1], got {cfg.threshold}")
     check(cfg.entropy_bound > 0, f"--entropy-bound must be > 0, got {cfg.entropy_bound}")
-    check(cfg.block_length is None or cfg.block_length > 0, f"--block-length must be > 0, got {cfg.block_length}")
+    check(cfg.block_size is None or cfg.block_size > 0, f"--block-size must be > 0, got {cfg.block_size}")
     check(cfg.remasking in ("low_confidence", "random"),
           f"--remasking must be low_confidence or random, got {cfg.remasking!r}")
     check(cfg.remasking == "low_confidence" or sampler == "confidence",
@@ -245,62 +268,37 @@ def check_options(cfg) -> Rule:
     return Rule(sampler, cfg.threshold, cfg.entropy_bound, cfg.remasking == "random")
 
 
-def job_for(known: list[int | None], prefix_len: int, cfg, train_block: int, plain: bool) -> Job:
-    """Blocks for a sequence: --block-length, else the training grid (whole sequence when trained
-    without blocks); a template's canvas (infilling) is one block after the prompt's full blocks."""
-    if cfg.block_length is not None:
-        blocks = plan_blocks(prefix_len, len(known), cfg.block_length)
+def make_job(prompt: Prompt, cfg, train_block: int, context: int) -> Job:
+    """Blocks for a request: --block-size, else the training grid (whole sequence when trained without
+    blocks); an infilling/template canvas is one block after the prompt's full blocks (it sees its suffix)."""
+    plain = prompt.canvas is None
+    canvas = [None] * cfg.max_new_tokens if plain else list(prompt.canvas)
+    check_fits(context, prompt, cfg.max_new_tokens)
+    known = list(prompt.ids) + canvas
+    if cfg.block_size is not None:
+        blocks = plan_blocks(len(prompt.ids), len(known), cfg.block_size)
     else:
-        blocks = plan_blocks(prefix_len, len(known), train_block or len(known), one_tail=not plain)
-    return Job(known, prefix_len, blocks, stop_at_eos=plain, forbid_eos=not plain)
+        blocks = plan_blocks(len(prompt.ids), len(known), train_block or len(known), one_tail=not plain)
+    return Job(known, len(prompt.ids), blocks, stop_at_eos=plain, forbid_eos=not plain)
 
 
-def make_job(tok, prompt: str, cfg, train_block: int, context: int) -> Job:
-    """The sequence a request asks for: a continuation, an infilling (--suffix) or a template."""
-    middle = cfg.max_new_tokens if cfg.suffix is not None else cfg.fill_length
-    tpl = build_template(tok, prompt, cfg.suffix, middle)
-    plain = tpl is None
-    if plain:
-        check(cfg.max_new_tokens > 0, f"--max-new-tokens must be > 0, got {cfg.max_new_tokens}")
-        tpl = Template(tok.encode(prompt), [None] * cfg.max_new_tokens)
-    check_fits(tpl, context)
-    return job_for(list(tpl.prefix) + list(tpl.canvas), len(tpl.prefix), cfg, train_block, plain)
-
-
-def stream(model, ck, prompts: list[str], cfg) -> Iterator[Event]:
-    """The mdlm sampler for `dlm generate` (cfg: SampleConfig); prompts run one after another."""
-    from dlm.objectives.mdlm import checkpoint_block_length
-
+def stream(model, ck, prompts: list[Prompt], cfg) -> Iterator[Event]:
+    """The mdlm sampler (cfg: SampleConfig); prompts run one after another (rows of the stream)."""
     rule = check_options(cfg)
     tok = ck.tokenizer
     if tok.mask_id is None:
         raise DlmError(f"{ck.path}: the tokenizer has no <mask> token")
-    jobs = [make_job(tok, p, cfg, checkpoint_block_length(ck), model.cfg.max_seq_len) for p in prompts]
+    jobs = [make_job(p, cfg, ck.block_size, model.cfg.max_seq_len) for p in prompts]
     return _run(model, jobs, rule, cfg, tok.mask_id, tok.eos_id)
-
-
-def stream_ids(model, ck, prompt: list[int], cfg) -> Iterator[Event]:
-    """Continue one tokenized prompt (the benchmark's entry point)."""
-    from dlm.objectives.mdlm import checkpoint_block_length
-
-    rule = check_options(cfg)
-    check(cfg.max_new_tokens > 0, f"--max-new-tokens must be > 0, got {cfg.max_new_tokens}")
-    check_fits(Template(list(prompt), [None] * cfg.max_new_tokens), model.cfg.max_seq_len)
-    job = job_for(list(prompt) + [None] * cfg.max_new_tokens, len(prompt), cfg, checkpoint_block_length(ck), True)
-    return _run(model, [job], rule, cfg, ck.tokenizer.mask_id, ck.tokenizer.eos_id)
 
 
 def _run(model, jobs: list[Job], rule: Rule, cfg, mask_id: int, eos_id: int) -> Iterator[Event]:
     gen = make_generator(cfg.seed, model.device)
     clock = Clock()
-    forwards = new = 0
-    steps_per_block: list[int] = []
+    stats = Stats(extra={"steps_per_canvas": []})
     for row, job in enumerate(jobs):
-        f, n, spb = yield from denoise_sequence(
-            model, job, rule, cfg.steps, mask_id, eos_id, temperature=cfg.temperature, top_k=cfg.top_k,
-            top_p=cfg.top_p, gen=gen, naive=cfg.naive, row=row, clock=clock)
-        forwards, new = forwards + f, new + n
-        steps_per_block += spb
-    extra = {"canvases": len(steps_per_block), "steps_per_canvas": steps_per_block,
-             "forwards_per_canvas": forwards / len(steps_per_block) if steps_per_block else 0.0}
-    yield Done(Stats(new_tokens=new, forwards=forwards, seconds=clock.elapsed(), ttft=clock.first, extra=extra))
+        yield from denoise_sequence(model, job, rule, cfg.steps, mask_id, eos_id, temperature=cfg.temperature,
+                                    top_k=cfg.top_k, top_p=cfg.top_p, gen=gen, naive=cfg.naive, row=row,
+                                    clock=clock, stats=stats)
+    stats.extra["forwards_per_canvas"] = stats.forwards / stats.canvases if stats.canvases else 0.0
+    yield clock.finish(stats)

@@ -1,6 +1,6 @@
 """Lossless speculative decoding: one verifier, three drafters.
 
-Each cycle the drafter proposes up to gamma-1 tokens (optionally with their probabilities q), the
+Each cycle the drafter proposes up to B-1 tokens (B: the block size of a cycle, `--block-size`) (optionally with their probabilities q), the
 target scores [last committed token, proposals] in one forward over its KV cache, and
 
   greedy       the longest prefix of proposals equal to the target's argmax is accepted, then the
@@ -22,38 +22,35 @@ Drafter protocol (three methods; attributes taps, and name/default_gamma/forward
                             the n accepted proposals (n + 1,), with the target's taps over them
                             (n + 1, F) or None. (The bonus token is committed but not yet verified.)
 
-Statistics (Done.stats.extra): tau (tokens committed per cycle, bonus included; 1 <= tau <= gamma),
-acceptance_histogram[n] (cycles that committed n tokens), cycles, draft_forwards, draft_seconds,
-verify_seconds, gamma, drafter; with --check-lossless, lossless (true when every prompt's output is
-the target's own greedy output).
+Statistics: forwards (the target's), draft_forwards (the drafter model's), and in Done.stats.extra:
+tau (tokens committed per cycle, bonus included; 1 <= tau <= block size), acceptance_histogram[n]
+(cycles that committed n tokens), cycles, draft_seconds, verify_seconds, gamma (the block size of a
+cycle), drafter; with --check-lossless, lossless (true when every prompt's output is the target's own
+greedy output).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator, Protocol, Sequence
 
 import torch
 from torch import Tensor
 
+from dlm.checkpoint import load_model, open_checkpoint
+from dlm.drafter import check_target
 from dlm.errors import DlmError, check
 from dlm.model import Transformer
+from dlm.sampling import ar
 from dlm.sampling.common import (
-    Clock, Commit, Done, Event, Stats, check_sampling, make_generator, probs_from_logits, sample_from,
+    Clock, Commit, Event, Prompt, Stats, Verified, make_generator, probs_from_logits, sample_from,
 )
 
 AR_DRAFT_GAMMA = 5  # default block of an AR draft model: 4 proposals + the bonus
 LOOKUP_GAMMA = 8
-
-
-@dataclass
-class Verified(Event):
-    """One verify cycle: what the drafter proposed and how many of those the target accepted."""
-
-    proposed: list[int]
-    accepted: int
-    row: int = 0
+MAX_GAMMA = 64  # the largest block of a cycle
 
 
 class Drafter(Protocol):
@@ -268,62 +265,85 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-@torch.inference_mode()
-def speculate(
-    target: Transformer, drafter: Drafter, prompt: Sequence[int], *, gamma: int, max_new_tokens: int = 128,
-    sampling: Sampling | None = None, eos_id: int | None = None, row: int = 0, stats: SpecStats | None = None,
-) -> Iterator[Event]:
-    """Generate from one prompt with `drafter` proposing and `target` verifying (no Done event)."""
-    sampling = sampling or Sampling()
-    stats = stats if stats is not None else SpecStats()
-    dev = target.device
-    k_max = gamma - 1
-    ids = torch.tensor(list(prompt), dtype=torch.long, device=dev)
-    P = ids.shape[0]
-    cache = target.new_cache(1, P + max_new_tokens + gamma + 1)
-    greedy = sampling.temperature == 0
+class Speculation:
+    """One prompt's speculative decoding state: the target's cache, the committed ids, the drafter."""
 
-    t0 = time.perf_counter()
-    out = target(ids[None], cache=cache, taps=drafter.taps)
-    stats.forwards += 1
-    logits = out.logits[0, -1]
-    tok = int(logits.argmax()) if greedy else int(sample_from(sampling.probs(logits), sampling.gen))
-    drafter.reset(ids, _taps(out, drafter.taps))
-    _sync(dev)
-    stats.verify_seconds += time.perf_counter() - t0
+    def __init__(self, target: Transformer, drafter: Drafter, prompt: Sequence[int], gamma: int, max_new_tokens: int,
+                 sampling: Sampling, stats: SpecStats):
+        self.target, self.drafter, self.gamma, self.sampling, self.stats = target, drafter, gamma, sampling, stats
+        dev = target.device
+        P = len(prompt)
+        self.cache = target.new_cache(1, P + max_new_tokens + gamma + 1)
+        self.seq = torch.empty(P + max_new_tokens + gamma + 1, dtype=torch.long, device=dev)
+        self.seq[:P] = torch.tensor(list(prompt), dtype=torch.long, device=dev)
+        self.S = P  # committed length
 
-    seq = torch.empty(P + max_new_tokens + gamma + 1, dtype=torch.long, device=dev)
-    seq[:P] = ids
-    seq[P] = tok
-    S = P + 1
-    new = 1
-    yield Commit([tok], row=row)
-    while new < max_new_tokens and tok != eos_id:
+    def prefill(self) -> int:
+        """Run the prompt through the target, hand the drafter its features; the first token."""
         t0 = time.perf_counter()
-        draft, q = drafter.propose(seq[:S], min(k_max, max_new_tokens - new - 1))
+        ids = self.seq[:self.S]
+        out = self.target(ids[None], cache=self.cache, taps=self.drafter.taps)
+        self.stats.forwards += 1
+        logits = out.logits[0, -1]
+        tok = int(logits.argmax()) if self.sampling.temperature == 0 else int(
+            sample_from(self.sampling.probs(logits), self.sampling.gen))
+        self.drafter.reset(ids, _taps(out, self.drafter.taps))
+        _sync(self.target.device)
+        self.stats.verify_seconds += time.perf_counter() - t0
+        self.commit([tok])
+        return tok
+
+    def commit(self, tokens: list[int]) -> None:
+        self.seq[self.S:self.S + len(tokens)] = torch.tensor(tokens, device=self.seq.device)
+        self.S += len(tokens)
+
+    def cycle(self, room: int) -> tuple[Tensor, int, int]:
+        """Draft up to min(gamma - 1, room) tokens and verify them in one target forward.
+
+        Returns (draft (k,), accepted n, bonus token); the caches keep the accepted positions only.
+        """
+        dev, st = self.target.device, self.stats
+        t0 = time.perf_counter()
+        draft, q = self.drafter.propose(self.seq[:self.S], min(self.gamma - 1, room))
         _sync(dev)
         t1 = time.perf_counter()
-        stats.draft_seconds += t1 - t0
+        st.draft_seconds += t1 - t0
         k = draft.shape[0]
-        block = torch.cat((seq[S - 1:S], draft))[None]  # (1, k+1)
-        out = target(block, cache=cache, taps=drafter.taps)
-        stats.forwards += 1
-        if greedy:
+        block = torch.cat((self.seq[self.S - 1:self.S], draft))[None]  # (1, k+1)
+        out = self.target(block, cache=self.cache, taps=self.drafter.taps)
+        st.forwards += 1
+        if self.sampling.temperature == 0:
             n, bonus = verify_greedy(draft, out.logits[0])
         else:
-            n, bonus = verify_sample(draft, sampling.probs(out.logits[0]), q, sampling.gen)
-        cache.crop(cache.length - k + n)  # keep the last committed token and the accepted proposals
-        feats = _taps(out, drafter.taps)
-        drafter.accept(block[0, :n + 1], feats[:n + 1] if feats is not None else None)
+            n, bonus = verify_sample(draft, self.sampling.probs(out.logits[0]), q, self.sampling.gen)
+        self.cache.crop(self.cache.length - k + n)  # keep the last committed token and the accepted proposals
+        feats = _taps(out, self.drafter.taps)
+        self.drafter.accept(block[0, :n + 1], feats[:n + 1] if feats is not None else None)
         _sync(dev)
-        stats.verify_seconds += time.perf_counter() - t1
-        committed = draft[:n].tolist() + [bonus]
-        committed = committed[:max_new_tokens - new]
+        st.verify_seconds += time.perf_counter() - t1
+        return draft, n, bonus
+
+
+@torch.inference_mode()
+def speculate(target: Transformer, drafter: Drafter, prompt: Sequence[int], *, gamma: int, max_new_tokens: int = 128,
+              sampling: Sampling | None = None, eos_id: int | None = None, row: int = 0,
+              stats: SpecStats | None = None, clock: Clock | None = None) -> Iterator[Event]:
+    """Generate from one prompt with `drafter` proposing and `target` verifying (Commit and Verified events)."""
+    sampling = sampling or Sampling()
+    stats = stats if stats is not None else SpecStats()
+    spec = Speculation(target, drafter, prompt, gamma, max_new_tokens, sampling, stats)
+    tok = spec.prefill()
+    new = 1
+    if clock is not None:
+        clock.mark_first()
+    yield Commit([tok], row=row)
+    while new < max_new_tokens and tok != eos_id:
+        draft, n, bonus = spec.cycle(max_new_tokens - new - 1)
+        committed = (draft[:n].tolist() + [bonus])[:max_new_tokens - new]
         if eos_id is not None and eos_id in committed:
             committed = committed[:committed.index(eos_id) + 1]
         stats.add(len(committed))
-        seq[S:S + len(committed)] = torch.tensor(committed, device=dev)
-        S += len(committed)
+        spec.commit(committed)
         new += len(committed)
         tok = committed[-1]
         yield Verified(draft.tolist(), n, row=row)
@@ -332,30 +352,31 @@ def speculate(
 
 # loading drafters ------------------------------------------------------------------------------------
 
-def load_drafter(spec: str, target: Transformer, ck, sampling: Sampling, capacity: int, passes: int = 1,
+def drafter_capacity(target: Transformer) -> int:
+    """Cache slots a drafter needs for any generation of this target (context + one block + bonus)."""
+    return target.cfg.max_seq_len + MAX_GAMMA + 2
+
+
+def load_drafter(spec: str, target: Transformer, ck, sampling: Sampling, passes: int = 1,
                  lookup_ngram: int = 3) -> Drafter:
     """'lookup', or a drafter checkpoint folder (a dflash drafter or an AR model) for this target."""
     if spec == "lookup":
         return PromptLookup(lookup_ngram)
-    from dlm.checkpoint import load_model, open_checkpoint
-    from pathlib import Path
-
-    dck = open_checkpoint(spec) if Path(spec).is_dir() else None
-    if dck is None:
+    if not Path(spec).is_dir():
         raise DlmError(f"--draft must be 'lookup' or a drafter checkpoint folder, got {spec!r} (no such folder)")
+    dck = open_checkpoint(spec)
     if dck.tokenizer.sha256 != ck.tokenizer.sha256:
         raise DlmError(f"--draft {spec}: its tokenizer differs from the target's ({ck.path}); "
                        "a drafter must share the target's tokenizer")
     if dck.objective not in ("dflash", "ar"):
         raise DlmError(f"--draft {spec}: objective {dck.objective!r} cannot draft (dflash and ar checkpoints can)")
     model, dck = load_model(spec, device=target.device, dtype=target.embed_tokens.weight.dtype)
+    capacity = drafter_capacity(target)
     if dck.objective == "ar":
         if model.cfg.vocab_size != target.cfg.vocab_size:
             raise DlmError(f"--draft {spec}: vocabulary {model.cfg.vocab_size} differs from the target's "
                            f"{target.cfg.vocab_size}")
         return ARDraft(model, sampling, capacity, name=f"ar-draft ({Path(spec).name})")
-    from dlm.objectives.dflash import check_target
-
     check_target(dck.config["dflash"], target, ck.tokenizer.sha256, spec)
     N = target.cfg.n_layers
     bad = [i for i in model.layer_ids if not 0 <= i < N]
@@ -364,91 +385,74 @@ def load_drafter(spec: str, target: Transformer, ck, sampling: Sampling, capacit
     return DFlashDraft(model, target, sampling, capacity, passes, name=f"dflash ({Path(spec).name})")
 
 
-def resolve_gamma(drafter: Drafter, gamma: int) -> int:
-    if gamma == 0:
+def resolve_gamma(drafter: Drafter, block_size: int | None) -> int:
+    """The block of a cycle: --block-size, else the drafter's default."""
+    if block_size is None:
         return drafter.default_gamma
-    check(gamma >= 2, f"--gamma must be >= 2 (the last token + at least one proposal), got {gamma}")
-    if isinstance(drafter, DFlashDraft) and gamma > drafter.d.block_size:
-        raise DlmError(f"--gamma {gamma} is larger than the block size the drafter was built for "
+    check(2 <= block_size <= MAX_GAMMA,
+          f"--block-size must be in [2, {MAX_GAMMA}] (the last token + at least one proposal), got {block_size}")
+    if isinstance(drafter, DFlashDraft) and block_size > drafter.d.block_size:
+        raise DlmError(f"--block-size {block_size} is larger than the block size the drafter was built for "
                        f"({drafter.d.block_size})")
-    return gamma
+    return block_size
 
 
-def spec_stats(stats: SpecStats, drafter: Drafter, gamma: int, new: int, seconds: float, ttft: float | None,
-               draft_forwards: int) -> Stats:
-    return Stats(new_tokens=new, forwards=stats.forwards, seconds=seconds, ttft=ttft, extra={
-        "tau": stats.committed / stats.cycles if stats.cycles else 0.0,
-        "acceptance_histogram": stats.histogram + [0] * (gamma + 1 - len(stats.histogram)),
-        "cycles": stats.cycles, "draft_forwards": draft_forwards, "draft_seconds": stats.draft_seconds,
-        "verify_seconds": stats.verify_seconds, "gamma": gamma, "drafter": drafter.name,
-    })
+# the sampler ------------------------------------------------------------------------------------------
 
+def stream(model: Transformer, ck, prompts: list[Prompt], cfg, drafter: Drafter | None = None) -> Iterator[Event]:
+    """Speculative decoding of an AR target (cfg: SampleConfig): each prompt in turn, one Done at the end.
 
-def generate_ids(target: Transformer, drafter: Drafter, prompt: Sequence[int], gamma: int, max_new_tokens: int,
-                 sampling: Sampling, eos_id: int | None) -> Iterator[Event]:
-    """One prompt's events, ending with Done and its statistics (the benchmark's unit)."""
-    stats = SpecStats()
-    clock = Clock()
-    f0 = drafter.forwards
-    new = 0
-    for ev in speculate(target, drafter, prompt, gamma=gamma, max_new_tokens=max_new_tokens, sampling=sampling,
-                        eos_id=eos_id, stats=stats):
-        if isinstance(ev, Commit):
-            clock.mark_first()
-            new += len(ev.tokens)
-        yield ev
-    yield Done(spec_stats(stats, drafter, gamma, new, clock.elapsed(), clock.first, drafter.forwards - f0))
-
-
-def stream(model: Transformer, ck, prompts: list[str], cfg) -> Iterator[Event]:
-    """`dlm generate --draft ...`: the speculative loop over each prompt in turn (cfg: SampleConfig)."""
-    check_sampling(cfg.temperature, cfg.top_k, cfg.top_p)
-    check(cfg.max_new_tokens > 0, f"--max-new-tokens must be > 0, got {cfg.max_new_tokens}")
-    if cfg.suffix is not None:
-        raise DlmError("--suffix: speculative decoding continues a prompt; it cannot infill")
+    `drafter`: one already loaded (it is reset for every prompt), else cfg.draft is loaded.
+    """
+    if ck.objective != "ar":
+        raise DlmError(f"--draft: speculative decoding verifies with an AR target; {ck.path} is a "
+                       f"{ck.objective} checkpoint")
+    ar.check_options(model, prompts, cfg, "speculative decoding")
     if cfg.check_lossless and cfg.temperature > 0:
         raise DlmError("--check-lossless compares greedy outputs token for token: use --temperature 0 "
-                       "(sampling is lossless in distribution, which tests/test_speculative.py checks)")
-    tok = ck.tokenizer
-    ids = [tok.encode(p) for p in prompts]
-    from dlm.sampling.ar import check_room
-
-    for p in ids:
-        check_room(model, len(p), cfg.max_new_tokens)
+                       "(sampling is lossless in distribution, which tests/test_verifier.py checks)")
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, make_generator(cfg.seed, model.device))
-    capacity = max(len(p) for p in ids) + cfg.max_new_tokens + 64 + 2
-    drafter = load_drafter(cfg.draft, model, ck, sampling, capacity, cfg.draft_passes, cfg.lookup_ngram)
-    gamma = resolve_gamma(drafter, cfg.gamma)
-    if gamma > 64:
-        raise DlmError(f"--gamma must be <= 64, got {gamma}")
-    return _run(model, ck, drafter, ids, gamma, sampling, cfg)
+    if drafter is None:
+        drafter = load_drafter(cfg.draft, model, ck, sampling, cfg.draft_passes, cfg.lookup_ngram)
+    else:
+        drafter.sampling = sampling  # the drafter draws from this call's distribution and random stream
+    gamma = resolve_gamma(drafter, cfg.block_size)
+    return _run(model, ck, drafter, [p.ids for p in prompts], gamma, sampling, cfg)
+
+
+def spec_stats(spec: SpecStats, drafter: Drafter, gamma: int, new: int, draft_forwards: int) -> Stats:
+    """The statistics of a speculative call (the Done event's), from its verify-cycle bookkeeping."""
+    return Stats(new_tokens=new, forwards=spec.forwards, draft_forwards=draft_forwards, extra={
+        "tau": spec.committed / spec.cycles if spec.cycles else 0.0,
+        "acceptance_histogram": spec.histogram + [0] * (gamma + 1 - len(spec.histogram)),
+        "cycles": spec.cycles, "draft_seconds": spec.draft_seconds, "verify_seconds": spec.verify_seconds,
+        "gamma": gamma, "drafter": drafter.name})
 
 
 def _run(model, ck, drafter, ids, gamma, sampling, cfg) -> Iterator[Event]:
     tok = ck.tokenizer
-    stats = SpecStats()
+    spec = SpecStats()
     clock = Clock()
+    f0 = drafter.forwards
     outputs: list[list[int]] = [[] for _ in ids]
     for b, p in enumerate(ids):
         for ev in speculate(model, drafter, p, gamma=gamma, max_new_tokens=cfg.max_new_tokens, sampling=sampling,
-                            eos_id=tok.eos_id, row=b, stats=stats):
+                            eos_id=tok.eos_id, row=b, stats=spec, clock=clock):
             if isinstance(ev, Commit):
-                clock.mark_first()
                 outputs[b].extend(ev.tokens)
             yield ev
-    st = spec_stats(stats, drafter, gamma, sum(len(o) for o in outputs), clock.elapsed(), clock.first, drafter.forwards)
+    stats = spec_stats(spec, drafter, gamma, sum(len(o) for o in outputs), drafter.forwards - f0)
+    done = clock.finish(stats)
     if cfg.check_lossless:
-        st.extra["lossless"] = all(o == target_greedy(model, p, cfg.max_new_tokens, tok.eos_id)
-                                   for o, p in zip(outputs, ids))
-    yield Done(st)
+        stats.extra["lossless"] = all(o == target_greedy(model, p, cfg.max_new_tokens, tok.eos_id)
+                                      for o, p in zip(outputs, ids))
+    yield done
 
 
 def target_greedy(model: Transformer, prompt: Sequence[int], max_new_tokens: int, eos_id: int | None) -> list[int]:
     """The target's own greedy output (AR with its KV cache): the reference of losslessness."""
-    from dlm.sampling.ar import ar_stream
-
     out: list[int] = []
-    for ev in ar_stream(model, [list(prompt)], max_new_tokens=max_new_tokens, eos_id=eos_id):
+    for ev in ar.decode(model, [list(prompt)], max_new_tokens, eos_id=eos_id):
         if isinstance(ev, Commit):
             out.extend(ev.tokens)
     return out

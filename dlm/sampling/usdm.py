@@ -11,7 +11,7 @@ Per canvas of L tokens at the positions they will hold once committed:
      (at least one); every other position is re-noised with a fresh uniform token. Acceptance is
      decided anew each step, so tokens can be revised;
   4. adaptive stopping: stop once the argmax canvas has not changed for `stability_threshold`
-     steps and the mean entropy is below `confidence_threshold`, or after `max_denoising_steps`;
+     steps and the mean entropy is below `confidence_threshold`, or after `--steps` (default 48);
   5. commit the argmax of the last step's processed logits; tokens after the first <eos> are
      dropped and generation ends; otherwise an incremental causal prefill appends the canvas to
      the cache and the next canvas begins, until `max_new_tokens`.
@@ -33,15 +33,13 @@ import torch
 from torch import Tensor
 
 from dlm.errors import DlmError, check
-from dlm.model import Transformer
-from dlm.objectives.usdm import canvas_embeds, noise_vocab
+from dlm.model import Transformer, canvas_embeds
 from dlm.sampling.common import (
-    Clock, Commit, Done, Event, Stats, Step, check_sampling, entropy, entropy_bound_accept, make_generator,
-    probs_from_logits, sample_from,
+    Clock, Commit, Event, Prompt, Stats, Step, check_fits, check_sampling, entropy, entropy_bound_accept,
+    make_generator, probs_from_logits, sample_from,
 )
-from dlm.sampling.infill import Template, build_template, check_fits
 
-DEFAULT_CANVAS = 256
+DEFAULT_STEPS = 48  # DiffusionGemma's max_denoising_steps
 
 
 # plain functions (each testable on hand-made inputs) -----------------------------------------
@@ -77,118 +75,90 @@ def denoise(model: Transformer, cache, canvas: Tensor, pos: Tensor, prev_probs: 
 
 # options -------------------------------------------------------------------------------------
 
-def canvas_length_of(ck, cfg) -> int:
-    if cfg.canvas_length is not None:
-        return cfg.canvas_length
-    return int(ck.config.get("canvas_length", ck.config.get("train", {}).get("canvas_length", DEFAULT_CANVAS)))
-
-
-def check_options(model: Transformer, ck, cfg) -> int:
-    """Refuse what does not belong to a usdm sampler; returns the canvas length."""
+def check_options(model: Transformer, ck, cfg) -> tuple[int, int]:
+    """Refuse what does not belong to a usdm sampler; returns (canvas length, steps per canvas at most)."""
     if cfg.sampler not in ("auto", "entropy_bound"):
         raise DlmError(f"--sampler {cfg.sampler} does not belong to a usdm checkpoint (allowed: auto, entropy_bound)")
-    for name, value, instead in (("steps", cfg.steps, "--max-denoising-steps"), ("block_length", cfg.block_length,
-                                                                               "--canvas-length")):
-        if value is not None:
-            raise DlmError(f"--{name.replace('_', '-')} is an mdlm option; a usdm checkpoint uses {instead}")
+    if cfg.block_size is not None:
+        raise DlmError("--block-size is an mdlm / speculative option; a usdm checkpoint uses --canvas-length")
     check(cfg.temperature == 0,
           f"--temperature does not apply to usdm (its schedule is --t-max/--t-min), got {cfg.temperature}")
     check_sampling(1.0, cfg.top_k, cfg.top_p)
     ctx = model.cfg.max_seq_len
-    L = canvas_length_of(ck, cfg)
+    L = cfg.canvas_length if cfg.canvas_length is not None else ck.canvas_length
     check(0 < L <= ctx, f"--canvas-length must be in [1, {ctx}] (the model's context), got {L}")
     check(cfg.max_new_tokens > 0, f"--max-new-tokens must be > 0, got {cfg.max_new_tokens}")
-    check(cfg.max_denoising_steps > 0, f"--max-denoising-steps must be > 0, got {cfg.max_denoising_steps}")
+    steps = DEFAULT_STEPS if cfg.steps is None else cfg.steps
+    check(steps > 0, f"--steps must be > 0, got {steps}")
     check(cfg.entropy_bound > 0, f"--entropy-bound must be > 0, got {cfg.entropy_bound}")
     check(cfg.t_min > 0, f"--t-min must be > 0, got {cfg.t_min}")
     check(cfg.t_min <= cfg.t_max, f"--t-min ({cfg.t_min}) must be <= --t-max ({cfg.t_max})")
     check(cfg.stability_threshold >= 1, f"--stability-threshold must be >= 1, got {cfg.stability_threshold}")
     check(cfg.confidence_threshold >= 0, f"--confidence-threshold must be >= 0, got {cfg.confidence_threshold}")
-    return L
+    return L, steps
 
 
 # the sampler ---------------------------------------------------------------------------------
 
-def stream(model: Transformer, ck, prompts: list[str], cfg) -> Iterator[Event]:
+def stream(model: Transformer, ck, prompts: list[Prompt], cfg) -> Iterator[Event]:
     """Events of usdm generation for each prompt (cfg: SampleConfig). Bad options raise here, before any work."""
-    L = check_options(model, ck, cfg)
+    L, steps = check_options(model, ck, cfg)
     tok = ck.tokenizer
     ctx = model.cfg.max_seq_len
     jobs = []
     for p in prompts:
-        tpl = build_template(tok, p, cfg.suffix, cfg.max_new_tokens if cfg.suffix is not None else cfg.fill_length)
-        prefix = tpl.prefix if tpl is not None else tok.encode(p)
-        prefix = prefix or [tok.eos_id]
-        if tpl is not None:
-            check_fits(Template(prefix, tpl.canvas), ctx)
-            tpl = Template(prefix, tpl.canvas)
-        elif len(prefix) + cfg.max_new_tokens > ctx:
-            raise DlmError(f"--prompt is {len(prefix)} tokens; with --max-new-tokens {cfg.max_new_tokens} that exceeds "
-                           f"the model's context of {ctx} tokens (allowed: prompt + max-new-tokens <= {ctx})")
-        jobs.append((prefix, tpl))
-    return _generate(model, jobs, L, noise_vocab(ck.config, tok), tok.eos_id, cfg)
-
-
-def stream_ids(model: Transformer, ck, prompts: list[list[int]], cfg) -> Iterator[Event]:
-    """Continuations of prompts given as token ids (the benchmark's entry point)."""
-    L = check_options(model, ck, cfg)
-    tok = ck.tokenizer
-    ctx = model.cfg.max_seq_len
-    jobs = []
-    for ids in prompts:
-        prefix = list(ids) or [tok.eos_id]
-        check(len(prefix) + cfg.max_new_tokens <= ctx,
-              f"prompt of {len(prefix)} tokens + --max-new-tokens {cfg.max_new_tokens} exceeds the context of {ctx}")
-        jobs.append((prefix, None))
-    return _generate(model, jobs, L, noise_vocab(ck.config, tok), tok.eos_id, cfg)
+        p = Prompt(list(p.ids) or [tok.eos_id], p.canvas)  # an empty prompt starts from <eos>, as documents do
+        check_fits(ctx, p, cfg.max_new_tokens)
+        jobs.append(p)
+    return _generate(model, jobs, L, steps, ck.noise_vocab, tok.eos_id, cfg)
 
 
 @torch.inference_mode()
-def _generate(model: Transformer, jobs, L: int, N: int, eos_id: int, cfg) -> Iterator[Event]:
+def _generate(model: Transformer, jobs: list[Prompt], L: int, steps: int, N: int, eos_id: int,
+              cfg) -> Iterator[Event]:
     dev = model.device
     gen = make_generator(cfg.seed, dev)
     clock = Clock()
-    stats = Stats(extra={"canvases": 0, "steps_per_canvas": []})
-    for row, (prefix, tpl) in enumerate(jobs):
-        total = len(tpl.canvas) if tpl is not None else cfg.max_new_tokens
-        cache = model.new_cache(1, len(prefix) + total)
-        model(torch.tensor([prefix], device=dev), cache=cache, head=False)  # prompt prefill
+    stats = Stats(extra={"steps_per_canvas": []})
+    for row, p in enumerate(jobs):
+        total = len(p.canvas) if p.canvas is not None else cfg.max_new_tokens
+        cache = model.new_cache(1, len(p.ids) + total)
+        model(torch.tensor([p.ids], device=dev), cache=cache, head=False)  # prompt prefill
         stats.forwards += 1
         done = 0  # tokens of this row committed
         canvas_index = 0
         while True:
-            if tpl is not None:
-                holes = torch.tensor([c is None for c in tpl.canvas], device=dev)
-                pins = torch.tensor([0 if c is None else c for c in tpl.canvas], device=dev)
+            if p.canvas is not None:
+                holes = torch.tensor([c is None for c in p.canvas], device=dev)
+                pins = torch.tensor([0 if c is None else c for c in p.canvas], device=dev)
             else:
                 n = min(L, total - done)
                 holes = torch.ones(n, dtype=torch.bool, device=dev)
                 pins = torch.zeros(n, dtype=torch.long, device=dev)
-            tokens, steps = yield from _denoise_canvas(model, cache, holes, pins, N, eos_id, tpl is not None,
-                                                       canvas_index, row, cfg, gen)
-            stats.extra["canvases"] += 1
-            stats.extra["steps_per_canvas"].append(steps)
-            stats.forwards += steps
+            tokens, used = yield from _denoise_canvas(model, cache, holes, pins, N, eos_id, p.canvas is not None,
+                                                      canvas_index, row, done, steps, cfg, gen)
+            stats.canvases += 1
+            stats.steps += used
+            stats.extra["steps_per_canvas"].append(used)
+            stats.forwards += used
             ended = False
-            if tpl is None:
+            if p.canvas is None:
                 tokens, ended = cut_at_eos(tokens, eos_id)
             clock.mark_first()
             yield Commit(tokens, row=row)
-            stats.new_tokens += int(holes.sum()) if tpl is not None else len(tokens)
+            stats.new_tokens += int(holes.sum()) if p.canvas is not None else len(tokens)
             done += len(tokens)
             canvas_index += 1
-            if tpl is not None or ended or done >= total:
+            if p.canvas is not None or ended or done >= total:
                 break
             model(torch.tensor([tokens], device=dev), cache=cache, head=False)  # incremental causal prefill
             stats.forwards += 1
-    stats.seconds = clock.elapsed()
-    stats.ttft = clock.first
-    yield Done(stats)
+    yield clock.finish(stats)
 
 
 def _denoise_canvas(model: Transformer, cache, holes: Tensor, pins: Tensor, N: int, eos_id: int, no_eos: bool,
-                    canvas_index: int, row: int, cfg, gen: torch.Generator):
-    """Denoise one canvas (yields Step events); returns (committed tokens, steps)."""
+                    canvas_index: int, row: int, offset: int, S: int, cfg, gen: torch.Generator):
+    """Denoise one canvas for at most S steps (yields Step events); returns (committed tokens, steps used)."""
     dev = model.device
     n = holes.shape[0]
     pos = torch.arange(cache.length, cache.length + n, device=dev)
@@ -196,7 +166,6 @@ def _denoise_canvas(model: Transformer, cache, holes: Tensor, pins: Tensor, N: i
     prev_probs = None
     prev_argmax = None
     stable = 0
-    S = cfg.max_denoising_steps
     for step in range(1, S + 1):
         T = temperature(step, S, cfg.t_max, cfg.t_min)
         logits = denoise(model, cache, canvas[None], pos, prev_probs)[0] / T  # (n, V) processed logits
@@ -213,7 +182,7 @@ def _denoise_canvas(model: Transformer, cache, holes: Tensor, pins: Tensor, N: i
         prev_argmax = argmax
         prev_probs = torch.softmax(logits, -1)[None]  # self-conditioning of the next step
         mean_ent = float(ent[holes].mean())
-        yield Step(canvas.tolist(), (accepted | ~holes).tolist(), step, canvas_index, mean_ent, row)
+        yield Step(canvas.tolist(), (accepted | ~holes).tolist(), step, canvas_index, mean_ent, row, offset)
         if cfg.adaptive and should_stop(stable, mean_ent, cfg.stability_threshold, cfg.confidence_threshold):
             break
     return argmax.tolist(), step

@@ -1,0 +1,64 @@
+"""The interface every training objective implements.
+
+An objective checks its own options, builds the model it trains and turns a batch of token windows
+(B, T + 1) into a loss. The training loop (dlm.train) is the same for all of them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dlm.checkpoint import load_weights, open_checkpoint
+from dlm.config import ModelConfig, TrainConfig, preset
+from dlm.model import Transformer
+from dlm.tokenizer import Tokenizer
+
+
+class Objective(ABC):
+    """Base class: builds a Transformer from a preset (or from --init-from); subclasses define the loss."""
+
+    name = "base"
+    self_cond = False  # the model carries a self-conditioning module (usdm)
+
+    def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer):
+        self.cfg = cfg
+        self.tok = tokenizer
+
+    @classmethod
+    def check_config(cls, cfg: TrainConfig) -> None:
+        """Refuse this objective's bad options before anything is written (the shared ones: cfg.validate())."""
+
+    def model_config(self) -> ModelConfig:
+        if self.cfg.init_from:
+            mc = open_checkpoint(self.cfg.init_from).model_config
+            mc.self_cond = self.self_cond
+            mc.max_seq_len = max(mc.max_seq_len, self.cfg.seq_len)
+            return mc
+        base = preset(self.cfg.preset)
+        return preset(self.cfg.preset, vocab_size=self.tok.vocab_size, self_cond=self.self_cond,
+                      max_seq_len=max(base.max_seq_len, self.cfg.seq_len))
+
+    def build_model(self) -> nn.Module:
+        model = Transformer(self.model_config())
+        if self.cfg.init_from:
+            ck = open_checkpoint(self.cfg.init_from)
+            tensors = ck.tensors()
+            if self.self_cond:  # a new module: keep its fresh initialisation
+                tensors.update({k: v for k, v in model.state_dict().items() if k.startswith("self_cond.")})
+            load_weights(model, tensors, ck.path / "model.safetensors")
+        return model
+
+    def trainable(self, model: nn.Module) -> list[nn.Parameter]:
+        return [p for p in model.parameters() if p.requires_grad]
+
+    @abstractmethod
+    def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator) -> tuple[Tensor, dict[str, float]]:
+        """(loss, extra metrics for metrics.jsonl) of a batch of windows (B, T + 1)."""
+
+    def meta(self) -> dict[str, Any]:
+        """Extra entries for config.json."""
+        return {}

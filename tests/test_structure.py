@@ -1,0 +1,113 @@
+"""The package's shape: no import circles inside dlm/, and inference never imports training code.
+
+Every import statement of every module (function-level ones too) is read with `ast`; `from a import b`
+counts as an import of the module a.b when that is a module of the package, else of a.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import dlm
+
+ROOT = Path(dlm.__file__).parent
+# the model layer: what every paradigm's model, checkpoint and tokenizer need, and nothing above it
+MODEL_LAYER = {"dlm.config", "dlm.errors", "dlm.model", "dlm.drafter", "dlm.checkpoint", "dlm.tokenizer", "dlm.hf",
+               "dlm.noise"}
+TRAINING = ("dlm.objectives", "dlm.train", "dlm.cli", "dlm.distill")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """The dlm modules a file imports."""
+    out: set[str] = set()
+    pkg = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("dlm")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import
+                base = ".".join(pkg.split(".")[:len(pkg.split(".")) - node.level + 1] + ([base] if base else []))
+            if not base.startswith("dlm"):
+                continue
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                out.add(sub if sub in known else base)
+    return out & known
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports_of(path, set(mods)) - {name} for name, path in mods.items()}
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in g[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_reader_sees_every_import():
+    g = graph()
+    assert "dlm.model" in g["dlm.checkpoint"] and "dlm.drafter" in g["dlm.checkpoint"]
+    assert "dlm.sampling.ar" in g["dlm.sampling"]  # `from dlm.sampling import ar` is the module
+    assert "dlm.objectives.base" in g["dlm.objectives.ar"]
+
+
+def test_no_import_circles():
+    assert cycles(graph()) == []
+
+
+def test_a_circle_is_found():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_inference_never_imports_training_code():
+    g = graph()
+    bad = {m: sorted(d for d in deps if d.startswith(TRAINING))
+           for m, deps in g.items() if m.startswith("dlm.sampling") or m in MODEL_LAYER}
+    assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_registries_are_plain_dicts_of_imported_code():
+    for path in ROOT.rglob("*.py"):
+        assert "importlib" not in path.read_text(), f"{path}: string registries resolved through importlib"
