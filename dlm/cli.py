@@ -1,6 +1,6 @@
 """`dlm`: train, generate, eval, export, import, bench, demo.
 
-Every subcommand is a function below; dlm.cliargs turns its typed parameters into options.
+Every subcommand is a function below; tyro (through dlm.cliargs) turns its typed parameters into options.
 """
 
 from __future__ import annotations
@@ -248,12 +248,10 @@ _json = json  # the commands' `json` flag shadows the module inside them
 
 def main(argv: list[str] | None = None) -> int:
     from dlm.cliargs import Command, run
-    from dlm.sampling import SampleConfig
-    from dlm.train import TrainConfig
 
-    commands = {
-        "train": Command(train_cmd, TrainConfig, "cfg"),
-        "generate": Command(generate_cmd, SampleConfig, "scfg"),
+    commands = {  # the dataclasses are imported (with torch) only for the command that runs
+        "train": Command(train_cmd, "dlm.train:TrainConfig", "cfg", group="training"),
+        "generate": Command(generate_cmd, "dlm.sampling:SampleConfig", "scfg", group="sampling"),
         "eval": Command(eval_cmd),
         "export": Command(export_cmd),
         "import": Command(import_cmd),
