@@ -1,6 +1,6 @@
 """`dlm`: train, generate, eval, export, import, bench, demo.
 
-Every subcommand is a function below; dlm.cliargs turns its typed parameters into options.
+Every subcommand is a function below; tyro (through dlm.cliargs) turns its typed parameters into options.
 """
 
 from __future__ import annotations
@@ -251,7 +251,7 @@ _json = json  # the commands' `json` flag shadows the module inside them
 
 def canonical_argv(argv: list[str]) -> list[str]:
     """Older spellings of options that now share one name (--gamma, --block-length -> --block-size, ...)."""
-    from dlm.sampling import ALIASES
+    from dlm.config import ALIASES
 
     spelled = {f"--{old}": f"--{new}" for old, new in ALIASES.items()}
     spelled.update({f"--{old.replace('_', '-')}": f"--{new.replace('_', '-')}" for old, new in ALIASES.items()})
@@ -264,12 +264,10 @@ def canonical_argv(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     from dlm.cliargs import Command, run
-    from dlm.config import TrainConfig
-    from dlm.sampling import SampleConfig
 
-    commands = {
-        "train": Command(train_cmd, TrainConfig, "cfg"),
-        "generate": Command(generate_cmd, SampleConfig, "scfg"),
+    commands = {  # the dataclasses are imported (with torch) only for the command that runs
+        "train": Command(train_cmd, "dlm.config:TrainConfig", "cfg", group="training"),
+        "generate": Command(generate_cmd, "dlm.sampling:SampleConfig", "scfg", group="sampling"),
         "eval": Command(eval_cmd),
         "export": Command(export_cmd),
         "import": Command(import_cmd),

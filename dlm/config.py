@@ -70,6 +70,10 @@ class ModelConfig:
         return emb + self.n_layers * per_layer + d + (0 if self.tie_embeddings else emb)
 
 
+# older spellings of options that now share one name (accepted on the command line and in --config files)
+ALIASES = {"block_length": "block_size", "gamma": "block_size", "max_denoising_steps": "steps"}
+
+
 # Presets. vocab_size is filled from the tokenizer when a model is built for training.
 PRESETS: dict[str, dict[str, Any]] = {
     # for tests: ~0.3M parameters with a 4k vocabulary

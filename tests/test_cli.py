@@ -113,3 +113,122 @@ def test_bad_inputs_get_one_line_and_exit_2(tiny_ar, corpus_dir, tokenizer_path,
     cfgfile = tmp_path / "c.yaml"
     cfgfile.write_text("max_steps: many\n")
     _one_line_error(cli("train", "--config", str(cfgfile), "--out", str(out)), "max_steps")
+
+
+# --- the command line itself (tyro, via dlm.cliargs): parsed in this process, the command replaced by a recorder
+
+@pytest.fixture
+def parsed(monkeypatch):
+    """parsed("train", "--out", "x") -> the keyword arguments `dlm train --out x` calls train_cmd with."""
+    import functools
+
+    import dlm.cli
+
+    def parse(*args):
+        name = next(a for a in args if not a.startswith("-"))
+        real, got = getattr(dlm.cli, f"{name}_cmd"), {}
+        monkeypatch.setattr(dlm.cli, f"{name}_cmd", functools.wraps(real)(lambda **kw: got.update(kw)))
+        p = cli(*args)
+        assert p.returncode == 0, (p.returncode, p.stderr)
+        return got
+
+    return parse
+
+
+def test_usage_errors_are_one_line_and_exit_2():
+    _one_line_error(cli("train", "--out", "x", "--max-steps", "abc"), "dlm train: error:", "--max-steps", "int")
+    _one_line_error(cli("bench", "--temperature", "0", "hot"), "dlm bench: error:", "--temperature")
+    _one_line_error(cli("export", "--model", "m", "--out", "o", "--bogus", "1"), "error:", "--bogus")
+    _one_line_error(cli("train"), "dlm train: error:", "required", "--out")
+    _one_line_error(cli("export", "--model", "m"), "required", "--out")
+    _one_line_error(cli("train", "--out"), "--out")  # no value
+    _one_line_error(cli("generate", "--model", "m", "--no-such-flag"), "--no-such-flag")
+    _one_line_error(cli(), "dlm: error:", "COMMAND")
+    _one_line_error(cli("--bogus"), "dlm: error:", "--bogus")
+    _one_line_error(cli("frobnicate", "--out", "x"), "invalid choice", "frobnicate")
+    p = run_cli("export", "--model", "m", "--out", "o", "--bogus")  # the real console: no box, no usage dump
+    _one_line_error(p, "dlm export: error:", "--bogus")
+    assert p.stdout == ""
+
+
+def test_usage_errors_stay_one_line_without_tyros_error_hook(monkeypatch):
+    """tyro._errors is private: without its hook, tyro's error box is flattened to one line."""
+    errors = pytest.importorskip("tyro._errors")  # (tyro 1.0.0 has no such module: the fallback is the rule there)
+    monkeypatch.delattr(errors, "on_parse_error")
+    _one_line_error(cli("train", "--out", "x", "--max-steps", "abc"), "dlm train: error:", "--max-steps")
+    _one_line_error(cli("export", "--model", "m", "--out", "o", "--bogus"), "dlm export: error:", "--bogus")
+    _one_line_error(cli("import", "--out", "o"), "dlm import: error:", "--hf")
+
+
+def test_help_is_fast_and_shows_the_docstrings():
+    import subprocess
+    import sys
+
+    code = ("import sys; from dlm.cli import main\ntry: main(['--help'])\nexcept SystemExit as e: assert e.code == 0\n"
+            "print('torch' in sys.modules, file=sys.stderr)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "train" in p.stdout and p.stderr.strip() == "False"  # `dlm --help` does not import torch
+    h = cli("train", "--help")
+    assert h.returncode == 0
+    for text in ("--max-steps", "--config", "--resume", "--no-resume", "continue the training state",
+                 "cosine decays", "--target-layers"):
+        assert text in h.stdout, text
+    assert "--cfg." not in h.stdout and "--training." not in h.stdout  # the dataclass's fields are flat
+    g = cli("generate", "--help")
+    assert g.returncode == 0 and "nucleus sampling mass" in g.stdout and "--check-lossless" in g.stdout
+
+
+def test_flags_lists_optionals_and_underscores(parsed):
+    a = parsed("generate", "--model", "m", "--json", "--max_new_tokens", "7", "--no-adaptive", "--temperature", "-0.5")
+    assert a["json"] is True and a["show"] is False and a["model"] == "m" and a["prompt_file"] is None
+    s = a["scfg"]
+    assert (s.max_new_tokens, s.adaptive, s.temperature, s.suffix, s.steps) == (7, False, -0.5, None, None)
+    assert parsed("generate", "--model", "m", "--json", "--no-json")["json"] is False  # the last one wins
+    assert parsed("generate", "--model", "m", "--suffix", "None")["scfg"].suffix == "None"  # a string, as before
+
+    b = parsed("bench", "--draft", "A", "B", "C", "--temperature", "0", "1", "--no-naive", "--usdm", "")
+    assert b["draft"] == ["A", "B", "C"] and b["temperature"] == [0.0, 1.0]
+    assert b["naive"] is False and b["usdm"] == "" and b["model"] is None and b["mdlm"] is None
+    assert b["out"] == "bench.json"
+
+    t = parsed("train", "--out", "x", "--target-layers", "1", "2", "--resume", "--max-steps=5", "--no-target-features")
+    assert t["out"] == "x" and t["resume"] is True and t["quiet"] is False
+    cfg = t["cfg"]
+    assert (cfg.target_layers, cfg.max_steps, cfg.target_features, cfg.tokenizer) == ([1, 2], 5, False, None)
+
+
+def test_config_file_gives_defaults_the_command_line_overrides(parsed, tmp_path):
+    y = tmp_path / "run.yaml"
+    y.write_text("out: runs/from-file\nmax_steps: 12\nlr: 1e-3\ntarget-layers: [1, 2]\nquiet: true\ntokenizer: null\n")
+    t = parsed("train", "--config", str(y))  # --out, required on the command line, comes from the file
+    assert t["out"] == "runs/from-file" and t["quiet"] is True
+    assert (t["cfg"].max_steps, t["cfg"].lr, t["cfg"].target_layers) == (12, 1e-3, [1, 2])
+    t = parsed("train", "--max-steps", "3", f"--config={y}", "--out", "elsewhere", "--no-quiet")
+    assert (t["out"], t["quiet"], t["cfg"].max_steps, t["cfg"].lr) == ("elsewhere", False, 3, 1e-3)
+
+    j = tmp_path / "gen.json"
+    j.write_text(json.dumps({"model": "m", "max-new-tokens": 9, "draft": "lookup", "json": True}))
+    g = parsed("generate", "--config", str(j), "--max-new-tokens", "4")
+    assert g["model"] == "m" and g["json"] is True and (g["scfg"].max_new_tokens, g["scfg"].draft) == (4, "lookup")
+
+    e = tmp_path / "export.yaml"  # end to end: the command runs with the file's --model, or the command line's
+    e.write_text(f"model: {tmp_path / 'from-file'}\nout: {tmp_path / 'o'}\n")
+    _one_line_error(cli("export", "--config", str(e)), "not found", "from-file")
+    _one_line_error(cli("export", "--config", str(e), "--model", str(tmp_path / "from-cli")), "from-cli")
+
+
+def test_bad_config_files_get_one_line_and_exit_2(tmp_path):
+    def cfg(name, text):
+        (tmp_path / name).write_text(text)
+        return str(tmp_path / name)
+
+    _one_line_error(cli("train", "--config", cfg("a.yaml", "out: x\nmax_stepz: 3\n")), "unknown", "max_stepz")
+    _one_line_error(cli("generate", "--config", cfg("b.yaml", "model: m\nout: x\n")), "unknown", "'out'")
+    _one_line_error(cli("train", "--config", cfg("c.yaml", "out: x\nresume: 1\n")), "resume", "bool")
+    _one_line_error(cli("train", "--config", cfg("d.yaml", "out: x\nmax_steps: 2.5\n")), "max_steps", "int")
+    _one_line_error(cli("train", "--config", cfg("e.yaml", "out: x\ntarget_layers: [a]\n")), "target_layers")
+    _one_line_error(cli("train", "--config", cfg("f.yaml", "- out\n")), "mapping")
+    _one_line_error(cli("train", "--config", cfg("g.yaml", "out: [\n")), "cannot parse")
+    _one_line_error(cli("train", "--config", cfg("h.json", "{out: x}")), "cannot parse")
+    _one_line_error(cli("train", "--config", str(tmp_path / "missing.yaml")), "no such file")
+    _one_line_error(cli("train", "--config", cfg("i.yaml", "!!python/object:os.system {}\n")), "cannot parse")

@@ -95,10 +95,6 @@ class SampleConfig:
         return dataclasses.replace(self, **kw)
 
 
-# older spellings of options that now share one name (accepted on the command line and in --config files)
-ALIASES = {"block_length": "block_size", "gamma": "block_size", "max_denoising_steps": "steps"}
-
-
 def stream(model: nn.Module, ck: Checkpoint, prompts: Sequence[Prompt | Sequence[int]], cfg: SampleConfig,
            drafter: speculative.Drafter | None = None) -> Iterator[Event]:
     """The event stream of the sampler that fits the checkpoint's paradigm (or the drafter)."""
