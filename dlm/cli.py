@@ -262,12 +262,24 @@ def canonical_argv(argv: list[str]) -> list[str]:
     return out
 
 
+def _train_config() -> type:
+    from dlm.config import TrainConfig
+
+    return TrainConfig
+
+
+def _sample_config() -> type:
+    from dlm.sampling import SampleConfig  # imports torch: only when `generate` runs
+
+    return SampleConfig
+
+
 def main(argv: list[str] | None = None) -> int:
     from dlm.cliargs import Command, run
 
-    commands = {  # the dataclasses are imported (with torch) only for the command that runs
-        "train": Command(train_cmd, "dlm.config:TrainConfig", "cfg", group="training"),
-        "generate": Command(generate_cmd, "dlm.sampling:SampleConfig", "scfg", group="sampling"),
+    commands = {  # the dataclasses are imported only for the command that runs
+        "train": Command(train_cmd, _train_config, "cfg", group="training"),
+        "generate": Command(generate_cmd, _sample_config, "scfg", group="sampling"),
         "eval": Command(eval_cmd),
         "export": Command(export_cmd),
         "import": Command(import_cmd),

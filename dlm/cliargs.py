@@ -8,8 +8,8 @@ tyro turns each subcommand function (and the one dataclass of options it may tak
   overrides; an option required on the command line may come from the file instead.
 - one-line usage errors (`dlm train: error: ...`, exit code 2) instead of tyro's boxes.
 
-Start-up: a command's dataclass ("module:Name") is imported only when that command runs, so
-`dlm --help` does not import torch.
+Start-up: a command's dataclass is given as a function that imports and returns it, called only
+when that command runs, so `dlm --help` does not import torch.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import importlib
 import inspect
 import io
 import json
@@ -32,7 +31,7 @@ from typing import Annotated, Any, Callable, Literal, get_args, get_origin
 @dataclass
 class Command:
     fn: Callable[..., Any]
-    config: str | None = None  # "module:Class": a dataclass whose fields are options too, passed as `config_param`
+    config: Callable[[], type] | None = None  # returns a dataclass whose fields are options too, passed as `config_param`
     config_param: str = "cfg"
     group: str = "options"  # the name of that dataclass's section in --help (`GROUP options`)
 
@@ -145,7 +144,7 @@ def _entry(cmd: Command, full: bool, argv: list[str], where: str) -> Callable[..
     import tyro
 
     hints = typing.get_type_hints(cmd.fn)
-    cls = _import(cmd.config) if cmd.config and full else None
+    cls = cmd.config() if cmd.config and full else None
     path = _config_path(argv) if full else None
     from_file = _load_config(path) if path else {}
     options: dict[str, Any] = {p: hints[p] for p in inspect.signature(cmd.fn).parameters if p != cmd.config_param}
@@ -177,11 +176,6 @@ def _entry(cmd: Command, full: bool, argv: list[str], where: str) -> Callable[..
     entry.__doc__ = cmd.fn.__doc__
     entry.__name__ = entry.__qualname__ = cmd.fn.__name__
     return entry
-
-
-def _import(spec: str) -> type:
-    module, _, name = spec.partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 # --- --config FILE ------------------------------------------------------------------------------------------------

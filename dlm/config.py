@@ -109,7 +109,7 @@ class TrainConfig:
         batch_size: windows per step
         max_steps: optimizer steps
         lr: peak learning rate (AdamW)
-        min_lr_ratio: the cosine schedule decays to lr * min_lr_ratio
+        min_lr_ratio: cosine decays to lr * min_lr_ratio
         warmup: linear warmup: a fraction of max_steps (< 1) or a number of steps (>= 1)
         weight_decay: AdamW weight decay of matrices
         beta1: AdamW beta1
