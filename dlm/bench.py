@@ -299,12 +299,12 @@ def target_method(model, ck, max_new_tokens: int, temperature: float, seed: int 
 def spec_methods(model, ck, drafts: list[str], max_new_tokens: int, temperature: float,
                  block_size: int | None = None, seed: int = 0) -> list[Method]:
     """One row per drafter ('lookup' or a drafter checkpoint), in the lossless speculative loop."""
-    from dlm.sampling.speculative import Sampling, load_drafter, resolve_gamma
+    from dlm.sampling.speculative import Sampling, load_drafter, resolve_block_size
 
     methods, seen = [], set()
     for spec in drafts:
         drafter = load_drafter(spec, model, ck, Sampling(temperature))
-        g = resolve_gamma(drafter, block_size)
+        g = resolve_block_size(drafter, block_size)
         cfg = SampleConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, block_size=g)
         name = drafter.name if drafter.name not in seen else f"{drafter.name} [{spec}]"  # two folders, one name
         seen.add(drafter.name)

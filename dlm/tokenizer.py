@@ -124,10 +124,6 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=skip_special)
 
-    def token_text(self, i: int) -> str:
-        """How one token reads on its own (for live views)."""
-        return self.tk.decode([i], skip_special_tokens=False)
-
     @property
     def special_ids(self) -> set[int]:
         return {i for i in (self.pad_id, self.bos_id, self.eos_id, self.mask_id, self.fim_prefix_id,

@@ -173,7 +173,7 @@ def test_dflash_trains_on_tiny_and_drafts_with_tau_above_one(tiny_ar, tiny_dflas
 
         ids = ck.tokenizer.encode(p.text)
         st = SpecStats()
-        out = [t for e in speculate(target, dd, ids, gamma=8, max_new_tokens=48, stats=st) if hasattr(e, "tokens")
+        out = [t for e in speculate(target, dd, ids, block_size=8, max_new_tokens=48, stats=st) if hasattr(e, "tokens")
                for t in e.tokens]
         assert out == target_greedy(target, ids, 48, None)
         committed, cycles = committed + st.committed, cycles + st.cycles
@@ -288,7 +288,7 @@ def test_ablations_train_and_stay_lossless(tiny_ar, tiny_draft_data, corpus_dir,
         assert dck.config["dflash"]["injection"] == kw.get("injection", "kv")
         assert drafter.fc.weight.shape[1] == (64 if name == "nofeat" else 128)
         ids = ck.tokenizer.encode("class A:\n    def f(self):\n")
-        out_t = [t for e in speculate(target, DFlashDraft(drafter, target, Sampling(), 256), ids, gamma=8,
+        out_t = [t for e in speculate(target, DFlashDraft(drafter, target, Sampling(), 256), ids, block_size=8,
                                       max_new_tokens=20) if hasattr(e, "tokens") for t in e.tokens]
         assert out_t == target_greedy(target, ids, 20, None)
     r = run_cli("export", "--model", str(tmp_path / "nofeat"), "--out", str(tmp_path / "x"), "--format", "hf")

@@ -41,9 +41,9 @@ def random_dflash(target: Transformer, seed: int, block: int = 6, injection: str
         target.embed_tokens.weight.dtype).eval()
 
 
-def run(target, drafter, prompt, gamma, max_new, sampling=None, eos=None):
+def run(target, drafter, prompt, block_size, max_new, sampling=None, eos=None):
     stats = SpecStats()
-    events = list(speculate(target, drafter, prompt, gamma=gamma, max_new_tokens=max_new, sampling=sampling,
+    events = list(speculate(target, drafter, prompt, block_size=block_size, max_new_tokens=max_new, sampling=sampling,
                             eos_id=eos, stats=stats))
     toks = [t for e in events if isinstance(e, Commit) for t in e.tokens]
     return toks, stats, events

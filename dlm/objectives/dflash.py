@@ -106,13 +106,13 @@ class DFlash(Objective):
         self.layer_ids = [int(i) for i in cfg.target_layers] or target_layer_ids(N, default_features(N))
         self.mask_id = mask_token_id(tck.tokenizer, target.cfg.vocab_size)
         self.n_layers = cfg.draft_layers or default_draft_layers(N)
-        self.gamma = block_size_of(cfg)
+        self.block_size = block_size_of(cfg)
 
     def build_model(self) -> DFlashDrafter:
         tc = self.target.cfg
         mc = ModelConfig(**{**tc.to_dict(), "n_layers": self.n_layers, "qk_norm": True, "self_cond": False,
                             "tie_embeddings": False})
-        model = DFlashDrafter(mc, self.layer_ids, self.gamma, self.mask_id, self.cfg.injection,
+        model = DFlashDrafter(mc, self.layer_ids, self.block_size, self.mask_id, self.cfg.injection,
                               self.cfg.target_features)
         with torch.no_grad():  # the drafter's output feeds the target's head: start at the target's scale
             model.norm.weight.copy_(self.target.norm.weight)
@@ -123,11 +123,11 @@ class DFlash(Objective):
                                f"not from objective {ck.objective!r}")
             d = ck.config["dflash"]
             check_target(d, self.target, self.target_ck.tokenizer.sha256, str(ck.path))
-            if (d["target_layer_ids"], d["block_size"], d["injection"]) != (self.layer_ids, self.gamma,
+            if (d["target_layer_ids"], d["block_size"], d["injection"]) != (self.layer_ids, self.block_size,
                                                                               self.cfg.injection):
                 raise DlmError(f"--init-from {ck.path}: target layers {d['target_layer_ids']}, block size "
                                f"{d['block_size']}, injection {d['injection']!r}; this run has {self.layer_ids}, "
-                               f"{self.gamma}, {self.cfg.injection!r}")
+                               f"{self.block_size}, {self.cfg.injection!r}")
             load_weights(model, ck.tensors(), ck.path / "model.safetensors")
         return model
 
@@ -136,15 +136,15 @@ class DFlash(Objective):
 
     def anchors_per_window(self, T1: int) -> int:
         """--anchors, or the paper's coverage: 512 blocks of 16 per 3072 tokens, each position in ~2.7 blocks."""
-        n_pos = T1 - self.gamma + 1
-        return max(1, min(n_pos, self.cfg.anchors or round(T1 * 8 / (3 * self.gamma))))
+        n_pos = T1 - self.block_size + 1
+        return max(1, min(n_pos, self.cfg.anchors or round(T1 * 8 / (3 * self.block_size))))
 
     def loss(self, model: DFlashDrafter, batch: Tensor, gen: torch.Generator) -> tuple[Tensor, dict[str, float]]:
         tgt = self.target
         if tgt.device != batch.device:
             tgt.to(batch.device)
         B, T1 = batch.shape
-        g = self.gamma
+        g = self.block_size
         dev = batch.device
         with torch.no_grad():
             taps: dict[int, Tensor] = {}
@@ -177,9 +177,9 @@ class DFlash(Objective):
     def meta(self) -> dict[str, Any]:
         tc = self.target.cfg
         return {"dflash": {
-            "target_layer_ids": self.layer_ids, "block_size": self.gamma, "mask_token_id": self.mask_id,
+            "target_layer_ids": self.layer_ids, "block_size": self.block_size, "mask_token_id": self.mask_id,
             "injection": self.cfg.injection, "target_features": self.cfg.target_features,
-            "gamma_w": gamma_w(self.gamma),
+            "gamma_w": gamma_w(self.block_size),
             "target": {"path": str(Path(self.cfg.target).resolve()), "model": tc.to_dict(),
                        "tokenizer_sha256": self.target_ck.tokenizer.sha256,
                        "fingerprint": target_fingerprint(self.target)},

@@ -181,6 +181,34 @@ def uniform_elbo_integrand(logits: Tensor, x0: Tensor, zt: Tensor, t: Tensor, N:
     return ((sum_h - sum_r + rlogr - rlogh) / (N * a)).clamp(min=0.0)  # times beta / N = 1 / (N alpha)
 
 
+def encoder_nll(model: nn.Module, cache, prefix: Tensor, canvas: Tensor) -> float:
+    """The encoder's causal next-token loss (nats, summed) on the canvas tokens given the prefix; leaves
+    prefix + canvas in the cache."""
+    first = model(prefix, cache=cache).logits[:, -1:]  # (B, 1, V) predicts canvas[0]
+    rest = model(canvas[:, :-1], cache=cache).logits  # (B, L - 1, V) incremental prefill
+    logits = torch.cat([first, rest], 1).flatten(0, 1).float()
+    return float(F.cross_entropy(logits, canvas.flatten(), reduction="sum"))
+
+
+def canvas_bounds(model: nn.Module, cache, canvas: Tensor, start: int, samples: int, N: int,
+                  gen: torch.Generator) -> dict[str, float]:
+    """Summed ELBO integrands of canvases (B, L) after the cached prefix, `samples` stratified times each:
+    self-conditioned with mean rates ("mean") and UDLM's rates ("udlm"), first pass alone ("no_sc")."""
+    B, L = canvas.shape
+    pos = torch.arange(start, start + L, device=canvas.device)
+    sums = {"mean": 0.0, "udlm": 0.0, "no_sc": 0.0}
+    for k in range(samples):
+        t = (k + torch.rand(B, generator=gen, device=canvas.device)) / samples  # (B,) stratified over [0, 1)
+        zt, _ = uniform_corrupt(canvas, t, N, gen)
+        l1 = model(embeds=canvas_embeds(model, zt, None), pos=pos, cache=cache, mask="full", write=False).logits
+        l2 = model(embeds=canvas_embeds(model, zt, torch.softmax(l1.float(), -1)), pos=pos, cache=cache,
+                   mask="full", write=False).logits
+        sums["no_sc"] += float(uniform_elbo_integrand(l1, canvas, zt, t, N).sum()) / samples
+        sums["mean"] += float(uniform_elbo_integrand(l2, canvas, zt, t, N).sum()) / samples
+        sums["udlm"] += float(uniform_elbo_integrand(l2, canvas, zt, t, N, rates="udlm").sum()) / samples
+    return sums
+
+
 @torch.inference_mode()
 def evaluate(model: nn.Module, ck, corpus, split: str, seq_len: int, batch_size: int, max_batches: int | None,
              seed: int, samples: int = 4) -> dict[str, Any]:
@@ -218,23 +246,12 @@ def evaluate(model: nn.Module, ck, corpus, split: str, seq_len: int, batch_size:
     count = 0
     for batch in batches.sequential(max_batches):
         batch = batch.to(dev)
-        B = batch.shape[0]
         prefix, canvas = batch[:, :start], batch[:, start:]  # (B, P), (B, L)
-        cache = model.new_cache(B, seq + 1)
-        first = model(prefix, cache=cache).logits[:, -1:]  # (B, 1, V) predicts canvas[0]
-        rest = model(canvas[:, :-1], cache=cache).logits  # (B, L - 1, V) incremental prefill
-        ar += float(F.cross_entropy(torch.cat([first, rest], 1).flatten(0, 1).float(), canvas.flatten(), reduction="sum"))
+        cache = model.new_cache(batch.shape[0], seq + 1)
+        ar += encoder_nll(model, cache, prefix, canvas)
         cache.crop(start)
-        pos = torch.arange(start, start + L, device=dev)
-        for k in range(samples):
-            t = (k + torch.rand(B, generator=gen, device=dev)) / samples  # (B,) stratified over [0, 1)
-            zt, _ = uniform_corrupt(canvas, t, N, gen)
-            l1 = model(embeds=canvas_embeds(model, zt, None), pos=pos, cache=cache, mask="full", write=False).logits
-            l2 = model(embeds=canvas_embeds(model, zt, torch.softmax(l1.float(), -1)), pos=pos, cache=cache,
-                       mask="full", write=False).logits
-            sums["no_sc"] += float(uniform_elbo_integrand(l1, canvas, zt, t, N).sum()) / samples
-            sums["mean"] += float(uniform_elbo_integrand(l2, canvas, zt, t, N).sum()) / samples
-            sums["udlm"] += float(uniform_elbo_integrand(l2, canvas, zt, t, N, rates="udlm").sum()) / samples
+        for k, v in canvas_bounds(model, cache, canvas, start, samples, N, gen).items():
+            sums[k] += v
         count += canvas.numel()
     b = {k: v / count for k, v in sums.items()}
     a = ar / count

@@ -14,7 +14,7 @@ The target's cache is cropped back to the committed length; the drafter is told 
 tokens were accepted (and given the target's features of the committed positions, if it reads
 them), and rolls its own state back.
 
-Drafter protocol (three methods; attributes taps, and name/default_gamma/forwards for reports):
+Drafter protocol (three methods; attributes taps, and name/default_block_size/forwards for reports):
   taps                      target layers whose outputs the drafter reads (() for none)
   reset(prompt, feats)      a new sequence: prompt ids (P,), the target's taps over it (P, F) or None
   propose(seq, k)           committed ids so far (S,) -> (tokens (k',), q (k', V) or None), k' <= k
@@ -48,15 +48,15 @@ from dlm.sampling.common import (
     Clock, Commit, Event, Prompt, Stats, Verified, make_generator, probs_from_logits, sample_from,
 )
 
-AR_DRAFT_GAMMA = 5  # default block of an AR draft model: 4 proposals + the bonus
-LOOKUP_GAMMA = 8
-MAX_GAMMA = 64  # the largest block of a cycle
+AR_DRAFT_BLOCK = 5  # default block of an AR draft model: 4 proposals + the bonus
+LOOKUP_BLOCK = 8
+MAX_BLOCK = 64  # the largest block of a cycle
 
 
 class Drafter(Protocol):
     taps: tuple[int, ...]
     name: str
-    default_gamma: int
+    default_block_size: int
     forwards: int  # forward passes of the drafter's model so far
 
     def reset(self, prompt: Tensor, feats: Tensor | None) -> None: ...
@@ -92,7 +92,7 @@ class PromptLookup:
         check(max_ngram >= 1, f"--lookup-ngram must be >= 1, got {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min(min_ngram, max_ngram)
         self.forwards = 0
-        self.default_gamma = LOOKUP_GAMMA
+        self.default_block_size = LOOKUP_BLOCK
         self.name = f"lookup (n<={max_ngram})"
 
     def reset(self, prompt: Tensor, feats: Tensor | None) -> None:
@@ -121,7 +121,7 @@ class ARDraft:
     def __init__(self, model: Transformer, sampling: Sampling, capacity: int, name: str = "ar-draft"):
         self.model, self.sampling, self.capacity = model, sampling, capacity
         self.forwards = 0
-        self.default_gamma = AR_DRAFT_GAMMA
+        self.default_block_size = AR_DRAFT_BLOCK
         self.name = name
 
     def reset(self, prompt: Tensor, feats: Tensor | None) -> None:
@@ -159,7 +159,7 @@ class DFlashDraft:
         self.d, self.target, self.sampling, self.capacity, self.passes = drafter, target, sampling, capacity, passes
         self.taps = drafter.taps
         self.forwards = 0
-        self.default_gamma = drafter.block_size
+        self.default_block_size = drafter.block_size
         self.name = name
 
     def _feats(self, ids: Tensor, feats: Tensor | None) -> Tensor:
@@ -268,13 +268,13 @@ def _sync(dev: torch.device) -> None:
 class Speculation:
     """One prompt's speculative decoding state: the target's cache, the committed ids, the drafter."""
 
-    def __init__(self, target: Transformer, drafter: Drafter, prompt: Sequence[int], gamma: int, max_new_tokens: int,
+    def __init__(self, target: Transformer, drafter: Drafter, prompt: Sequence[int], block_size: int, max_new_tokens: int,
                  sampling: Sampling, stats: SpecStats):
-        self.target, self.drafter, self.gamma, self.sampling, self.stats = target, drafter, gamma, sampling, stats
+        self.target, self.drafter, self.block_size, self.sampling, self.stats = target, drafter, block_size, sampling, stats
         dev = target.device
         P = len(prompt)
-        self.cache = target.new_cache(1, P + max_new_tokens + gamma + 1)
-        self.seq = torch.empty(P + max_new_tokens + gamma + 1, dtype=torch.long, device=dev)
+        self.cache = target.new_cache(1, P + max_new_tokens + block_size + 1)
+        self.seq = torch.empty(P + max_new_tokens + block_size + 1, dtype=torch.long, device=dev)
         self.seq[:P] = torch.tensor(list(prompt), dtype=torch.long, device=dev)
         self.S = P  # committed length
 
@@ -298,13 +298,13 @@ class Speculation:
         self.S += len(tokens)
 
     def cycle(self, room: int) -> tuple[Tensor, int, int]:
-        """Draft up to min(gamma - 1, room) tokens and verify them in one target forward.
+        """Draft up to min(block_size - 1, room) tokens and verify them in one target forward.
 
         Returns (draft (k,), accepted n, bonus token); the caches keep the accepted positions only.
         """
         dev, st = self.target.device, self.stats
         t0 = time.perf_counter()
-        draft, q = self.drafter.propose(self.seq[:self.S], min(self.gamma - 1, room))
+        draft, q = self.drafter.propose(self.seq[:self.S], min(self.block_size - 1, room))
         _sync(dev)
         t1 = time.perf_counter()
         st.draft_seconds += t1 - t0
@@ -325,13 +325,13 @@ class Speculation:
 
 
 @torch.inference_mode()
-def speculate(target: Transformer, drafter: Drafter, prompt: Sequence[int], *, gamma: int, max_new_tokens: int = 128,
+def speculate(target: Transformer, drafter: Drafter, prompt: Sequence[int], *, block_size: int, max_new_tokens: int = 128,
               sampling: Sampling | None = None, eos_id: int | None = None, row: int = 0,
               stats: SpecStats | None = None, clock: Clock | None = None) -> Iterator[Event]:
     """Generate from one prompt with `drafter` proposing and `target` verifying (Commit and Verified events)."""
     sampling = sampling or Sampling()
     stats = stats if stats is not None else SpecStats()
-    spec = Speculation(target, drafter, prompt, gamma, max_new_tokens, sampling, stats)
+    spec = Speculation(target, drafter, prompt, block_size, max_new_tokens, sampling, stats)
     tok = spec.prefill()
     new = 1
     if clock is not None:
@@ -354,7 +354,7 @@ def speculate(target: Transformer, drafter: Drafter, prompt: Sequence[int], *, g
 
 def drafter_capacity(target: Transformer) -> int:
     """Cache slots a drafter needs for any generation of this target (context + one block + bonus)."""
-    return target.cfg.max_seq_len + MAX_GAMMA + 2
+    return target.cfg.max_seq_len + MAX_BLOCK + 2
 
 
 def load_drafter(spec: str, target: Transformer, ck, sampling: Sampling, passes: int = 1,
@@ -385,12 +385,12 @@ def load_drafter(spec: str, target: Transformer, ck, sampling: Sampling, passes:
     return DFlashDraft(model, target, sampling, capacity, passes, name=f"dflash ({Path(spec).name})")
 
 
-def resolve_gamma(drafter: Drafter, block_size: int | None) -> int:
+def resolve_block_size(drafter: Drafter, block_size: int | None) -> int:
     """The block of a cycle: --block-size, else the drafter's default."""
     if block_size is None:
-        return drafter.default_gamma
-    check(2 <= block_size <= MAX_GAMMA,
-          f"--block-size must be in [2, {MAX_GAMMA}] (the last token + at least one proposal), got {block_size}")
+        return drafter.default_block_size
+    check(2 <= block_size <= MAX_BLOCK,
+          f"--block-size must be in [2, {MAX_BLOCK}] (the last token + at least one proposal), got {block_size}")
     if isinstance(drafter, DFlashDraft) and block_size > drafter.d.block_size:
         raise DlmError(f"--block-size {block_size} is larger than the block size the drafter was built for "
                        f"({drafter.d.block_size})")
@@ -416,32 +416,32 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg, drafter: Drafter 
         drafter = load_drafter(cfg.draft, model, ck, sampling, cfg.draft_passes, cfg.lookup_ngram)
     else:
         drafter.sampling = sampling  # the drafter draws from this call's distribution and random stream
-    gamma = resolve_gamma(drafter, cfg.block_size)
-    return _run(model, ck, drafter, [p.ids for p in prompts], gamma, sampling, cfg)
+    block_size = resolve_block_size(drafter, cfg.block_size)
+    return _run(model, ck, drafter, [p.ids for p in prompts], block_size, sampling, cfg)
 
 
-def spec_stats(spec: SpecStats, drafter: Drafter, gamma: int, new: int, draft_forwards: int) -> Stats:
+def spec_stats(spec: SpecStats, drafter: Drafter, block_size: int, new: int, draft_forwards: int) -> Stats:
     """The statistics of a speculative call (the Done event's), from its verify-cycle bookkeeping."""
     return Stats(new_tokens=new, forwards=spec.forwards, draft_forwards=draft_forwards, extra={
         "tau": spec.committed / spec.cycles if spec.cycles else 0.0,
-        "acceptance_histogram": spec.histogram + [0] * (gamma + 1 - len(spec.histogram)),
+        "acceptance_histogram": spec.histogram + [0] * (block_size + 1 - len(spec.histogram)),
         "cycles": spec.cycles, "draft_seconds": spec.draft_seconds, "verify_seconds": spec.verify_seconds,
-        "gamma": gamma, "drafter": drafter.name})
+        "gamma": block_size, "drafter": drafter.name})
 
 
-def _run(model, ck, drafter, ids, gamma, sampling, cfg) -> Iterator[Event]:
+def _run(model, ck, drafter, ids, block_size, sampling, cfg) -> Iterator[Event]:
     tok = ck.tokenizer
     spec = SpecStats()
     clock = Clock()
     f0 = drafter.forwards
     outputs: list[list[int]] = [[] for _ in ids]
     for b, p in enumerate(ids):
-        for ev in speculate(model, drafter, p, gamma=gamma, max_new_tokens=cfg.max_new_tokens, sampling=sampling,
+        for ev in speculate(model, drafter, p, block_size=block_size, max_new_tokens=cfg.max_new_tokens, sampling=sampling,
                             eos_id=tok.eos_id, row=b, stats=spec, clock=clock):
             if isinstance(ev, Commit):
                 outputs[b].extend(ev.tokens)
             yield ev
-    stats = spec_stats(spec, drafter, gamma, sum(len(o) for o in outputs), drafter.forwards - f0)
+    stats = spec_stats(spec, drafter, block_size, sum(len(o) for o in outputs), drafter.forwards - f0)
     done = clock.finish(stats)
     if cfg.check_lossless:
         stats.extra["lossless"] = all(o == target_greedy(model, p, cfg.max_new_tokens, tok.eos_id)
