@@ -100,7 +100,7 @@ class TrainConfig:
     """A training run (the options of `dlm train`).
 
     Attributes:
-        objective: ar | mdlm | usdm | dflash
+        objective: ar | mdlm | usdm | dflash | joint
         preset: model size when training from scratch: tiny | small | draft | base
         data: corpus: stdlib, a folder, a text file, or a .jsonl file with a "text" field
         tokenizer: a tokenizer.json or a checkpoint folder (default: train one on the corpus)
@@ -123,7 +123,7 @@ class TrainConfig:
         device: auto, cpu, cuda or cuda:N
         compile: torch.compile the model (CUDA only)
         init_from: start from this checkpoint's weights (e.g. diffusion adapted from AR)
-        block_size: block of block diffusion (mdlm; default 0 = the whole window) or of the DFlash drafter (dflash; default 16)
+        block_size: block of block diffusion (mdlm; default 0 = the whole window; joint: default 16) or of the DFlash drafter (dflash; default 16)
         canvas_length: usdm: tokens per canvas
         loss_weight: usdm canvas loss: constant (1) or inverse (1 / (1 - t))
         self_cond_prob: usdm: probability of a self-conditioned training pass
@@ -133,6 +133,8 @@ class TrainConfig:
         target_layers: dflash: target layer ids read by the drafter (default: spread over the target)
         injection: dflash ablation: kv (context K/V in every layer) or input (context as input tokens)
         target_features: dflash ablation: off = context from token embeddings, not target hidden states
+        ar_weight: joint: weight of the AR (clean half) loss
+        dlm_weight: joint: weight of the masked-diffusion (noisy half) loss
     """
 
     objective: str = "ar"
@@ -171,6 +173,9 @@ class TrainConfig:
     target_layers: list[int] = dataclasses.field(default_factory=list)
     injection: str = "kv"
     target_features: bool = True
+    # joint AR + diffusion (joint)
+    ar_weight: float = 1.0
+    dlm_weight: float = 0.3
 
     def validate(self) -> None:
         """The checks every objective shares (each objective checks its own options)."""

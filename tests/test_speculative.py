@@ -105,7 +105,7 @@ def test_tau_histogram_and_rollback_bookkeeping():
     out2, st2, _ = run(target, Wrong(), prompt, 5, 20)
     assert out2 == target_greedy(target, prompt, 20, None)
     assert st2.histogram == [0, 19] and st2.committed / st2.cycles == 1.0
-    s = spec_stats(st2, Wrong(), 5, 20, 0).as_dict()
+    s = spec_stats(st2, "wrong", 5, 20, 0).as_dict()
     assert s["tau"] == 1.0 and s["acceptance_histogram"] == [0, 19, 0, 0, 0, 0] and s["forwards"] == 20
 
 

@@ -4,6 +4,7 @@
     mdlm    masked diffusion, whole-sequence or block (BD3-LM) (objectives/mdlm.py)
     usdm    uniform-state diffusion: encoder + self-conditioned canvas denoiser (objectives/usdm.py)
     dflash  a DFlash drafter against a frozen AR target (objectives/dflash.py)
+    joint   AR + masked diffusion on one backbone (objectives/joint.py)
 
 Models live in the model layer (dlm.model, dlm.drafter); samplers in dlm.sampling.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from dlm.config import TrainConfig
 from dlm.errors import DlmError
-from dlm.objectives import ar, dflash, mdlm, usdm
+from dlm.objectives import ar, dflash, joint, mdlm, usdm
 from dlm.objectives.base import Objective
 from dlm.tokenizer import Tokenizer
 
@@ -21,6 +22,7 @@ OBJECTIVES: dict[str, type[Objective]] = {
     "mdlm": mdlm.MDLM,
     "usdm": usdm.USDM,
     "dflash": dflash.DFlash,
+    "joint": joint.Joint,
 }
 
 

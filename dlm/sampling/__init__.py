@@ -11,6 +11,7 @@ or a `drafter` object already loaded) makes it speculative decoding of an AR tar
     ar           sampling/ar.py            prefill, then one token per forward with the KV cache
     mdlm         sampling/mdlm.py          masked diffusion, block by block over a KV cache
     usdm         sampling/usdm.py          DiffusionGemma's entropy-bound canvas sampler
+    joint        sampling/joint.py         AR mode, diffusion mode, self-speculation (linear, quadratic)
     speculative  sampling/speculative.py   the one lossless verifier and the drafters
 
 `generate()` is the text-in, text-out wrapper that drains the stream.
@@ -26,11 +27,11 @@ from torch import nn
 
 from dlm.checkpoint import Checkpoint
 from dlm.errors import DlmError
-from dlm.sampling import ar, mdlm, speculative, usdm
+from dlm.sampling import ar, joint, mdlm, speculative, usdm
 from dlm.sampling.common import Event, Prompt, Result, drain
 from dlm.sampling.infill import encode_prompt
 
-SAMPLERS = {"ar": ar, "mdlm": mdlm, "usdm": usdm}
+SAMPLERS = {"ar": ar, "mdlm": mdlm, "usdm": usdm, "joint": joint}
 
 
 @dataclass
@@ -44,7 +45,7 @@ class SampleConfig:
         top_p: nucleus sampling mass in (0, 1]
         seed: makes sampling reproducible
         naive: AR, mdlm: recompute the whole sequence every step (no KV cache)
-        sampler: diffusion sampler: confidence | threshold | entropy_bound (mdlm); entropy_bound (usdm); auto = the paradigm's default
+        sampler: confidence | threshold | entropy_bound (mdlm); entropy_bound (usdm); ar | self-spec-linear | self-spec-quadratic | confidence | threshold | entropy_bound (joint); auto = the paradigm's default
         steps: denoising steps per block (mdlm; default: one token per step; threshold / entropy_bound: at most this many) or per canvas at most (usdm; default 48)
         threshold: mdlm threshold sampler: commit every position with confidence >= this
         entropy_bound: entropy-bound acceptance: cumulative entropy minus its largest entropy <= this

@@ -149,11 +149,22 @@ class Job:
     blocks: list[tuple[int, int]]
     stop_at_eos: bool  # continuation: cut after the first <eos>
     forbid_eos: bool  # templates / infilling: a hole never becomes <eos>
+    causal_context: bool = False  # finished blocks are written causally (a joint model), not block-causally
 
 
-def block_mask(block_of: Tensor, rows: slice, keys: int) -> Tensor:
-    """(rows, keys) bool: a row sees a key whose block is not after its own (block-causal)."""
-    return block_of[rows][:, None] >= block_of[:keys][None, :]
+def block_mask(block_of: Tensor, rows: slice, keys: int, causal_context: bool = False) -> Tensor:
+    """(rows, keys) bool: a row sees a key whose block is not after its own (block-causal).
+
+    causal_context: rows of finished blocks see only the keys up to themselves (the causal K/V a joint
+    model's AR half computes); rows of the block being denoised (the last) still see their whole block.
+    """
+    bq, bk = block_of[rows][:, None], block_of[:keys][None, :]
+    allowed = bq >= bk
+    if causal_context:
+        q = torch.arange(rows.start, rows.stop, device=block_of.device)[:, None]
+        k = torch.arange(keys, device=block_of.device)[None, :]
+        allowed &= (k <= q) | (bq == block_of[keys - 1])
+    return allowed
 
 
 class Denoising:
@@ -181,11 +192,12 @@ class Denoising:
         model, dev, seq, block_of = self.model, self.seq.device, self.seq, self.block_of
         if self.naive:
             start = 0
-            out = model(seq[None, :e], pos=torch.arange(e, device=dev), mask=block_mask(block_of, slice(0, e), e))
+            out = model(seq[None, :e], pos=torch.arange(e, device=dev),
+                        mask=block_mask(block_of, slice(0, e), e, self.job.causal_context))
         elif self.cached < s:
             start = self.cached
             out = model(seq[None, start:e], pos=torch.arange(start, e, device=dev), cache=self.cache,
-                        mask=block_mask(block_of, slice(start, e), e))
+                        mask=block_mask(block_of, slice(start, e), e, self.job.causal_context))
             self.cache.crop(s)
             self.cached = s
         else:
@@ -268,7 +280,7 @@ def check_options(cfg) -> Rule:
     return Rule(sampler, cfg.threshold, cfg.entropy_bound, cfg.remasking == "random")
 
 
-def make_job(prompt: Prompt, cfg, train_block: int, context: int) -> Job:
+def make_job(prompt: Prompt, cfg, train_block: int, context: int, causal_context: bool = False) -> Job:
     """Blocks for a request: --block-size, else the training grid (whole sequence when trained without
     blocks); an infilling/template canvas is one block after the prompt's full blocks (it sees its suffix)."""
     plain = prompt.canvas is None
@@ -279,7 +291,8 @@ def make_job(prompt: Prompt, cfg, train_block: int, context: int) -> Job:
         blocks = plan_blocks(len(prompt.ids), len(known), cfg.block_size)
     else:
         blocks = plan_blocks(len(prompt.ids), len(known), train_block or len(known), one_tail=not plain)
-    return Job(known, len(prompt.ids), blocks, stop_at_eos=plain, forbid_eos=not plain)
+    return Job(known, len(prompt.ids), blocks, stop_at_eos=plain, forbid_eos=not plain,
+               causal_context=causal_context)
 
 
 def stream(model, ck, prompts: list[Prompt], cfg) -> Iterator[Event]:
@@ -288,7 +301,8 @@ def stream(model, ck, prompts: list[Prompt], cfg) -> Iterator[Event]:
     tok = ck.tokenizer
     if tok.mask_id is None:
         raise DlmError(f"{ck.path}: the tokenizer has no <mask> token")
-    jobs = [make_job(p, cfg, ck.block_size, model.cfg.max_seq_len) for p in prompts]
+    causal = ck.objective == "joint"  # its AR half: the context is causal
+    jobs = [make_job(p, cfg, ck.block_size, model.cfg.max_seq_len, causal) for p in prompts]
     return _run(model, jobs, rule, cfg, tok.mask_id, tok.eos_id)
 
 

@@ -277,6 +277,8 @@ class Speculation:
         self.seq = torch.empty(P + max_new_tokens + block_size + 1, dtype=torch.long, device=dev)
         self.seq[:P] = torch.tensor(list(prompt), dtype=torch.long, device=dev)
         self.S = P  # committed length
+        if hasattr(drafter, "bind"):  # self-speculation drafts over this very cache
+            drafter.bind(self.cache)
 
     def prefill(self) -> int:
         """Run the prompt through the target, hand the drafter its features; the first token."""
@@ -404,7 +406,7 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg, drafter: Drafter 
 
     `drafter`: one already loaded (it is reset for every prompt), else cfg.draft is loaded.
     """
-    if ck.objective != "ar":
+    if ck.objective not in ("ar", "joint"):
         raise DlmError(f"--draft: speculative decoding verifies with an AR target; {ck.path} is a "
                        f"{ck.objective} checkpoint")
     ar.check_options(model, prompts, cfg, "speculative decoding")
@@ -420,13 +422,13 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg, drafter: Drafter 
     return _run(model, ck, drafter, [p.ids for p in prompts], block_size, sampling, cfg)
 
 
-def spec_stats(spec: SpecStats, drafter: Drafter, block_size: int, new: int, draft_forwards: int) -> Stats:
+def spec_stats(spec: SpecStats, drafter: str, block_size: int, new: int, draft_forwards: int) -> Stats:
     """The statistics of a speculative call (the Done event's), from its verify-cycle bookkeeping."""
     return Stats(new_tokens=new, forwards=spec.forwards, draft_forwards=draft_forwards, extra={
         "tau": spec.committed / spec.cycles if spec.cycles else 0.0,
         "acceptance_histogram": spec.histogram + [0] * (block_size + 1 - len(spec.histogram)),
         "cycles": spec.cycles, "draft_seconds": spec.draft_seconds, "verify_seconds": spec.verify_seconds,
-        "gamma": block_size, "drafter": drafter.name})
+        "gamma": block_size, "drafter": drafter})
 
 
 def _run(model, ck, drafter, ids, block_size, sampling, cfg) -> Iterator[Event]:
@@ -441,7 +443,7 @@ def _run(model, ck, drafter, ids, block_size, sampling, cfg) -> Iterator[Event]:
             if isinstance(ev, Commit):
                 outputs[b].extend(ev.tokens)
             yield ev
-    stats = spec_stats(spec, drafter, block_size, sum(len(o) for o in outputs), drafter.forwards - f0)
+    stats = spec_stats(spec, drafter.name, block_size, sum(len(o) for o in outputs), drafter.forwards - f0)
     done = clock.finish(stats)
     if cfg.check_lossless:
         stats.extra["lossless"] = all(o == target_greedy(model, p, cfg.max_new_tokens, tok.eos_id)

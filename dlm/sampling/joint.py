@@ -1,0 +1,195 @@
+"""Decoding a joint AR + diffusion checkpoint: its AR mode, its diffusion mode, and self-speculation.
+
+`--sampler`:
+  ar                   the AR half alone: KV-cached decoding (sampling/ar.py)
+  confidence | threshold | entropy_bound
+                       the diffusion half: the mdlm samplers, block by block, the finished blocks
+                       written causally as the AR half computes them (sampling/mdlm.py)
+  self-spec-linear     (auto) two forwards per cycle: a draft pass [last token, <mask> x (B-1)],
+                       bidirectional over the cached prefix without writing it (`SelfDraft`), then
+                       the one verifier's causal pass over the filled block (sampling/speculative.py)
+  self-spec-quadratic  one forward per cycle (`quadratic`): B rows, row i = [d_i, <mask> x B] at
+                       positions from c + i; the row-first tokens d_0..d_{B-1} form a causal chain over
+                       the cache (their logits verify the draft: the AR mode), the masks of row i see
+                       the cache, d_0..d_i (their causal K/V) and the masks of their own row, so they
+                       draft the next block as if d_0..d_i were accepted. The first mask slot of a row predicts the same position as the AR
+                       logit of d_i, which is used instead; so every cycle yields >= 1 token and the
+                       next draft is row n's slots 1..B-1 (n: the accepted drafts). Only the
+                       row-first tokens stay in the KV cache (cropped to the accepted ones).
+
+Both self-speculation modes verify with the one verifier (`verify_greedy`, `verify_sample`): greedy
+output equals the model's own AR greedy output token for token; at temperature > 0 it follows the AR
+mode's distribution exactly. `--block-size` is B (default: the checkpoint's training block).
+Counting: `forwards` are the model's verify passes (quadratic: every pass), `draft_forwards` the
+linear mode's draft passes (the same weights: a linear cycle costs forwards + draft_forwards passes).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from dlm.errors import DlmError, check
+from dlm.model import Transformer
+from dlm.sampling import ar, mdlm, speculative
+from dlm.sampling.common import Clock, Commit, Event, Prompt, Stats, Verified, make_generator, sample_from
+from dlm.sampling.speculative import Sampling, SpecStats, spec_stats, target_greedy, verify_greedy, verify_sample
+
+SELF_SPEC = ("self-spec-linear", "self-spec-quadratic")
+DIFFUSION = mdlm.RULES
+SAMPLERS = ("auto", "ar", *SELF_SPEC, *DIFFUSION)
+
+
+class SelfDraft:
+    """The linear self-speculation drafter: the model's diffusion mode over the target's own KV cache.
+
+    Follows the drafter protocol of sampling/speculative.py; `bind` hands it the verifier's cache,
+    which at every `propose` holds the committed positions before the last committed token.
+    """
+
+    taps: tuple[int, ...] = ()
+
+    def __init__(self, model: Transformer, mask_id: int, block_size: int, sampling: Sampling):
+        self.model, self.mask_id, self.sampling = model, mask_id, sampling
+        self.default_block_size = block_size
+        self.forwards = 0
+        self.name = "self-spec-linear"
+        self.cache = None
+
+    def bind(self, cache) -> None:
+        self.cache = cache
+
+    def reset(self, prompt: Tensor, feats: Tensor | None) -> None:
+        pass
+
+    def propose(self, seq: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
+        if k == 0:
+            return seq[:0], None
+        start = seq.shape[0] - 1  # the last committed token's position (the cache holds those before it)
+        block = torch.full((1, k + 1), self.mask_id, dtype=torch.long, device=seq.device)
+        block[0, 0] = seq[-1]
+        pos = torch.arange(start, start + k + 1, device=seq.device)
+        logits = self.model(block, pos=pos, cache=self.cache, mask="full", write=False).logits[0, 1:]  # (k, V)
+        self.forwards += 1
+        logits[:, self.mask_id] = float("-inf")
+        if self.sampling.temperature == 0:
+            return logits.argmax(-1), None
+        q = self.sampling.probs(logits)
+        return sample_from(q, self.sampling.gen), q
+
+    def accept(self, ids: Tensor, feats: Tensor | None) -> None:
+        pass
+
+
+def quadratic_mask(m: int, L: int, cached: int, device: torch.device) -> Tensor:
+    """(Q, cached + Q) bool mask of a quadratic pass over m+1 row-first tokens then m+1 rows of L masks.
+
+    Row-first token i sees the cache and row-first tokens <= i; mask slot j of row i sees the cache,
+    row-first tokens <= i and every mask of row i.
+    """
+    R = m + 1
+    Q = R + R * L
+    row = torch.cat([torch.arange(R, device=device), torch.arange(R, device=device).repeat_interleave(L)])  # (Q,)
+    first = torch.arange(Q, device=device) < R  # (Q,)
+    q_row, k_row = row[:, None], row[None, :]
+    sees = (first[None, :] & (k_row <= q_row)) | (~first[:, None] & ~first[None, :] & (k_row == q_row))
+    return torch.cat([torch.ones(Q, cached, dtype=torch.bool, device=device), sees], dim=1)
+
+
+@torch.inference_mode()
+def quadratic(model: Transformer, prompt: Sequence[int], *, block_size: int, max_new_tokens: int, mask_id: int,
+              sampling: Sampling, eos_id: int | None, row: int = 0, stats: SpecStats | None = None,
+              clock: Clock | None = None) -> Iterator[Event]:
+    """Quadratic self-speculation of one prompt (Commit and Verified events)."""
+    stats = stats if stats is not None else SpecStats()
+    dev, L = model.device, block_size
+    prompt = list(prompt)
+    cache = model.new_cache(1, len(prompt) + max_new_tokens + L * (L + 1) + L + 1)
+    if len(prompt) > 1:  # the cache holds every committed token but the last (d_0 of the first cycle)
+        model(torch.tensor([prompt[:-1]], device=dev), cache=cache, head=False)
+        stats.forwards += 1
+    d0, draft, q = prompt[-1], torch.zeros(0, dtype=torch.long, device=dev), None
+    new = 0
+    while new < max_new_tokens:
+        m = min(draft.shape[0], max_new_tokens - new - 1)
+        draft, q = draft[:m], (q[:m] if q is not None else None)
+        c = cache.length
+        firsts = torch.cat([torch.tensor([d0], device=dev), draft])  # (m+1,) d_0 .. d_m
+        ids = torch.cat([firsts, torch.full(((m + 1) * L,), mask_id, dtype=torch.long, device=dev)])
+        pos = torch.cat([c + torch.arange(m + 1, device=dev),
+                         (c + 1 + torch.arange(m + 1, device=dev))[:, None].add(torch.arange(L, device=dev)).flatten()])
+        t0 = clock.elapsed() if clock is not None else 0.0
+        logits = model(ids[None], pos=pos, cache=cache, mask=quadratic_mask(m, L, c, dev)).logits[0]  # (Q, V)
+        stats.forwards += 1
+        ar_logits = logits[:m + 1]  # (m+1, V): the AR mode's next-token logits after d_0 .. d_i
+        if sampling.temperature == 0:
+            n, bonus = verify_greedy(draft, ar_logits)
+        else:
+            n, bonus = verify_sample(draft, sampling.probs(ar_logits), q, sampling.gen)
+        cache.crop(c + n + 1)  # keep d_0 .. d_n (d_0 was committed before, d_1 .. d_n now)
+        slots = logits[m + 1:].view(m + 1, L, -1)[n, 1:]  # (L-1, V): row n drafts the block after the bonus
+        slots[:, mask_id] = float("-inf")
+        if sampling.temperature == 0:
+            draft, q = slots.argmax(-1), None
+        else:
+            q = sampling.probs(slots)
+            draft = sample_from(q, sampling.gen)
+        if clock is not None:
+            stats.verify_seconds += clock.elapsed() - t0
+            clock.mark_first()
+        committed = (firsts[1:n + 1].tolist() + [bonus])[:max_new_tokens - new]
+        if eos_id is not None and eos_id in committed:
+            committed = committed[:committed.index(eos_id) + 1]
+        stats.add(len(committed))
+        new += len(committed)
+        yield Verified(firsts[1:].tolist(), n, row=row)
+        yield Commit(committed, row=row)
+        if committed[-1] == eos_id:
+            break
+        d0 = bonus
+
+
+# the sampler ----------------------------------------------------------------------------------------
+
+def stream(model: Transformer, ck, prompts: list[Prompt], cfg) -> Iterator[Event]:
+    """A joint checkpoint's sampler (cfg: SampleConfig): AR mode, diffusion mode or self-speculation."""
+    sampler = "self-spec-linear" if cfg.sampler == "auto" else cfg.sampler
+    if sampler not in SAMPLERS:
+        raise DlmError(f"--sampler {cfg.sampler} does not belong to a joint checkpoint "
+                       f"(allowed: {', '.join(SAMPLERS)})")
+    if sampler in DIFFUSION:
+        return mdlm.stream(model, ck, prompts, cfg.replace(sampler=sampler))
+    if sampler == "ar":
+        return ar.stream(model, ck, prompts, cfg.replace(sampler="auto"))
+    tok = ck.tokenizer
+    B = cfg.block_size if cfg.block_size is not None else (ck.block_size or 16)
+    check(2 <= B <= speculative.MAX_BLOCK, f"--block-size must be in [2, {speculative.MAX_BLOCK}], got {B}")
+    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, make_generator(cfg.seed, model.device))
+    if sampler == "self-spec-linear":
+        drafter = SelfDraft(model, tok.mask_id, B, sampling)
+        return speculative.stream(model, ck, prompts, cfg.replace(block_size=B), drafter)
+    ar.check_options(model, prompts, cfg, "self-speculation")
+    if cfg.check_lossless and cfg.temperature > 0:
+        raise DlmError("--check-lossless compares greedy outputs token for token: use --temperature 0")
+    return _quadratic_run(model, ck, [p.ids for p in prompts], B, sampling, cfg)
+
+
+def _quadratic_run(model, ck, ids: list[list[int]], B: int, sampling: Sampling, cfg) -> Iterator[Event]:
+    tok = ck.tokenizer
+    spec = SpecStats()
+    clock = Clock()
+    outputs: list[list[int]] = [[] for _ in ids]
+    for b, p in enumerate(ids):
+        for ev in quadratic(model, p, block_size=B, max_new_tokens=cfg.max_new_tokens, mask_id=tok.mask_id,
+                            sampling=sampling, eos_id=tok.eos_id, row=b, stats=spec, clock=clock):
+            if isinstance(ev, Commit):
+                outputs[b].extend(ev.tokens)
+            yield ev
+    stats: Stats = spec_stats(spec, "self-spec-quadratic", B, sum(len(o) for o in outputs), 0)
+    done = clock.finish(stats)
+    if cfg.check_lossless:
+        stats.extra["lossless"] = all(o == target_greedy(model, p, cfg.max_new_tokens, tok.eos_id)
+                                      for o, p in zip(outputs, ids))
+    yield done

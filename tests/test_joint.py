@@ -1,0 +1,212 @@
+"""Joint AR + diffusion: the mask, the two losses, and lossless self-speculation (linear and quadratic)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import run_cli, tiny_train_config
+from dlm.checkpoint import load_model
+from dlm.config import ModelConfig
+from dlm.errors import DlmError
+from dlm.model import Transformer
+from dlm.objectives.joint import Joint, joint_mask
+from dlm.sampling import SampleConfig, generate
+from dlm.sampling.common import Commit, Verified
+from dlm.sampling.joint import SelfDraft, quadratic, quadratic_mask
+from dlm.sampling.speculative import Sampling, SpecStats, speculate, target_greedy
+
+PROMPTS = ["def parse(self, text):\n    result = []\n", "import os\nimport sys\n\n\ndef main(", "class A:\n    def "]
+
+
+@pytest.fixture(scope="module")
+def tiny_joint(tiny_ar, corpus_dir, tokenizer_path, tmp_path_factory):
+    """A tiny joint model adapted from the tiny AR checkpoint (blocks of 8)."""
+    from dlm.train import train
+
+    out = tmp_path_factory.mktemp("ckpt") / "tiny-joint"
+    cfg = tiny_train_config(corpus_dir, tokenizer_path, objective="joint", block_size=8, seq_len=64,
+                            init_from=str(tiny_ar), max_steps=60, eval_every=60, save_every=60)
+    train(cfg, out, quiet=True)
+    return out
+
+
+def random_model(seed: int, vocab: int = 24) -> Transformer:
+    torch.manual_seed(seed)
+    m = Transformer(ModelConfig(vocab_size=vocab, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                                max_seq_len=256))
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.3)
+    return m.double().eval()
+
+
+def test_the_mask_drawn_in_the_docs():
+    m = joint_mask(6, 3).int()
+    noisy, clean = m[:6], m[6:]
+    assert noisy[:3].tolist() == [[1, 1, 1, 0, 0, 0] + [0] * 6] * 3
+    assert noisy[3:].tolist() == [[0, 0, 0, 1, 1, 1] + [1, 1, 1, 0, 0, 0]] * 3
+    assert torch.equal(clean[:, 6:], torch.ones(6, 6, dtype=torch.int).tril()) and clean[:, :6].sum() == 0
+
+
+def test_clean_half_is_the_ar_model_and_noisy_blocks_see_no_later_clean_token(corpus_dir, tokenizer_path):
+    """The clean half's logits are the plain causal forward's; a noisy block is blind to its own and later
+    clean tokens (a leak would let it copy its answer)."""
+    m = random_model(0)
+    T, L = 12, 4
+    x0 = torch.randint(0, 20, (2, T), generator=torch.Generator().manual_seed(1))
+    xt = x0.clone()
+    xt[:, ::2] = 3  # some masks
+    pos = torch.arange(T).repeat(2)
+    with torch.no_grad():
+        out = m(torch.cat([xt, x0], 1), pos=pos, mask=joint_mask(T, L)).logits
+        assert torch.allclose(out[:, T:], m(x0).logits, atol=1e-10)
+        x1 = x0.clone()
+        x1[:, 4:] = (x1[:, 4:] + 1) % 20  # change the clean tokens of blocks 1 and 2
+        out1 = m(torch.cat([xt, x1], 1), pos=pos, mask=joint_mask(T, L)).logits
+    assert torch.allclose(out[:, :8], out1[:, :8], atol=1e-10)  # noisy blocks 0, 1: same
+    assert not torch.allclose(out[:, 8:T], out1[:, 8:T])  # noisy block 2 reads clean block 1
+
+
+def test_loss_is_the_weighted_sum_of_its_parts(corpus_dir, tokenizer_path):
+    from dlm.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer_path)
+    cfg = tiny_train_config(corpus_dir, tokenizer_path, objective="joint", block_size=4, seq_len=16)
+    m = Transformer(ModelConfig(vocab_size=tok.vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                ffn_dim=64)).double()
+    batch = torch.randint(10, 200, (2, 17), generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for ar_w, dlm_w in ((1.0, 0.0), (0.0, 1.0), (1.0, 0.3)):
+        obj = Joint(cfg.__class__(**{**cfg.to_dict(), "ar_weight": ar_w, "dlm_weight": dlm_w}), tok)
+        losses[(ar_w, dlm_w)], extra = obj.loss(m, batch, torch.Generator().manual_seed(5))
+    ar = F.cross_entropy(m(batch[:, :-1]).logits.flatten(0, 1), batch[:, 1:].flatten())
+    assert torch.allclose(losses[(1.0, 0.0)], ar)  # the AR part is exactly the causal next-token loss
+    assert torch.allclose(losses[(1.0, 0.3)], losses[(1.0, 0.0)] + 0.3 * losses[(0.0, 1.0)])
+    assert float(losses[(0.0, 1.0)].detach()) > 0
+
+
+def test_quadratic_rows_are_the_ar_logits_and_linear_drafts():
+    """One quadratic pass = the AR logits after d_0..d_i and, per row, a draft of L masks over a cache that
+    holds the prefix and d_0..d_i (as if they were accepted) (same numbers, float64)."""
+    m = random_model(1)
+    prefix, d, L = [5, 6, 7, 8], [9, 10, 11], 3
+    m_ = len(d) - 1
+    with torch.no_grad():
+        cache = m.new_cache(1, 64)
+        m(torch.tensor([prefix]), cache=cache)
+        c = cache.length
+        ids = torch.tensor(d + [3] * (len(d) * L))
+        pos = torch.cat([c + torch.arange(len(d)), (c + 1 + torch.arange(len(d)))[:, None].add(torch.arange(L)).flatten()])
+        out = m(ids[None], pos=pos, cache=cache, mask=quadratic_mask(m_, L, c, torch.device("cpu"))).logits[0]
+        ar = m(torch.tensor([prefix + d])).logits[0, len(prefix):]
+        assert torch.allclose(out[:len(d)], ar, atol=1e-10)
+        for i in range(len(d)):
+            ref_cache = m.new_cache(1, 64)
+            m(torch.tensor([prefix + d[:i + 1]]), cache=ref_cache)
+            masks = torch.tensor([[3] * L])
+            ref = m(masks, pos=len(prefix) + i + 1 + torch.arange(L), cache=ref_cache, mask="full", write=False)
+            assert torch.allclose(out[len(d) + i * L:len(d) + (i + 1) * L], ref.logits[0], atol=1e-10)
+
+
+@pytest.mark.parametrize("L", [2, 4, 8])
+def test_both_modes_are_lossless_on_a_random_model(L):
+    m = random_model(2)
+    prompt = [4, 5, 6, 7]
+    ref = target_greedy(m, prompt, 40, None)
+    q = [t for e in quadratic(m, prompt, block_size=L, max_new_tokens=40, mask_id=3, sampling=Sampling(),
+                              eos_id=None) if isinstance(e, Commit) for t in e.tokens]
+    lin = [t for e in speculate(m, SelfDraft(m, 3, L, Sampling()), prompt, block_size=L, max_new_tokens=40)
+           if isinstance(e, Commit) for t in e.tokens]
+    assert q == ref and lin == ref
+
+
+def test_trained_joint_model_self_speculates_losslessly(tiny_joint):
+    model, ck = load_model(tiny_joint, dtype=torch.float64)
+    cfg = SampleConfig(max_new_tokens=48, check_lossless=True)
+    for sampler in ("self-spec-linear", "self-spec-quadratic"):
+        for block in (4, 8):
+            res = generate(model, ck, PROMPTS, cfg.replace(sampler=sampler, block_size=block))
+            s = res.stats.as_dict()
+            assert s["lossless"] is True, (sampler, block)
+            assert s["tau"] > 1.0 and s["gamma"] == block  # the drafts are really used
+            ar = generate(model, ck, PROMPTS, cfg.replace(sampler="ar", check_lossless=False))
+            assert res.tokens == ar.tokens
+    quad = generate(model, ck, PROMPTS[0], cfg.replace(sampler="self-spec-quadratic")).stats
+    assert quad.draft_forwards == 0 and quad.forwards == quad.extra["cycles"] + 1  # one pass per cycle + prefill
+    lin = generate(model, ck, PROMPTS[0], cfg.replace(sampler="self-spec-linear")).stats
+    assert lin.extra["cycles"] - 1 <= lin.draft_forwards <= lin.extra["cycles"]  # a draft pass per cycle (none when no room is left)
+
+
+def test_diffusion_mode_and_meta(tiny_joint):
+    model, ck = load_model(tiny_joint)
+    assert ck.objective == "joint" and ck.block_size == 8 and ck.config["dlm_weight"] == 0.3
+    res = generate(model, ck, PROMPTS[0], SampleConfig(max_new_tokens=16, sampler="threshold", threshold=0.5))
+    assert res.stats.canvases >= 2 and res.stats.new_tokens == len(res.tokens[0])
+    naive = generate(model, ck, PROMPTS[0], SampleConfig(max_new_tokens=16, sampler="confidence", naive=True))
+    cached = generate(model, ck, PROMPTS[0], SampleConfig(max_new_tokens=16, sampler="confidence"))
+    assert naive.tokens == cached.tokens  # the causal context written block by block = recomputed each step
+    rows = [json.loads(x) for x in (tiny_joint / "metrics.jsonl").read_text().splitlines()]
+    assert all("ar_loss" in r and "dlm_loss" in r for r in rows if "loss" in r)
+
+
+def exact_next2(m: Transformer, prompt: list[int], T: float) -> dict:
+    V = m.cfg.vocab_size
+    out = {}
+    with torch.no_grad():
+        p1 = torch.softmax(m(torch.tensor([prompt])).logits[0, -1] / T, -1)
+        for a in range(V):
+            p2 = torch.softmax(m(torch.tensor([prompt + [a]])).logits[0, -1] / T, -1)
+            for b in range(V):
+                out[(a, b)] = float(p1[a] * p2[b])
+    return out
+
+
+@pytest.mark.parametrize("mode", ["linear", "quadratic"])
+def test_sampling_follows_the_ar_distribution(mode):
+    """At T = 0.8 the first two emitted tokens are distributed as the AR mode's (chi-square, seeded)."""
+    V, T, N = 6, 0.8, 3000
+    m = random_model(3, vocab=V)
+    with torch.no_grad():  # make the draft agree often enough that acceptance and rejection both occur
+        m.lm_head.weight.mul_(0.5)
+    prompt = [1, 2, 1, 2]
+    exact = exact_next2(m, prompt, T)
+    sampling = Sampling(T, gen=torch.Generator().manual_seed(0))
+    counts: Counter = Counter()
+    accepted = 0
+    for _ in range(N):
+        if mode == "linear":
+            ev = list(speculate(m, SelfDraft(m, 5, 3, sampling), prompt, block_size=3, max_new_tokens=2,
+                                sampling=sampling))
+        else:
+            ev = list(quadratic(m, prompt, block_size=3, max_new_tokens=3, mask_id=5, sampling=sampling, eos_id=None))
+        toks = [t for e in ev if isinstance(e, Commit) for t in e.tokens]
+        accepted += sum(e.accepted for e in ev if isinstance(e, Verified))
+        counts[tuple(toks[:2])] += 1
+    assert accepted > N // 20
+    chi, dof = 0.0, -1
+    for seq, p in exact.items():
+        e = p * N
+        if e >= 5:
+            chi += (counts[seq] - e) ** 2 / e
+            dof += 1
+    z = 3.09  # 99.9% quantile (Wilson-Hilferty)
+    assert chi < dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3, (chi, dof)
+
+
+def test_bad_options(tiny_joint, tiny_ar):
+    model, ck = load_model(tiny_joint)
+    for kw, msg in [(dict(sampler="nope"), "does not belong to a joint"), (dict(block_size=1), "--block-size"),
+                    (dict(sampler="self-spec-quadratic", check_lossless=True, temperature=1.0), "--check-lossless"),
+                    (dict(sampler="self-spec-linear", suffix="x"), "cannot infill")]:
+        with pytest.raises(DlmError, match=msg):
+            generate(model, ck, "x = 1\n", SampleConfig(max_new_tokens=8, **kw))
+    r = run_cli("train", "--objective", "joint", "--init-from", str(tiny_ar), "--block-size", "7", "--seq-len", "64",
+                "--out", str(tiny_joint.parent / "bad"))
+    assert r.returncode == 2 and "--block-size must divide" in r.stderr and not (tiny_joint.parent / "bad").exists()
