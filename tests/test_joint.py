@@ -36,9 +36,9 @@ def tiny_joint(tiny_ar, corpus_dir, tokenizer_path, tmp_path_factory):
     return out
 
 
-def random_model(seed: int, vocab: int = 24) -> Transformer:
+def random_model(seed: int, vocab: int = 24, dim: int = 32, layers: int = 2) -> Transformer:
     torch.manual_seed(seed)
-    m = Transformer(ModelConfig(vocab_size=vocab, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
+    m = Transformer(ModelConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=2 * dim,
                                 max_seq_len=256))
     with torch.no_grad():
         for p in m.parameters():
@@ -129,15 +129,16 @@ def test_both_modes_are_lossless_on_a_random_model(L):
 
 def test_trained_joint_model_self_speculates_losslessly(tiny_joint):
     model, ck = load_model(tiny_joint, dtype=torch.float64)
-    cfg = SampleConfig(max_new_tokens=48, check_lossless=True)
+    cfg = SampleConfig(max_new_tokens=32)
+    ar = generate(model, ck, PROMPTS[:2], cfg.replace(sampler="ar"))
     for sampler in ("self-spec-linear", "self-spec-quadratic"):
         for block in (4, 8):
-            res = generate(model, ck, PROMPTS, cfg.replace(sampler=sampler, block_size=block))
+            res = generate(model, ck, PROMPTS[:2], cfg.replace(sampler=sampler, block_size=block))
             s = res.stats.as_dict()
-            assert s["lossless"] is True, (sampler, block)
+            assert res.tokens == ar.tokens, (sampler, block)  # lossless: the AR mode's greedy output
             assert s["tau"] > 1.0 and s["gamma"] == block  # the drafts are really used
-            ar = generate(model, ck, PROMPTS, cfg.replace(sampler="ar", check_lossless=False))
-            assert res.tokens == ar.tokens
+    checked = generate(model, ck, PROMPTS[2], cfg.replace(sampler="self-spec-quadratic", check_lossless=True))
+    assert checked.stats.extra["lossless"] is True
     quad = generate(model, ck, PROMPTS[0], cfg.replace(sampler="self-spec-quadratic")).stats
     assert quad.draft_forwards == 0 and quad.forwards == quad.extra["cycles"] + 1  # one pass per cycle + prefill
     lin = generate(model, ck, PROMPTS[0], cfg.replace(sampler="self-spec-linear")).stats
@@ -170,9 +171,10 @@ def exact_next2(m: Transformer, prompt: list[int], T: float) -> dict:
 
 @pytest.mark.parametrize("mode", ["linear", "quadratic"])
 def test_sampling_follows_the_ar_distribution(mode):
-    """At T = 0.8 the first two emitted tokens are distributed as the AR mode's (chi-square, seeded)."""
-    V, T, N = 6, 0.8, 3000
-    m = random_model(3, vocab=V)
+    """At T = 0.8 the first two emitted tokens are distributed as the AR mode's (chi-square, seeded). The
+    second token comes from a verify cycle (one draft), so acceptance and the residual draw both count."""
+    V, T, N = 5, 0.8, 1500
+    m = random_model(3, vocab=V, dim=16, layers=1)
     with torch.no_grad():  # make the draft agree often enough that acceptance and rejection both occur
         m.lm_head.weight.mul_(0.5)
     prompt = [1, 2, 1, 2]
@@ -182,10 +184,10 @@ def test_sampling_follows_the_ar_distribution(mode):
     accepted = 0
     for _ in range(N):
         if mode == "linear":
-            ev = list(speculate(m, SelfDraft(m, 5, 3, sampling), prompt, block_size=3, max_new_tokens=2,
+            ev = list(speculate(m, SelfDraft(m, 4, 3, sampling), prompt, block_size=3, max_new_tokens=3,
                                 sampling=sampling))
         else:
-            ev = list(quadratic(m, prompt, block_size=3, max_new_tokens=3, mask_id=5, sampling=sampling, eos_id=None))
+            ev = list(quadratic(m, prompt, block_size=3, max_new_tokens=3, mask_id=4, sampling=sampling, eos_id=None))
         toks = [t for e in ev if isinstance(e, Commit) for t in e.tokens]
         accepted += sum(e.accepted for e in ev if isinstance(e, Verified))
         counts[tuple(toks[:2])] += 1
