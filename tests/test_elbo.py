@@ -169,6 +169,21 @@ def test_mdlm_monte_carlo_elbo_equals_the_enumerated_one(mdlm_model, L):
 
 # usdm ------------------------------------------------------------------------------------------
 
+def test_integrand_is_finite_at_the_ends_of_time():
+    """t = 0 and t = 1 (where alpha = 1 or 0 divides) are clamped to [1e-6, 1 - 1e-6]: finite, >= 0."""
+    logits = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x0 = torch.tensor([[0, 1, 2], [3, 4, 0]])
+    zt = torch.tensor([[0, 2, 2], [1, 4, 3]])
+    for rates in ("mean", "udlm"):
+        for t in (0.0, 1.0):
+            v = uniform_elbo_integrand(logits, x0, zt, torch.full((2,), t, dtype=torch.float64), 5, rates)
+            assert bool(torch.isfinite(v).all()) and bool((v >= 0).all())
+            edge = torch.full((2,), 1e-6 if t == 0 else 1 - 1e-6, dtype=torch.float64)
+            torch.testing.assert_close(v, uniform_elbo_integrand(logits, x0, zt, edge, 5, rates), rtol=1e-6, atol=1e-4)
+    with pytest.raises(ValueError, match="rates must be 'mean' or 'udlm'"):
+        uniform_elbo_integrand(logits, x0, zt, torch.full((2,), 0.5), 5, "plugin")
+
+
 N = 4  # tokens (= noise vocabulary)
 CANVAS = 3
 SEQ = 5  # windows of SEQ + 1 tokens: prefix of 3, canvas of 3

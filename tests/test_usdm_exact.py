@@ -180,14 +180,15 @@ def canvas_logits_by_hand(model, prefix: torch.Tensor, canvas_ids: torch.Tensor,
     return model(embeds=x, pos=torch.arange(P + L), mask=mask).logits[0, P:]
 
 
-@pytest.mark.parametrize("weighting", ["constant", "inverse"])
-def test_usdm_loss_by_hand(weighting):
+@pytest.mark.parametrize("weighting,sc_prob", [("constant", 0.5), ("inverse", 0.5), ("constant", 0.0),
+                                               ("constant", 1.0)])
+def test_usdm_loss_by_hand(weighting, sc_prob):
     """USDM.loss = next-token CE over the clean window + mean over rows of (mean canvas CE against the
     clean canvas, <eos>-filled, x weight), the canvas scored after a self-conditioning pass where drawn."""
     V, L, T, B, eos = 16, 4, 12, 6, 2
     model = tiny_usdm_model(V)
     tok = SimpleNamespace(eos_id=eos, vocab_size=V)
-    obj = USDM(SimpleNamespace(canvas_length=L, self_cond_prob=0.5, loss_weight=weighting), tok)
+    obj = USDM(SimpleNamespace(canvas_length=L, self_cond_prob=sc_prob, loss_weight=weighting), tok)
     g = torch.Generator().manual_seed(4)
     batch = torch.randint(3, V, (B, T + 1), generator=g)
     batch[1, 7] = eos  # a document ends inside some canvases
@@ -200,8 +201,8 @@ def test_usdm_loss_by_hand(weighting):
     start = 1 + (torch.rand(B, generator=g) * (T + 1 - L)).long().clamp(max=T - L)
     where = torch.rand(B, L, generator=g) < t[:, None]
     noise = torch.randint(0, V, (B, L), generator=g)
-    sel = torch.rand(B, generator=g) < 0.5
-    assert 0 < int(sel.sum()) < B  # both kinds of rows occur
+    sel = torch.rand(B, generator=g) < sc_prob
+    assert 0 < int(sel.sum()) < B or sc_prob in (0.0, 1.0)  # both kinds of rows occur
     ar_terms, canvas_terms = [], []
     with torch.no_grad():
         for b in range(B):
@@ -222,6 +223,8 @@ def test_usdm_loss_by_hand(weighting):
     want = torch.stack(ar_terms).sum() / (B * T) + torch.stack(canvas_terms).mean()
     assert float(loss) == pytest.approx(float(want), rel=1e-6)
     assert extra["ar_loss"] == pytest.approx(float(torch.stack(ar_terms).sum() / (B * T)), rel=1e-6)
+    unweighted = [c / (1 / (1 - float(t[b])) if weighting == "inverse" else 1.0) for b, c in enumerate(canvas_terms)]
+    assert extra["canvas_loss"] == pytest.approx(float(torch.stack(unweighted).mean()), rel=1e-6)
 
 
 # --init-from, by values ---------------------------------------------------------------------

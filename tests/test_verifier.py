@@ -147,6 +147,21 @@ def test_one_slot_rule_edge_cases_are_exact():
     assert (n, tok) == (0, 2)
 
 
+def test_verify_sample_is_a_function_of_its_generator():
+    """Seeded runs repeat exactly: every random draw comes from the generator passed in."""
+    p = random_rows(3, 6, 1)
+    q = random_rows(2, 6, 2)
+    draft = torch.tensor([1, 4])
+
+    def draws(seed):
+        g = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed + 100)  # the global generator moves between runs
+        return [verify_sample(draft, p, q, g) for _ in range(50)] + [verify_sample(draft, p, None, g) for _ in range(50)]
+
+    assert draws(0) == draws(0)
+    assert draws(0) != draws(1)
+
+
 # many slots ------------------------------------------------------------------------------------
 
 def random_rows(k: int, n: int, seed: int, sparsity: float = 0.0) -> torch.Tensor:
