@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.dlm-installed
 TORCH  := torch==2.13.0
 
-.PHONY: setup demo test test-all bench clean
+.PHONY: setup demo test test-all mutate bench clean
 
 setup: $(STAMP)
 
@@ -27,8 +27,21 @@ test: setup
 test-all: setup
 	$(PY) -m pytest -q -m ''
 
+# Mutation testing (docs/testing.md): mutmut mutates the functions below, one change at a time, and runs
+# the fast tests that reach each; a mutant that no test fails is a survivor. Settings: [tool.mutmut].
+MUTANTS := 'dlm.sampling.speculative.x_verify_*' 'dlm.sampling.common.x_entropy_bound_accept__*' \
+	'dlm.sampling.mdlm.x_select_*' 'dlm.sampling.mdlm.x_top_k_of__*' 'dlm.sampling.usdm.x_renoise__*' \
+	'dlm.sampling.usdm.x_should_stop__*' 'dlm.sampling.usdm.x_temperature__*' 'dlm.objectives.ar.*' \
+	'dlm.objectives.mdlm.xǁMDLMǁloss__*' 'dlm.objectives.usdm.xǁUSDMǁloss__*' \
+	'dlm.objectives.usdm.x_uniform_elbo_integrand__*' 'dlm.objectives.dflash.xǁDFlashǁloss__*'
+
+mutate: setup
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[mutate]'
+	OMP_NUM_THREADS=1 $(VENV)/bin/mutmut run --max-children $(or $(JOBS),2) $(MUTANTS)
+	$(VENV)/bin/mutmut results
+
 bench: setup
 	$(VENV)/bin/dlm bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info mutants

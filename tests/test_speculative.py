@@ -119,22 +119,20 @@ def test_prompt_lookup_proposes_the_continuation_of_the_last_ngram():
     assert lk.propose(periodic, 4)[0].tolist() == [4, 5, 4, 5]  # a full continuation, not a stub
 
 
-def test_verify_sample_residual_is_exact():
-    """Accept/resample probabilities of one slot equal p exactly (analytic check, no sampling)."""
-    torch.manual_seed(0)
-    V = 5
-    p = torch.softmax(torch.randn(2, V, dtype=torch.float64), -1)
-    q = torch.softmax(torch.randn(1, V, dtype=torch.float64), -1)
-    # P(out = y) = q(y) min(1, p/q)(y) + P(reject) * residual(y)
-    acc = q[0] * torch.clamp(p[0] / q[0], max=1)
-    res = torch.clamp(p[0] - q[0], min=0)
-    res = res / res.sum()
-    total = acc + (1 - acc.sum()) * res
-    assert torch.allclose(total, p[0])
-    # the implementation: with a forced rejection it samples the residual (its support)
+def test_verify_sample_certain_outcomes():
+    """What verify_sample must do with certainty (the distributions are tests/test_verifier.py's): a
+    proposal the target gives probability 0 is always rejected and never emitted; a drafter whose q
+    equals p is always accepted, and the bonus is drawn from the row after the last proposal."""
     g = torch.Generator().manual_seed(1)
-    draws = {verify_sample(torch.tensor([int(q[0].argmax())]), p, q, g) for _ in range(200)}
-    assert all(n in (0, 1) for n, _ in draws)
+    p = torch.tensor([[0.0, 0.7, 0.3], [0.2, 0.3, 0.5], [0.0, 0.0, 1.0]], dtype=torch.float64)
+    q = torch.tensor([[0.8, 0.1, 0.1], [0.2, 0.3, 0.5]], dtype=torch.float64)
+    for _ in range(100):
+        n, tok = verify_sample(torch.tensor([0, 1]), p, q, g)
+        assert n == 0 and tok in (1, 2)  # rejected at slot 0; the residual max(0, p - q) excludes token 0
+        n, tok = verify_sample(torch.tensor([1, 2]), p, torch.stack([p[0], p[1]]), g)
+        assert (n, tok) == (2, 2)  # q == p: every proposal accepted, the bonus from p[2]
+        n, tok = verify_sample(torch.tensor([0]), p, None, g)  # one-hot q on a token p excludes
+        assert n == 0 and tok in (1, 2)
 
 
 def exact_distribution(target: Transformer, prompt: list[int], n: int, temperature: float) -> dict:

@@ -116,7 +116,8 @@ def test_tiny_usdm_trains_from_ar(tiny_usdm, tiny_ar):
     model, ck = load_model(tiny_usdm)
     assert ck.objective == "usdm" and model.self_cond is not None and ck.config["canvas_length"] == 16
     ar, _ = load_model(tiny_ar)
-    assert ar.embed_tokens.weight.shape == model.embed_tokens.weight.shape  # started from the AR weights
+    assert ar.embed_tokens.weight.shape == model.embed_tokens.weight.shape  # same shapes (the values at step 0:
+    # tests/test_usdm_exact.py::test_init_from_loads_the_source_weights)
 
 
 def test_bad_training_options(corpus_dir, tokenizer_path, tmp_path):

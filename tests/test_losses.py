@@ -1,0 +1,155 @@
+"""The training losses of ar, mdlm and dflash, recomputed by hand from the same random draws.
+
+Each reference runs the model the plain way, one sequence (or one block) at a time, instead of the
+objective's one-pass masked forward: the mdlm noisy block reads the clean blocks before it (block-causal)
+and itself, never its own clean copy; the dflash block reads the target's features strictly before its
+anchor. The draws (times, masks, anchors) are replayed with a generator seeded as the objective's.
+(usdm's loss: tests/test_usdm_exact.py.)
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dlm.config import ModelConfig
+from dlm.model import Transformer
+from dlm.objectives.ar import AR
+from dlm.objectives.dflash import DFlash, DFlashDrafter, slot_weights  # DFlashDrafter: moving to dlm.drafter
+from dlm.objectives.mdlm import MDLM
+
+V, MASK = 24, 3
+NOTHING_MASKED_SEED = 3  # with T = 2 this generator draws t = 0.005 and masks neither position
+
+
+def random_model(seed: int, vocab: int = V, layers: int = 1) -> Transformer:
+    torch.manual_seed(seed)
+    m = Transformer(ModelConfig(vocab_size=vocab, dim=16, n_layers=layers, n_heads=2, n_kv_heads=1, ffn_dim=32,
+                                max_seq_len=64))
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.4)
+    return m.double().eval()
+
+
+def test_ar_loss_is_mean_next_token_cross_entropy():
+    model = random_model(0)
+    batch = torch.randint(0, V, (3, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        loss, extra = AR(SimpleNamespace(), SimpleNamespace()).loss(model, batch, torch.Generator())
+        want = sum(F.cross_entropy(model(batch[b:b + 1, :-1]).logits[0], batch[b, 1:], reduction="sum")
+                   for b in range(3)) / 30
+    assert float(loss) == pytest.approx(float(want), rel=1e-6) and extra == {}  # its cross-entropy is float32
+
+
+@pytest.mark.parametrize("L", [0, 4], ids=["whole", "blocks-of-4"])
+def test_mdlm_loss_by_hand(L):
+    """sum over masked tokens of CE / t (t the time of its block), over B * T; the mask rate reported."""
+    B, T = 3, 12
+    model = random_model(1)
+    obj = MDLM(SimpleNamespace(block_length=L, seq_len=T), SimpleNamespace(mask_id=MASK, source="test"))
+    batch = torch.randint(4, V, (B, T + 1), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        loss, extra = obj.loss(model, batch, torch.Generator().manual_seed(5))
+    # the draws: one stratified time per block (offset, then the shuffle), then the mask
+    g = torch.Generator().manual_seed(5)
+    Lb = L or T
+    nb = T // Lb
+    u = (torch.rand(1, generator=g) + torch.arange(B * nb)) / (B * nb)
+    u = u[torch.randperm(B * nb, generator=g)]
+    t = (1e-3 + (1 - 2e-3) * u).view(B, nb)
+    masked = torch.rand(B, T, generator=g) < t.repeat_interleave(Lb, 1)
+    x0 = batch[:, :-1]
+    total, ce_sum, n = 0.0, 0.0, 0
+    with torch.no_grad():
+        for b in range(B):
+            for k in range(nb):
+                s, e = k * Lb, (k + 1) * Lb
+                noisy = torch.where(masked[b, s:e], MASK, x0[b, s:e])
+                ids = torch.cat([x0[b, :s], noisy])[None]  # the clean blocks before, then this noisy block
+                blk = torch.arange(e) // Lb
+                mask = blk[:, None] >= blk[None, :]  # block-causal: the noisy block (last) sees all before it
+                logits = model(ids, pos=torch.arange(e), mask=mask).logits[0, s:].double()
+                logits[:, MASK] = float("-inf")
+                for i in range(s, e):
+                    if masked[b, i]:
+                        ce = float(F.cross_entropy(logits[i - s], x0[b, i]))
+                        total += ce / float(t[b, k])
+                        ce_sum += ce
+                        n += 1
+    assert 0 < n < B * T
+    assert float(loss) == pytest.approx(total / (B * T), rel=1e-9)
+    assert extra == {"ce_masked": pytest.approx(ce_sum / n, rel=1e-6), "mask_rate": pytest.approx(n / (B * T))}
+
+
+def test_mdlm_loss_with_nothing_masked_is_zero():
+    """A draw that masks no position (seed chosen for it): loss 0 and the masked cross-entropy reported as 0."""
+    model = random_model(1)
+    obj = MDLM(SimpleNamespace(block_length=0, seq_len=2), SimpleNamespace(mask_id=MASK, source="test"))
+    batch = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        loss, extra = obj.loss(model, batch, torch.Generator().manual_seed(NOTHING_MASKED_SEED))
+    assert float(loss) == 0.0 and extra == {"ce_masked": 0.0, "mask_rate": 0.0}
+
+
+def dflash_objective(target: Transformer, gamma: int, anchors: int) -> DFlash:
+    """A DFlash objective around an in-memory target (its constructor reads a checkpoint folder)."""
+    obj = DFlash.__new__(DFlash)
+    obj.cfg = SimpleNamespace(anchors=anchors)
+    obj.target = target.requires_grad_(False)
+    obj.gamma = gamma
+    return obj
+
+
+@pytest.mark.parametrize("injection,features", [("kv", True), ("input", True), ("kv", False)],
+                         ids=["kv", "input", "no-target-features"])
+def test_dflash_loss_by_hand(injection, features):
+    """Per anchor: the block [x_a, <mask> x (g-1)] reads the context of positions < a (the target's features,
+    or its token embeddings in the ablation; as K/V of every layer, or as input rows for "input"); slot k's
+    cross-entropy against x_{a+k} weighted by the decaying slot weights; the mean over blocks."""
+    g, B, T1, A = 4, 2, 16, 2  # A != g - 1: a sum over the wrong axis shows
+    target = random_model(3, layers=2)
+    with torch.no_grad():  # a head that argmaxes token 5 always, so slots hit where the label is 5
+        head = torch.nn.Linear(16, V, bias=True).double()
+        head.weight.copy_(target.lm_head.weight)
+        head.bias.zero_()
+        head.bias[5] = 50.0
+    target.lm_head = head
+    torch.manual_seed(4)
+    d = DFlashDrafter(ModelConfig(**{**target.cfg.to_dict(), "n_layers": 1}), [0, 1], g, mask_id=MASK,
+                      injection=injection, target_features=features).double()
+    with torch.no_grad():
+        d.fc.weight.normal_(0, 0.3)
+    obj = dflash_objective(target, g, A)
+    g6 = torch.Generator().manual_seed(6)
+    batch = torch.where(torch.rand(B, T1, generator=g6) < 0.5, 5, torch.randint(4, V, (B, T1), generator=g6))
+    with torch.no_grad():
+        loss, extra = obj.loss(d, batch, torch.Generator().manual_seed(8))
+    gen = torch.Generator().manual_seed(8)
+    anchors = torch.rand(B, T1 - g + 1, generator=gen).argsort(1)[:, :A].sort(1).values
+    w = slot_weights(g)
+    blocks = []
+    hits = []
+    with torch.no_grad():
+        taps = target(batch, taps=[0, 1]).taps
+        feats = torch.cat([taps[0], taps[1]], -1) if features else target.embed_tokens(batch)  # (B, T1, F)
+        for b in range(B):
+            for a in anchors[b].tolist():
+                block = torch.tensor([[int(batch[b, a])] + [MASK] * (g - 1)])
+                ctx = d.context(feats[b:b + 1, :a]) if a else None
+                h = d(target.embed_tokens(block), ctx, torch.arange(a, a + g), torch.arange(a),
+                      mask=d.draft_mask(0, a, g))  # "input": the context rows causal, the block sees all
+                logits = target.lm_head(h[0, 1:]).double()
+                labels = batch[b, a + 1:a + g]
+                blocks.append((F.cross_entropy(logits, labels, reduction="none") * w.double()).sum())
+                hit = (logits.argmax(-1) == labels).int()
+                hits.append(hit)
+    assert float(loss) == pytest.approx(float(torch.stack(blocks).mean()), rel=1e-6)
+    hits = torch.stack(hits)  # (B * A, g - 1)
+    assert 0 < float(hits.double().mean()) < 1 and hits[:, 0].sum() != hits[:, 1].sum()  # the metrics see hits
+    assert extra["acc_slot1"] == pytest.approx(float(hits[:, 0].double().mean()))
+    assert extra["tau_train"] == pytest.approx(1 + float(hits.cumprod(1).sum(1).double().mean()))
