@@ -37,7 +37,8 @@ import torch
 from dlm.config import ModelConfig
 from dlm.model import Transformer
 from dlm.objectives.mdlm import elbo_nll
-from dlm.objectives.usdm import canvas_embeds, uniform_elbo_integrand  # canvas_embeds: moving to the model layer
+from dlm.model import canvas_embeds
+from dlm.objectives.usdm import uniform_elbo_integrand
 from dlm.objectives.usdm import evaluate as usdm_evaluate
 
 Z = 4.0  # standard errors allowed between a Monte-Carlo mean and its exact expectation
@@ -247,7 +248,7 @@ def run_evaluate(model, monkeypatch, windows: int, samples: int, seed: int) -> d
 
     stream = np.array(WINDOW[:-1] * windows + WINDOW[-1:], dtype=np.int64)
     monkeypatch.setattr(tokens, "load_tokens", lambda corpus, tok, split: stream)
-    ck = SimpleNamespace(tokenizer=SimpleNamespace(vocab_size=N), config={"noise_vocab": N, "canvas_length": CANVAS})
+    ck = SimpleNamespace(tokenizer=SimpleNamespace(vocab_size=N), noise_vocab=N, canvas_length=CANVAS)
     r = usdm_evaluate(model, ck, None, "val", SEQ, windows, 1, seed=seed, samples=samples)
     assert r["tokens"] == windows * CANVAS
     return r

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from dlm.config import ModelConfig
 from dlm.model import Transformer
 from dlm.objectives.ar import AR
-from dlm.objectives.dflash import DFlash, DFlashDrafter, slot_weights  # DFlashDrafter: moving to dlm.drafter
+from dlm.drafter import DFlashDrafter
+from dlm.objectives.dflash import DFlash, slot_weights
 from dlm.objectives.mdlm import MDLM
 
 V, MASK = 24, 3
@@ -51,7 +52,7 @@ def test_mdlm_loss_by_hand(L):
     """sum over masked tokens of CE / t (t the time of its block), over B * T; the mask rate reported."""
     B, T = 3, 12
     model = random_model(1)
-    obj = MDLM(SimpleNamespace(block_length=L, seq_len=T), SimpleNamespace(mask_id=MASK, source="test"))
+    obj = MDLM(SimpleNamespace(block_size=L, seq_len=T), SimpleNamespace(mask_id=MASK, source="test"))
     batch = torch.randint(4, V, (B, T + 1), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         loss, extra = obj.loss(model, batch, torch.Generator().manual_seed(5))
@@ -89,7 +90,7 @@ def test_mdlm_loss_by_hand(L):
 def test_mdlm_loss_with_nothing_masked_is_zero():
     """A draw that masks no position (seed chosen for it): loss 0 and the masked cross-entropy reported as 0."""
     model = random_model(1)
-    obj = MDLM(SimpleNamespace(block_length=0, seq_len=2), SimpleNamespace(mask_id=MASK, source="test"))
+    obj = MDLM(SimpleNamespace(block_size=0, seq_len=2), SimpleNamespace(mask_id=MASK, source="test"))
     batch = torch.tensor([[5, 6, 7]])
     with torch.no_grad():
         loss, extra = obj.loss(model, batch, torch.Generator().manual_seed(NOTHING_MASKED_SEED))
@@ -101,7 +102,7 @@ def dflash_objective(target: Transformer, gamma: int, anchors: int) -> DFlash:
     obj = DFlash.__new__(DFlash)
     obj.cfg = SimpleNamespace(anchors=anchors)
     obj.target = target.requires_grad_(False)
-    obj.gamma = gamma
+    obj.block_size = gamma
     return obj
 
 

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from dlm.checkpoint import open_checkpoint, save_checkpoint
 from dlm.config import ModelConfig
 from dlm.model import Transformer
-from dlm.objectives.usdm import USDM, canvas_embeds  # canvas_embeds: moving to the model layer
+from dlm.model import canvas_embeds
+from dlm.objectives.usdm import USDM
 from dlm.sampling import usdm as us
 from dlm.sampling.common import Step, entropy_bound_accept
 
@@ -59,7 +60,7 @@ class RuleDenoiser:
 
 
 def sample_cfg(**kw):
-    base = dict(max_denoising_steps=10, t_max=0.8, t_min=0.4, entropy_bound=0.5, top_k=0, top_p=1.0,
+    base = dict(steps=10, t_max=0.8, t_min=0.4, entropy_bound=0.5, top_k=0, top_p=1.0,
                 adaptive=True, stability_threshold=1, confidence_threshold=0.005)
     return SimpleNamespace(**{**base, **kw})
 
@@ -71,7 +72,8 @@ def run_canvas(monkeypatch, cfg, holes=(True, True, False, True, True), seed=0):
     pins = torch.tensor([0 if h else PIN for h in holes])
     model = SimpleNamespace(device=torch.device("cpu"))
     cache = SimpleNamespace(length=7)
-    it = us._denoise_canvas(model, cache, holes_t, pins, NOISE, 2, False, 0, 0, cfg, torch.Generator().manual_seed(seed))
+    it = us._denoise_canvas(model, cache, holes_t, pins, NOISE, 2, False, 0, 0, 0, cfg.steps, cfg,
+                            torch.Generator().manual_seed(seed))
     steps = []
     while True:
         try:
@@ -123,10 +125,10 @@ def test_stop_step_follows_stability_and_confidence(monkeypatch):
     their support, certain ones the last) and is stable from step 2 on."""
     assert run_canvas(monkeypatch, sample_cfg(stability_threshold=1))[2] == 3
     assert run_canvas(monkeypatch, sample_cfg(stability_threshold=2))[2] == 4
-    assert run_canvas(monkeypatch, sample_cfg(stability_threshold=3, max_denoising_steps=4))[2] == 4  # the cap
-    assert run_canvas(monkeypatch, sample_cfg(adaptive=False, max_denoising_steps=6))[2] == 6
+    assert run_canvas(monkeypatch, sample_cfg(stability_threshold=3, steps=4))[2] == 4  # the cap
+    assert run_canvas(monkeypatch, sample_cfg(adaptive=False, steps=6))[2] == 6
     # confidence 0 can never be undercut (entropy 0 is not < 0): every step runs
-    assert run_canvas(monkeypatch, sample_cfg(confidence_threshold=0.0, max_denoising_steps=5))[2] == 5
+    assert run_canvas(monkeypatch, sample_cfg(confidence_threshold=0.0, steps=5))[2] == 5
 
 
 def test_stop_needs_confidence_as_well_as_stability(monkeypatch):
@@ -141,8 +143,8 @@ def test_stop_needs_confidence_as_well_as_stability(monkeypatch):
     monkeypatch.setattr(us, "denoise", stubborn)
     holes = torch.ones(5, dtype=torch.bool)
     it = us._denoise_canvas(SimpleNamespace(device=torch.device("cpu")), SimpleNamespace(length=0), holes,
-                            torch.zeros(5, dtype=torch.long), NOISE, 2, False, 0, 0,
-                            sample_cfg(max_denoising_steps=7, confidence_threshold=0.2), torch.Generator().manual_seed(1))
+                            torch.zeros(5, dtype=torch.long), NOISE, 2, False, 0, 0, 0, 7,
+                            sample_cfg(steps=7, confidence_threshold=0.2), torch.Generator().manual_seed(1))
     events = list(it)
     assert len(events) == 7 and all(e.entropy == pytest.approx(math.log(3) / 5) for e in events[2:])
     assert us.should_stop(5, math.log(3) / 5, 1, 0.2) is False and us.should_stop(5, 0.19, 1, 0.2) is True

@@ -30,7 +30,7 @@ from dlm.sampling.common import Commit
 from dlm.sampling.speculative import (
     ARDraft, DFlashDraft, PromptLookup, Sampling, speculate, verify_greedy, verify_sample,
 )
-from dlm.objectives.dflash import DFlashDrafter  # moving to dlm.drafter
+from dlm.drafter import DFlashDrafter
 
 V = 8  # vocabulary of the loop test: small enough to enumerate four tokens (8**3 prefixes)
 ALPHA = 1e-4  # a correct verifier fails a given check with this probability (each seed fixed)
@@ -329,7 +329,7 @@ def test_speculate_emits_the_target_distribution(kind, proc, target, exact):
     accepted = 0
     for _ in range(RUNS):
         toks = []
-        for ev in speculate(target, drafter, PROMPT, gamma=GAMMA, max_new_tokens=NEW, sampling=sampling):
+        for ev in speculate(target, drafter, PROMPT, block_size=GAMMA, max_new_tokens=NEW, sampling=sampling):
             if isinstance(ev, Commit):
                 toks.extend(ev.tokens)
             elif hasattr(ev, "accepted"):
