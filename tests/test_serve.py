@@ -475,3 +475,27 @@ def test_playground_races_every_paradigm_in_chromium(url):
         b.wait_for("document.body.dataset.state === 'done'", timeout=60)
         errors = b.eval("[...document.querySelectorAll('.panel')].map(p => p.classList.contains('error'))")
         assert errors == [True, False]  # (panels in the order of /v1/models: ar-small, mdlm-small)
+
+
+# load numbers (slow: `pytest -m slow`; the figures in docs/BENCHMARKS.md come from `python -m dlm.serve.loadtest`)
+
+def test_percentiles_and_table():
+    from dlm.serve.loadtest import percentile, table
+
+    xs = [float(i) for i in range(1, 101)]
+    assert percentile(xs, 50) == 50.0 and percentile(xs, 99) == 99.0 and percentile([3.0], 99) == 3.0
+    row = {"model": "m", "concurrency": 4, "requests": 8, "tokens_per_second": 10.0, "latency_p50": 1.0,
+           "latency_p99": 2.0, "ttft_p50": None, "errors": 0}
+    assert table([row]).splitlines()[2] == "| m | 4 | 8 | 10.0 | 1.00 | 2.00 | – | – | 0 |"
+
+
+@pytest.mark.slow
+def test_batching_raises_ar_throughput_at_16_over_1(url):
+    from dlm.serve.loadtest import default_prompts, measure
+
+    prompts = default_prompts(16)
+    one = measure(url, "ar-small", 1, 8, 48, prompts)
+    many = measure(url, "ar-small", 16, 48, 48, prompts)
+    assert one["errors"] == many["errors"] == 0
+    assert many["rows_per_step"] > 4, many
+    assert many["tokens_per_second"] > 1.5 * one["tokens_per_second"], (one, many)

@@ -250,7 +250,7 @@ def _sample_config(served: Served, req: _Common, max_tokens: int) -> SampleConfi
     allowed = PARADIGM_OPTIONS[served.paradigm]
     for name in given:
         if name not in allowed:
-            raise ApiError(400, f"{name} does not apply to {served.id} (a {served.paradigm} model; its options: "
+            raise ApiError(400, f"{name} does not apply to {served.id} (paradigm {served.paradigm}; its options: "
                                 f"{', '.join(sorted(allowed))})", name, "unsupported_parameter")
     kind = type(served.drafter).__name__ if served.drafter is not None else ""
     if "draft_passes" in given and kind != "DFlashDraft":

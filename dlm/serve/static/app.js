@@ -91,6 +91,7 @@ class Panel {
     const tps = s ? s.tokens_per_second : (secs > 0 ? this.tokens / secs : 0);
     const parts = [["tok/s", tps.toFixed(1)], ["tokens", s ? s.new_tokens : this.tokens]];
     if (s) parts.push(["tok/fwd", s.tokens_per_forward.toFixed(2)], ["forwards", s.forwards]);
+    else if (this.tokens) parts.push(["tok/fwd", "~" + this.liveTPF().toFixed(2)]);
     if (this.paradigm === "speculative") {
       const tau = s && s.tau !== undefined ? s.tau : (this.cycles ? (this.accepted + this.cycles) / this.cycles : 0);
       parts.push(["tau", tau.toFixed(2)]);
@@ -105,6 +106,12 @@ class Panel {
       this.meta.append(span);
     }
     if (maxTokens) this.bar.style.width = Math.min(100, 100 * this.tokens / maxTokens) + "%";
+  }
+
+  liveTPF() {  // forwards so far, as the events tell them (the exact count arrives with the stats)
+    if (this.paradigm === "speculative") return this.tokens / (this.cycles + 1);
+    if (this.paradigm === "mdlm" || this.paradigm === "usdm") return this.tokens / Math.max(1, this.stepsSeen || 0);
+    return 1;
   }
 
   step(d) {
