@@ -34,8 +34,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dlm.serve.engine import Engine, Failed, Job
 from dlm.serve.protocol import (
-    ApiError, ChatRequest, Collector, CompletionRequest, Plan, chat_body, chunk, completion_body, parse, plan_chat,
-    plan_completion,
+    ApiError, ChatRequest, Collector, CompletionRequest, Piece, Plan, chat_body, chunk, completion_body, parse,
+    plan_chat, plan_completion,
 )
 
 log = logging.getLogger("dlm.serve")
@@ -316,7 +316,7 @@ def create_app(engine: Engine, *, max_concurrency: int = 8, max_queue: int = 32,
 
         if plan.kind == "chat":  # the role comes first, as OpenAI sends it
             for i in range(len(plan.rows)):
-                yield emit(_Empty(i))
+                yield emit(Piece(i))
         async for ev in job:
             if isinstance(ev, Failed):
                 err = ApiError(400 if ev.client else 500, ev.message, None,
@@ -339,13 +339,6 @@ def create_app(engine: Engine, *, max_concurrency: int = 8, max_queue: int = 32,
         yield "data: [DONE]\n\n"
 
     return app
-
-
-class _Empty:
-    """A piece with no text (the chat stream's first chunk of a choice, carrying its role)."""
-
-    def __init__(self, row: int):
-        self.row, self.text, self.logprobs, self.dlm, self.finish, self.offset = row, "", [], None, None, 0
 
 
 async def _disconnected(request: Request) -> None:

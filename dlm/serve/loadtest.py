@@ -6,7 +6,9 @@
 
 For each model and each concurrency c, c clients each send streaming completions one after
 another (greedy, held-out stdlib prompts, --max-tokens each) until --requests have finished, after
-one untimed warm-up request. Reported per row:
+one untimed warm-up request. With --repeat R the whole sweep runs R times (rows interleaved, so a
+busy spell of the machine does not land on one row) and each figure is the median over the runs.
+Reported per row:
 
   tok/s        completion tokens of all requests / wall time from the first request sent to the last done
   p50 / p99 s  request latency (sent -> last chunk) percentiles
@@ -23,6 +25,7 @@ import asyncio
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -111,6 +114,22 @@ def measure(url: str, model: str, concurrency: int, requests: int, max_tokens: i
     return row
 
 
+def combine(rows: list[dict]) -> dict:
+    """Rows of the same model and concurrency from repeated runs: the median of each figure."""
+    if len(rows) == 1:
+        return rows[0]
+    out = dict(rows[0])
+    for k, v in rows[0].items():
+        if isinstance(v, float) or k in ("tokens", "errors", "requests"):
+            vals = [r[k] for r in rows if r.get(k) is not None]
+            out[k] = statistics.median(vals) if vals else None
+    out["errors"] = sum(r["errors"] for r in rows)
+    out["requests"] = sum(r["requests"] for r in rows)
+    out["runs"] = len(rows)
+    out["tokens_per_second_runs"] = [round(r["tokens_per_second"], 1) for r in rows]
+    return out
+
+
 def table(rows: list[dict]) -> str:
     out = ["| model | concurrency | requests | tok/s | latency p50 s | latency p99 s | TTFT p50 s | rows/step | errors |",
            "|---|---|---|---|---|---|---|---|---|"]
@@ -164,25 +183,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=0, help="requests per row (default: max(8, 2 x concurrency))")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0, help="with --serve: torch threads of the server (0: default)")
+    ap.add_argument("--repeat", type=int, default=1, help="run the sweep this many times; medians per row")
     ap.add_argument("--api-key", default=os.environ.get("DLM_API_KEY"))
     ap.add_argument("--json", help="write the rows as JSON lines to this file")
     a = ap.parse_args(argv)
     if not a.url and not a.serve:
         ap.error("give --url of a running server or --serve CHECKPOINT...")
-    if any(c < 1 for c in a.concurrency) or a.max_tokens < 1 or a.requests < 0:
-        ap.error("--concurrency and --max-tokens must be >= 1, --requests >= 0")
+    if any(c < 1 for c in a.concurrency) or a.max_tokens < 1 or a.requests < 0 or a.repeat < 1:
+        ap.error("--concurrency, --max-tokens and --repeat must be >= 1, --requests >= 0")
     prompts = default_prompts()
 
     def run(url: str) -> list[dict]:
         headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
         served = [m["id"] for m in httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"]]
-        rows = []
-        for model in a.models or served:
-            for c in a.concurrency:
-                row = measure(url, model, c, a.requests or max(8, 2 * c), a.max_tokens, prompts, a.api_key)
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-        return rows
+        runs: dict[tuple[str, int], list[dict]] = {}
+        for r in range(a.repeat):
+            for model in a.models or served:
+                for c in a.concurrency:
+                    row = measure(url, model, c, a.requests or max(8, 2 * c), a.max_tokens, prompts, a.api_key)
+                    print(json.dumps({"run": r, **row}), flush=True)
+                    runs.setdefault((model, c), []).append(row)
+        return [combine(rs) for rs in runs.values()]
 
     if a.url:
         rows = run(a.url.rstrip("/"))
