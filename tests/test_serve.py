@@ -215,13 +215,13 @@ def test_diffusion_steps_and_drafts_stream_as_extra_fields(engine, url):
 # load --------------------------------------------------------------------------------------------------
 
 def test_16_concurrent_streams_are_batched_and_uncorrupted(engine, url, client):
-    want = [client.completions.create(model="ar-small", prompt=p, max_tokens=16).choices[0].text for p in PROMPTS]
+    want = [client.completions.create(model="ar-small", prompt=p, max_tokens=24).choices[0].text for p in PROMPTS]
     before = httpx.get(url + "/health").json()["batching"]["ar-small"]
     start = threading.Barrier(len(PROMPTS))
 
     def one(p: str) -> str:
         start.wait()
-        stream = client.completions.create(model="ar-small", prompt=p, max_tokens=16, stream=True)
+        stream = client.completions.create(model="ar-small", prompt=p, max_tokens=24, stream=True)
         return "".join(c.choices[0].text for c in stream)
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -276,7 +276,7 @@ def test_a_client_that_disconnects_stops_its_generation(url):
     assert h["batching"]["ar-small"]["decode_rows"] - before < 900  # it stopped long before 1000 tokens
     # not streaming: the client gives up waiting
     before = h["batching"]["ar-small"]["decode_rows"]
-    with pytest.raises(httpx.ReadTimeout):
+    with pytest.raises(httpx.TimeoutException):
         httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
     h = _idle(url)
     assert h["batching"]["ar-small"]["decode_rows"] - before < 900
@@ -289,23 +289,19 @@ def test_a_client_that_disconnects_stops_its_generation(url):
 
 
 def test_health_answers_while_a_model_works(url):
-    done = threading.Event()
-
-    def work():
-        httpx.post(url + "/v1/completions", json={"model": "usdm-small", "prompt": "x", "max_tokens": 32}, timeout=120)
-        done.set()
-
-    threading.Thread(target=work, daemon=True).start()
-    time.sleep(0.2)
-    seen_busy, slowest = False, 0.0
-    for _ in range(5):
-        t = time.perf_counter()
-        h = httpx.get(url + "/health", timeout=10).json()
-        slowest = max(slowest, time.perf_counter() - t)
-        seen_busy |= h["running"] >= 1
-        time.sleep(0.05)
-    assert seen_busy and slowest < 2.0
-    assert done.wait(120)
+    body = {"model": "usdm-small", "prompt": "x", "max_tokens": 512, "stream": True, "dlm_stream_steps": True,
+            "adaptive": False}  # a 256-token canvas denoised for all 48 steps: long enough on any CPU
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if '"event":"step"' in line)  # the model is working
+        slowest = 0.0
+        for _ in range(5):
+            t = time.perf_counter()
+            h = httpx.get(url + "/health", timeout=10).json()
+            slowest = max(slowest, time.perf_counter() - t)
+            assert h["running"] >= 1
+        assert slowest < 2.0
+    _idle(url)  # and leaving stops it
 
 
 # bad input ----------------------------------------------------------------------------------------------
