@@ -1,4 +1,4 @@
-"""`dlm`: train, generate, eval, export, import, bench, demo.
+"""`dlm`: train, generate, eval, export, import, bench, demo, distill, serve.
 
 Every subcommand is a function below; tyro (through dlm.cliargs) turns its typed parameters into options.
 """
@@ -246,6 +246,51 @@ def distill_cmd(target: str, out: str, data: str = "stdlib", prompts: int = 4096
           f"in {res['seconds']:.0f} s")
 
 
+def serve_cmd(model: list[str], draft: str | None = None, host: str = "127.0.0.1", port: int = 8000,
+              max_concurrency: int = 8, max_queue: int = 32, api_key: str | None = None,
+              max_body: int = 1 << 20, device: str = "cpu", threads: int = 0, log_level: str = "info") -> None:
+    """Serve checkpoints over an OpenAI-compatible HTTP API, with the playground page at / (docs/serve.md).
+
+    Args:
+        model: checkpoint folders (ar, mdlm, usdm); repeat the option or list several; the model ids are the folder names
+        draft: a drafter (dflash or AR checkpoint folder, or 'lookup'): each AR model is also served speculatively, as MODEL+DRAFT
+        host: address to listen on (127.0.0.1: this machine only)
+        port: port to listen on
+        max_concurrency: requests generating at once (AR requests share batched forwards)
+        max_queue: requests waiting for a slot beyond those; more get 429 with Retry-After
+        api_key: require `Authorization: Bearer KEY` on /v1/ (default: the DLM_API_KEY environment variable, else none)
+        max_body: largest request body in bytes (larger: 413)
+        device: cpu, cuda or auto
+        threads: torch CPU threads (0: torch's default)
+        log_level: uvicorn's log level (debug logs every request)
+    """
+    import os
+
+    if max_concurrency < 1:
+        raise DlmError(f"--max-concurrency must be >= 1, got {max_concurrency}")
+    if max_queue < 0:
+        raise DlmError(f"--max-queue must be >= 0, got {max_queue}")
+    if not 0 <= port <= 65535:
+        raise DlmError(f"--port must be in [0, 65535], got {port}")
+    if max_body < 1024:
+        raise DlmError(f"--max-body must be >= 1024 bytes, got {max_body}")
+    if threads < 0:
+        raise DlmError(f"--threads must be >= 0, got {threads}")
+    try:
+        from dlm.serve.app import serve
+    except ImportError as e:
+        raise DlmError(f"dlm serve needs FastAPI and uvicorn: pip install 'dlm[serve]' ({e})") from None
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    try:
+        serve(model, draft, host, port, max_concurrency, max_queue, api_key or os.environ.get("DLM_API_KEY"),
+              max_body, device, log_level)
+    except OSError as e:
+        raise DlmError(f"--host {host} --port {port}: cannot listen ({e.strerror or e})") from None
+
+
 _json = json  # the commands' `json` flag shadows the module inside them
 
 
@@ -260,6 +305,27 @@ def canonical_argv(argv: list[str]) -> list[str]:
         name, eq, value = a.partition("=")
         out.append(spelled.get(name, name) + eq + value if a.startswith("--") else a)
     return out
+
+
+def merge_repeated(argv: list[str], command: str, option: str) -> list[str]:
+    """`dlm COMMAND --model a --model b` -> `--model a b` (a list option given once per value)."""
+    if next((a for a in argv if not a.startswith("-")), None) != command:
+        return argv
+    values, out, i = [], [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == option:
+            i += 1
+            while i < len(argv) and not argv[i].startswith("--"):
+                values.append(argv[i])
+                i += 1
+            continue
+        if a.startswith(option + "="):
+            values.append(a.partition("=")[2])
+        else:
+            out.append(a)
+        i += 1
+    return out + [option, *values] if values else out
 
 
 def _train_config() -> type:
@@ -286,9 +352,10 @@ def main(argv: list[str] | None = None) -> int:
         "bench": Command(bench_cmd),
         "demo": Command(demo_cmd),
         "distill": Command(distill_cmd),
+        "serve": Command(serve_cmd),
     }
     try:
-        argv = canonical_argv(list(sys.argv[1:] if argv is None else argv))
+        argv = merge_repeated(canonical_argv(list(sys.argv[1:] if argv is None else argv)), "serve", "--model")
         run("dlm", "dlm: diffusion language models on one backbone", commands, argv)
     except DlmError as e:
         sys.stderr.write(f"dlm: error: {e}\n")

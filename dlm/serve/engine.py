@@ -1,0 +1,536 @@
+"""The models a server holds and how requests run on them; no web framework here.
+
+A request becomes a `Job`: its rows (one per prompt and choice, each a Prompt and a SampleConfig),
+a thread-safe bridge that hands the sampler's events to the event loop, and a cancel flag that the
+workers read between events (a client that leaves, a stop string that matched).
+
+Two ways to run a job:
+
+- AR models (and AR requests that ask for logprobs on a speculative model: its output is the
+  same): an `ARBatcher`, one thread per model, owns a batched KV cache and runs *every* active row
+  of every request in one forward per token (continuous batching). Between two forwards it admits
+  the rows that arrived (their prompts prefilled together in one forward, left-padded), and drops
+  the rows that finished, stopped or were cancelled, so a request arriving while others decode
+  joins at the next step boundary instead of waiting for them. Each row keeps its own positions,
+  sampling options and random generator, so a row's tokens do not depend on what it shares a
+  batch with (greedy rows equal `dlm generate`'s, up to float rounding of batched matmuls).
+- mdlm, usdm and speculative decoding: one worker thread per job runs its rows one after another
+  with `dlm.sampling.stream` (torch releases the GIL inside its ops, so jobs overlap on the cores).
+
+Every job ends with exactly one `Done` (its forwards, draft forwards, seconds, time to first token;
+AR: the mean batch its forwards ran in) or one `Failed`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator
+
+import torch
+
+from dlm.checkpoint import load_model, open_checkpoint
+from dlm.errors import DlmError
+from dlm.model import KVCache, Transformer
+from dlm.sampling import SampleConfig, ar, stream
+from dlm.sampling.common import Commit, Done, Event, Prompt, Stats, make_generator, sample_token
+from dlm.sampling.speculative import ARDraft, DFlashDraft, Drafter, PromptLookup, Sampling, load_drafter
+
+log = logging.getLogger("dlm.serve")
+
+
+# events the server adds to the sampler's ------------------------------------------------------------
+
+@dataclass
+class Scored(Commit):
+    """One AR token with its log-probability and the top alternatives (requests that ask for logprobs)."""
+
+    logprob: float = 0.0
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class Failed(Event):
+    """The job could not run to its end (client: the request's fault, reported as a 4xx)."""
+
+    message: str
+    client: bool = False
+
+
+# a request in flight ---------------------------------------------------------------------------------
+
+@dataclass
+class Row:
+    """One output row of a request: a prompt and the options it runs with (its own seed)."""
+
+    prompt: Prompt
+    cfg: SampleConfig
+    logprobs: int | None = None  # AR: how many alternatives to return per token (0: the chosen token only)
+
+
+class Job:
+    """A request's rows, the bridge of its events to the event loop, and its cancel flags."""
+
+    def __init__(self, rows: list[Row], loop: asyncio.AbstractEventLoop | None = None):
+        self.rows = rows
+        self.loop = loop
+        self.events: asyncio.Queue[Event] | queue.SimpleQueue = asyncio.Queue() if loop else queue.SimpleQueue()
+        self.cancelled = threading.Event()
+        self.stopped = [False] * len(rows)  # the consumer's: a stop string matched in that row
+        self.t0 = time.perf_counter()
+        self.first: float | None = None
+        # AR batching bookkeeping (the batcher's thread only)
+        self.live = 0
+        self.forwards = 0
+        self.batch_rows = 0  # rows of all the forwards this job took part in
+
+    def emit(self, ev: Event) -> None:
+        if self.first is None and isinstance(ev, Commit):
+            self.first = time.perf_counter() - self.t0
+        if self.loop is None:
+            self.events.put(ev)
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+        except RuntimeError:  # the loop is closed (the server shut down): nobody is listening
+            self.cancelled.set()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def stop_row(self, row: int) -> None:
+        self.stopped[row] = True
+
+    def over(self, row: int) -> bool:
+        """Should the workers stop producing this row? (checked between events)"""
+        return self.cancelled.is_set() or self.stopped[row]
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        while True:
+            ev = await self.events.get()
+            yield ev
+            if isinstance(ev, (Done, Failed)):
+                return
+
+    def drain(self, timeout: float | None = None) -> list[Event]:
+        """All events of a job started without a loop (tests, scripts)."""
+        out = []
+        while True:
+            ev = self.events.get(timeout=timeout)
+            out.append(ev)
+            if isinstance(ev, (Done, Failed)):
+                return out
+
+
+# the served models --------------------------------------------------------------------------------
+
+_counts = threading.local()
+
+
+def _count_forward(module, args, output) -> None:
+    _counts.forwards = getattr(_counts, "forwards", 0) + 1
+
+
+def fresh_drafter(base: Drafter, cfg: SampleConfig) -> Drafter:
+    """A drafter of its own for one request, sharing the loaded drafter model (drafters hold per-sequence state)."""
+    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
+    if isinstance(base, DFlashDraft):
+        return DFlashDraft(base.d, base.target, sampling, base.capacity, cfg.draft_passes, base.name)
+    if isinstance(base, ARDraft):
+        return ARDraft(base.model, sampling, base.capacity, base.name)
+    if isinstance(base, PromptLookup):
+        return PromptLookup(cfg.lookup_ngram)
+    raise TypeError(f"unknown drafter {type(base).__name__}")
+
+
+@dataclass
+class Served:
+    """One model id: a checkpoint, its paradigm, and how it runs."""
+
+    id: str
+    paradigm: str  # ar | mdlm | usdm | speculative
+    model: Transformer
+    ck: object  # dlm.checkpoint.Checkpoint
+    path: str
+    drafter: Drafter | None = None  # speculative: the drafter this id verifies (its model shared by every request)
+    draft: str | None = None  # the drafter's id (folder name, or 'lookup')
+    batcher: ARBatcher | None = None  # AR: the batching thread of the target
+
+    @property
+    def context(self) -> int:
+        return self.model.cfg.max_seq_len
+
+    def describe(self) -> dict:
+        d = {"paradigm": self.paradigm, "checkpoint": self.path, "context": self.context,
+             "parameters": sum(p.numel() for p in self.model.parameters())}
+        if self.draft:
+            d["draft"] = self.draft
+            d["drafter"] = self.drafter.name
+        if self.paradigm == "mdlm":
+            d["block_size"] = self.ck.block_size or None
+        if self.paradigm == "usdm":
+            d["canvas_length"] = self.ck.canvas_length
+        return d
+
+
+class Engine:
+    """The models of one server, loaded once; starts jobs on them."""
+
+    def __init__(self, models: list[str], draft: str | None = None, device: str | torch.device = "cpu",
+                 max_batch: int = 64):
+        if not models:
+            raise DlmError("--model: give at least one checkpoint folder")
+        self.models: dict[str, Served] = {}
+        ar_models: list[Served] = []
+        for path in models:
+            name = Path(path).resolve().name
+            if name in self.models:
+                raise DlmError(f"--model {path}: two models named {name!r} (model ids are the folder names)")
+            ck = open_checkpoint(path)
+            if ck.objective == "dflash":
+                raise DlmError(f"--model {path}: a dflash checkpoint is a drafter; serve it with --draft {path} "
+                               "next to the AR --model it drafts for")
+            model, ck = load_model(path, device=device)
+            model.register_forward_hook(_count_forward)
+            served = Served(name, ck.objective, model, ck, str(path))
+            if ck.objective == "ar":
+                served.batcher = ARBatcher(model, ck, max_batch, name)
+                ar_models.append(served)
+            self.models[name] = served
+        if draft:
+            if not ar_models:
+                raise DlmError("--draft: speculative decoding needs an ar --model to verify the drafts")
+            draft_id = "lookup" if draft == "lookup" else Path(draft).resolve().name
+            for target in ar_models:
+                base = load_drafter(draft, target.model, target.ck, Sampling())
+                sid = f"{target.id}+{draft_id}"
+                self.models[sid] = Served(sid, "speculative", target.model, target.ck, target.path, base, draft_id,
+                                          target.batcher)
+
+    def get(self, model_id: str) -> Served | None:
+        return self.models.get(model_id)
+
+    def validate(self, served: Served, prompts: list[Prompt], cfg: SampleConfig) -> None:
+        """The sampler's own checks of these options (DlmError, before any work)."""
+        drafter = fresh_drafter(served.drafter, cfg) if served.drafter is not None else None
+        gen = stream(served.model, served.ck, prompts, cfg, drafter=drafter)
+        gen.close()
+
+    def start(self, served: Served, rows: list[Row], loop: asyncio.AbstractEventLoop | None = None) -> Job:
+        job = Job(rows, loop)
+        logprobs = any(r.logprobs is not None for r in rows)
+        if served.batcher is not None and (served.drafter is None or logprobs):
+            served.batcher.submit(job)
+        else:
+            threading.Thread(target=self._run, args=(served, job), daemon=True,
+                             name=f"dlm-{served.id}").start()
+        return job
+
+    def stats(self) -> dict:
+        return {s.id: s.batcher.stats() for s in self.models.values() if s.batcher is not None and s.drafter is None}
+
+    def close(self) -> None:
+        for s in self.models.values():
+            if s.batcher is not None:
+                s.batcher.close()
+
+    @torch.inference_mode()
+    def _run(self, served: Served, job: Job) -> None:
+        """One job on the sampler of its paradigm, row after row; stops between events when told to."""
+        _counts.forwards = 0
+        draft_forwards = 0
+        failed = None
+        try:
+            for i, row in enumerate(job.rows):
+                if job.cancelled.is_set():
+                    break
+                drafter = fresh_drafter(served.drafter, row.cfg) if served.drafter is not None else None
+                events = stream(served.model, served.ck, [row.prompt], row.cfg, drafter=drafter)
+                try:
+                    for ev in events:
+                        if isinstance(ev, Done):
+                            break
+                        ev.row = i
+                        job.emit(ev)
+                        if job.over(i):
+                            break
+                finally:
+                    events.close()
+                    if drafter is not None:
+                        draft_forwards += drafter.forwards
+        except DlmError as e:
+            failed = Failed(str(e), client=True)
+        except Exception as e:  # a bug: the request fails, the server goes on
+            log.exception("generation failed")
+            failed = Failed(f"internal error: {type(e).__name__}: {e}")
+        if failed is not None:
+            job.emit(failed)
+            return
+        job.emit(Done(Stats(forwards=_counts.forwards, draft_forwards=draft_forwards,
+                            seconds=time.perf_counter() - job.t0, ttft=job.first)))
+
+
+# continuous batching of AR requests -----------------------------------------------------------------
+
+@dataclass
+class _Slot:
+    """A row being decoded by the batcher."""
+
+    job: Job
+    index: int  # the row within its job
+    ids: list[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    max_new: int
+    logprobs: int | None
+    gen: torch.Generator | None
+    produced: int = 0
+    last: int = 0
+    pos: int = 0  # position of the next token fed
+    done: bool = False
+
+
+def _cache_view(k: torch.Tensor, v: torch.Tensor, n: int, length: int) -> KVCache:
+    """A KVCache over the first n rows of the batcher's buffers (a view: writes land in them)."""
+    view = KVCache.__new__(KVCache)
+    view.k, view.v, view.length = k[:, :n], v[:, :n], length
+    return view
+
+
+class ARBatcher:
+    """One thread that decodes every active AR row in one forward per step (continuous batching).
+
+    The K/V buffers are (n_layers, rows, n_kv_heads, C, head_dim) with one shared column count L
+    (C = 2x the context). A step feeds each row its last token at its own position and writes
+    column L for every row; `valid` (rows, C) says which columns each row attends to. Admitted rows
+    are prefilled together (left-padded, one forward) and their K/V copied into the columns just
+    before L; positions are each row's own, so where a row's columns sit does not matter (RoPE is in
+    the keys). A finished row is replaced by the last row (rows stay 0..n-1, the forward runs on a
+    view of them); when L reaches C, or the columns no row uses pile up, every row's columns are
+    moved to the right end of a shorter timeline (repack).
+    """
+
+    def __init__(self, model: Transformer, ck, max_rows: int = 64, name: str = "ar"):
+        self.model, self.tok = model, ck.tokenizer
+        self.max_rows = max_rows
+        self.C = 2 * model.cfg.max_seq_len
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.waiting: deque[_Slot] = deque()
+        self.rows: list[_Slot] = []
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
+        self.L = 0
+        self.counts = {"forwards": 0, "prefills": 0, "decode_steps": 0, "decode_rows": 0, "max_rows": 0,
+                       "repacks": 0}
+        self._closed = False
+        self.thread = threading.Thread(target=self._loop, name=f"dlm-batch-{name}", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        self.inbox.put(job)
+
+    def close(self) -> None:
+        self._closed = True
+        self.inbox.put(None)
+
+    def stats(self) -> dict:
+        c = dict(self.counts)
+        c["mean_rows_per_step"] = c["decode_rows"] / c["decode_steps"] if c["decode_steps"] else 0.0
+        c["active_rows"] = len(self.rows)
+        c["waiting_rows"] = len(self.waiting)
+        return c
+
+    # the loop ---------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._closed:
+            try:
+                self._take(block=not self.rows and not self.waiting)
+                with torch.inference_mode():
+                    self._drop()
+                    if self.waiting and len(self.rows) < self.max_rows:
+                        self._admit()
+                        self._drop()
+                    if self.rows:
+                        self._step()
+                        self._drop()
+            except Exception as e:  # a bug: fail what is in flight, keep serving
+                log.exception("AR batcher failed")
+                for job in {id(s.job): s.job for s in [*self.rows, *self.waiting]}.values():
+                    job.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
+                self.rows.clear()
+                self.waiting.clear()
+                self.L = 0
+                if self.valid is not None:
+                    self.valid.zero_()
+
+    def _take(self, block: bool) -> None:
+        """Move the jobs that arrived into the waiting rows (blocking when there is nothing to do)."""
+        jobs = []
+        if block:
+            jobs.append(self.inbox.get())
+        while True:
+            try:
+                jobs.append(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        dev = self.model.device
+        for job in jobs:
+            if job is None:
+                continue
+            job.live = len(job.rows)
+            for i, r in enumerate(job.rows):
+                c = r.cfg
+                self.waiting.append(_Slot(job, i, list(r.prompt.ids), c.temperature, c.top_k, c.top_p,
+                                          c.max_new_tokens, r.logprobs,
+                                          make_generator(c.seed, dev) if c.temperature > 0 else None))
+
+    def _finish(self, slot: _Slot) -> None:
+        job = slot.job
+        job.live -= 1
+        if job.live == 0:
+            job.emit(Done(Stats(forwards=job.forwards, seconds=time.perf_counter() - job.t0, ttft=job.first,
+                                extra={"batch_rows_mean": job.batch_rows / job.forwards if job.forwards else 0.0})))
+
+    def _drop(self) -> None:
+        """Remove finished, stopped and cancelled rows (the last row moves into each freed one)."""
+        for i in range(len(self.rows) - 1, -1, -1):
+            s = self.rows[i]
+            if s.done or s.job.over(s.index):
+                self._remove(i)
+                self._finish(s)
+        if any(s.job.over(s.index) for s in self.waiting):
+            keep = deque()
+            for s in self.waiting:
+                if s.job.over(s.index):
+                    self._finish(s)
+                else:
+                    keep.append(s)
+            self.waiting = keep
+
+    def _remove(self, i: int) -> None:
+        last, L = len(self.rows) - 1, self.L
+        if i != last:
+            self.k[:, i, :, :L] = self.k[:, last, :, :L]
+            self.v[:, i, :, :L] = self.v[:, last, :, :L]
+            self.valid[i] = self.valid[last]
+            self.rows[i] = self.rows[last]
+        self.valid[last] = False
+        self.rows.pop()
+        if not self.rows:
+            self.L = 0
+
+    def _reserve(self, n: int) -> None:
+        """Buffers for at least n rows (grown by doubling, the rows kept)."""
+        have = 0 if self.k is None else self.k.shape[1]
+        if n <= have:
+            return
+        rows = min(self.max_rows, max(n, 2 * have, 4))
+        cache = self.model.new_cache(rows, self.C)
+        valid = torch.zeros(rows, self.C, dtype=torch.bool, device=self.model.device)
+        if self.k is not None:
+            cache.k[:, :have] = self.k
+            cache.v[:, :have] = self.v
+            valid[:have] = self.valid
+        self.k, self.v, self.valid = cache.k, cache.v, valid
+
+    def _admit(self) -> None:
+        new = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.max_rows - len(self.rows)))]
+        W = max(len(s.ids) for s in new)
+        logits, pc, pvalid, pos = ar.prefill(self.model, [s.ids for s in new], W, self.tok.pad_id)  # one forward
+        self.counts["forwards"] += 1
+        self.counts["prefills"] += 1
+        for job in {id(s.job): s.job for s in new}.values():
+            job.forwards += 1
+            job.batch_rows += len(new)
+        n, m = len(self.rows), len(new)
+        self._reserve(n + m)
+        self.L = max(self.L, W)  # the columns added hold nothing for the rows already there
+        L = self.L
+        self.k[:, n:n + m, :, L - W:L] = pc.k
+        self.v[:, n:n + m, :, L - W:L] = pc.v
+        self.valid[n:n + m] = False
+        self.valid[n:n + m, L - W:L] = pvalid
+        for s, p in zip(new, pos.tolist()):
+            s.pos = p
+        self.rows.extend(new)
+        self._commit(new, logits)
+
+    def _step(self) -> None:
+        """One forward: every active row's next token."""
+        if self.L + 1 > self.C or self._wasted() > self.C // 4:
+            self._repack()
+        n, L, dev = len(self.rows), self.L, self.model.device
+        x = torch.tensor([[s.last] for s in self.rows], dtype=torch.long, device=dev)  # (n, 1)
+        pos = torch.tensor([[s.pos] for s in self.rows], dtype=torch.long, device=dev)  # (n, 1)
+        self.valid[:n, L] = True
+        seen = self.valid[:n, :L + 1]
+        mask = "causal" if bool(seen.all()) else seen[:, None, None, :]  # (n, 1, 1, L+1)
+        logits = self.model(x, pos=pos, cache=_cache_view(self.k, self.v, n, L), mask=mask).logits[:, -1]
+        self.L = L + 1
+        for s in self.rows:
+            s.pos += 1
+        c = self.counts
+        c["forwards"] += 1
+        c["decode_steps"] += 1
+        c["decode_rows"] += n
+        c["max_rows"] = max(c["max_rows"], n)
+        for job in {id(s.job): s.job for s in self.rows}.values():
+            job.forwards += 1
+            job.batch_rows += n
+        self._commit(self.rows, logits)
+
+    def _commit(self, slots: list[_Slot], logits: torch.Tensor) -> None:
+        """Choose each row's next token from its logits (n, V) with its own options; emit it."""
+        lp = torch.log_softmax(logits.float(), -1) if any(s.logprobs is not None for s in slots) else None
+        greedy = logits.argmax(-1).tolist()
+        eos = self.tok.eos_id
+        for i, s in enumerate(slots):
+            if s.temperature == 0:
+                t = greedy[i]
+            else:
+                t = int(sample_token(logits[i:i + 1], s.temperature, s.top_k, s.top_p, s.gen)[0])
+            if s.logprobs is not None:
+                top = []
+                if s.logprobs > 0:
+                    vals, idx = torch.topk(lp[i], s.logprobs)
+                    top = list(zip(idx.tolist(), vals.tolist()))
+                ev = Scored([t], s.index, float(lp[i, t]), top)
+            else:
+                ev = Commit([t], s.index)
+            s.job.emit(ev)
+            s.produced += 1
+            s.last = t
+            if t == eos or s.produced >= s.max_new:
+                s.done = True
+
+    def _wasted(self) -> int:
+        """Columns before the first one any row uses."""
+        n = len(self.rows)
+        if not n:
+            return 0
+        return int(self.valid[:n, :self.L].any(0).to(torch.int8).argmax())
+
+    def _repack(self) -> None:
+        """Move every row's columns to the right end of a timeline as long as the longest row."""
+        n, L = len(self.rows), self.L
+        first = self.valid[:n, :L].to(torch.int8).argmax(1).tolist()  # each row's first used column
+        L2 = max(L - f for f in first)
+        for i, f in enumerate(first):
+            d = L2 - (L - f)
+            if d != f:
+                self.k[:, i, :, d:L2] = self.k[:, i, :, f:L].clone()
+                self.v[:, i, :, d:L2] = self.v[:, i, :, f:L].clone()
+                self.valid[i, d:L2] = self.valid[i, f:L].clone()
+                self.valid[i, :d] = False
+        self.valid[:, L2:] = False
+        self.L = L2
+        self.counts["repacks"] += 1
