@@ -217,6 +217,7 @@ def grade(quiz: str, solution: str, output: str) -> dict[str, float]:
 
 NAME = "sudoku"
 METRICS = ("accuracy", "cell_accuracy", "valid")
+PRIMARY = "accuracy"  # the quality axis of `dlm bench --task`
 HELDOUT_SEED = 1_000_000  # without --data: fresh puzzles from seed HELDOUT_SEED + --seed (the recipes train on seed 0)
 HELDOUT_CLUES = (40, 50)
 
