@@ -115,10 +115,10 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
     from dlm.sampling import SampleConfig
 
     scfg = scfg or SampleConfig()
-    net, ck = load_model(model, device=_device(device))
     if task is not None:
-        _eval_task(net, ck, scfg, task, data, n, span, context, json)
+        _eval_task(model, device, scfg, task, data, n, span, context, json)
         return
+    net, ck = load_model(model, device=_device(device))
     from dlm.data.corpus import Corpus
     from dlm.evaluate import evaluate
 
@@ -131,7 +131,9 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
         print(f"{split}: " + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in res.items()))
 
 
-def _eval_task(net, ck, scfg, task: str, data: str | None, n: int, span: str, context: int, json: bool) -> None:
+def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: int, span: str, context: int,
+               json: bool) -> None:
+    from dlm.checkpoint import load_model
     from dlm.sampling import SampleConfig
     from dlm.tasks import run_task, task_module
 
@@ -140,6 +142,8 @@ def _eval_task(net, ck, scfg, task: str, data: str | None, n: int, span: str, co
         scfg = scfg.replace(max_new_tokens=mod.default_new_tokens(span))
     if context < 0:
         raise DlmError(f"--context must be >= 0 (0 = the training window), got {context}")
+    cases = mod.cases(data, n, scfg.seed, span)  # bad --data is refused before the model is loaded
+    net, ck = load_model(model, device=_device(device))
     drafter = None
     if scfg.draft:
         from dlm.sampling.common import make_generator
@@ -148,7 +152,7 @@ def _eval_task(net, ck, scfg, task: str, data: str | None, n: int, span: str, co
         drafter = load_drafter(scfg.draft, net, ck, Sampling(scfg.temperature, scfg.top_k, scfg.top_p,
                                                              make_generator(scfg.seed, net.device)),
                                scfg.draft_passes, scfg.lookup_ngram)
-    res = run_task(task, net, ck, scfg, drafter, data, n, scfg.seed, span, context, progress=not json)
+    res = run_task(task, net, ck, scfg, drafter, data, n, scfg.seed, span, context, progress=not json, cases=cases)
     res.pop("cases")
     res.update(model=str(ck.path), paradigm="speculative" if drafter else ck.objective, seed=scfg.seed)
     if task == "infill":

@@ -59,10 +59,12 @@ def summarize(task: ModuleType, rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_task(name: str, model, ck, cfg, drafter=None, data: str | None = None, n: int = 100, seed: int = 0,
-             span: str = "line", context: int = 0, progress: bool = False) -> dict[str, Any]:
-    """Every case of the task through one method; returns the summary with the per-case rows under "cases"."""
+             span: str = "line", context: int = 0, progress: bool = False,
+             cases: list[Case] | None = None) -> dict[str, Any]:
+    """Every case of the task (`cases`, else the task's cases of data, n, seed, span) through one method; returns
+    the summary with the per-case rows under "cases"."""
     task = task_module(name)
-    cases = task.cases(data, n, seed, span)
+    cases = cases if cases is not None else task.cases(data, n, seed, span)
     rows = []
     t0 = time.perf_counter()
     from rich.progress import Progress

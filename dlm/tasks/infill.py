@@ -43,10 +43,8 @@ def cases(data: str | None, n: int, seed: int, span: str = "line") -> list[Case]
     spots = []
     for f, src in enumerate(files):
         lines = src.text.splitlines(keepends=True)
-        code = [bool(ln.strip()) for ln in lines]
-        for i in range(1, len(lines) - 1):  # some text before and some after
-            if code[i] and any(code[:i]) and any(code[i + 1:]):
-                spots.append((f, i))
+        code = [i for i, ln in enumerate(lines) if ln.strip()]
+        spots += [(f, i) for i in code if code[0] < i < code[-1]]  # some text before and some after
     if not spots:
         raise DlmError(f"--data {data}: no line to infill (a case needs a non-blank line with text before and after)")
     rng = rng_for(f"{NAME}-{span}", seed)
@@ -54,10 +52,8 @@ def cases(data: str | None, n: int, seed: int, span: str = "line") -> list[Case]
     for f, i in pick(rng, spots, n):
         lines = files[f].text.splitlines(keepends=True)
         m = 1
-        if span == "lines":
-            after = [j for j in range(i + 1, min(i + 5, len(lines) - 1) + 1) if any(ln.strip() for ln in lines[j:])]
-            m = rng.randint(1, 1 + len(after)) if after else 1
-            m = min(m, len(lines) - 1 - i)
+        if span == "lines":  # 1-5 lines, some text left after them
+            m = rng.randint(1, max(k for k in range(1, 6) if any(ln.strip() for ln in lines[i + k:]) or k == 1))
         middle = "".join(lines[i:i + m])  # ends with a newline: text follows
         prefix, suffix = "".join(lines[:i]), "".join(lines[i + m:])
         out.append(Case(f"{files[f].name}:{i + 1}", prefix[:-1], middle.rstrip("\r\n"), "\n" + suffix,
