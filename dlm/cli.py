@@ -1,4 +1,4 @@
-"""`dlm`: train, generate, eval, export, import, bench, demo, distill, serve.
+"""`dlm`: train, generate, eval, export, import, bench, demo, distill, task, serve.
 
 Every subcommand is a function below; tyro (through dlm.cliargs) turns its typed parameters into options.
 """
@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Annotated, Literal
+
+import tyro
 
 from dlm.errors import DlmError
 
@@ -79,38 +82,87 @@ def generate_cmd(
               f"({stats['tokens_per_forward']:.2f} tok/forward), {stats['tokens_per_second']:.1f} tok/s[/]")
 
 
-def eval_cmd(model: str, split: str = "test", data: str | None = None, seq_len: int = 0, batch_size: int = 8,
-             max_batches: int = 0, seed: int = 0, samples: int = 4, reference: str | None = None,
-             json: bool = False, device: str = "cpu") -> None:
-    """Held-out loss and perplexity of a checkpoint.
+def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None, seq_len: int = 0, batch_size: int = 8,
+             max_batches: int = 0, samples: int = 4, reference: str | None = None, json: bool = False,
+             device: str = "cpu", task: str | None = None, n: int = 100, span: str = "line",
+             context: int = 0) -> None:
+    """Held-out loss and perplexity of a checkpoint; or, with --task, what it gets right on a task.
+
+    --task complete|infill|sudoku runs the task's cases through the checkpoint's sampler with the generation
+    options below (speculative decoding with --draft); --seed picks the cases and seeds sampling (and the
+    likelihood bound of a diffusion checkpoint without --task). docs/tasks.md describes the tasks.
 
     Args:
         model: checkpoint folder
         split: train, val or test
-        data: corpus (default: the one the checkpoint was trained on)
+        data: corpus (default: the one the checkpoint was trained on); with --task: a source file or folder
+            (complete, infill; default: the stdlib's held-out test split) or a sudoku CSV (default: fresh puzzles)
         seq_len: window length (default: the training sequence length)
         batch_size: windows per forward
         max_batches: stop after this many batches (0 = the whole split)
-        seed: seed of the Monte-Carlo likelihood bound of diffusion checkpoints
         samples: Monte-Carlo samples per window of a diffusion checkpoint's likelihood bound (LLaDA uses 128;
             averaged over a whole split, 4 already give a standard error of ~0.01 nats, reported)
         reference: AR checkpoint scored on the same windows beside a diffusion bound (default: the
             checkpoint's --init-from, else checkpoints/ar-small)
         json: print one JSON object
         device: cpu, cuda or auto
+        task: complete (next line of code), infill (a removed middle) or sudoku (solve puzzles)
+        n: --task: number of cases, picked reproducibly by --seed
+        span: --task infill: line (one line) or lines (1-5 lines)
+        context: --task: tokens of prompt + generation at most (0 = the checkpoint's training window)
     """
     from dlm.checkpoint import load_model
+    from dlm.sampling import SampleConfig
+
+    scfg = scfg or SampleConfig()
+    if task is not None:
+        _eval_task(model, device, scfg, task, data, n, span, context, json)
+        return
+    net, ck = load_model(model, device=_device(device))
     from dlm.data.corpus import Corpus
     from dlm.evaluate import evaluate
 
-    net, ck = load_model(model, device=_device(device))
     corpus = Corpus(data or ck.config.get("data", "stdlib"))
     seq = seq_len or ck.config.get("train", {}).get("seq_len", 256)
-    res = evaluate(net, ck, corpus, split, seq, batch_size, max_batches or None, seed, samples, reference)
+    res = evaluate(net, ck, corpus, split, seq, batch_size, max_batches or None, scfg.seed, samples, reference)
     if json:
         print(_json.dumps(res))
     else:
         print(f"{split}: " + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in res.items()))
+
+
+def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: int, span: str, context: int,
+               json: bool) -> None:
+    from dlm.checkpoint import load_model
+    from dlm.sampling import SampleConfig
+    from dlm.tasks import run_task, task_module
+
+    mod = task_module(task)
+    if scfg.max_new_tokens == SampleConfig.max_new_tokens:  # not given: the task's own budget
+        scfg = scfg.replace(max_new_tokens=mod.default_new_tokens(span))
+    if context < 0:
+        raise DlmError(f"--context must be >= 0 (0 = the training window), got {context}")
+    cases = mod.cases(data, n, scfg.seed, span)  # bad --data is refused before the model is loaded
+    net, ck = load_model(model, device=_device(device))
+    drafter = None
+    if scfg.draft:
+        from dlm.sampling.common import make_generator
+        from dlm.sampling.speculative import Sampling, load_drafter
+
+        drafter = load_drafter(scfg.draft, net, ck, Sampling(scfg.temperature, scfg.top_k, scfg.top_p,
+                                                             make_generator(scfg.seed, net.device)),
+                               scfg.draft_passes, scfg.lookup_ngram)
+    res = run_task(task, net, ck, scfg, drafter, data, n, scfg.seed, span, context, progress=not json, cases=cases)
+    res.pop("cases")
+    res.update(model=str(ck.path), paradigm="speculative" if drafter else ck.objective, seed=scfg.seed)
+    if task == "infill":
+        res["span"] = span
+    if json:
+        print(_json.dumps(res))
+        return
+    print(f"{task} ({res['n']} cases, {ck.path}): " + "  ".join(
+        f"{k} {res[k]:.3f}" for k in [*mod.METRICS, "tokens_per_forward"] + (["tau"] if "tau" in res else []))
+        + f"  forwards {res['forwards']}  {res['seconds']:.1f} s")
 
 
 def export_cmd(model: str, out: str, format: str = "hf", dtype: str = "float32", overwrite: bool = False) -> None:
@@ -158,30 +210,35 @@ def import_cmd(hf: str, out: str, overwrite: bool = False) -> None:
     print(f"imported: {import_hf(hf, out, overwrite)}")
 
 
-def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 64,
+def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 0,
               out: str | None = "bench.json", data: str | None = None, warmup: int = 1, naive: bool = True,
               mdlm: str | None = None, usdm: str | None = None, sweep: bool = False,
               draft: list[str] | None = None, temperature: list[float] | None = None,
-              block_size: int | None = None) -> None:
-    """Benchmark the paradigms side by side on held-out prompts (median tok/s, tok/forward, TTFT, quality).
+              block_size: int | None = None, repeat: int = 3, task: str | None = None, span: str = "line") -> None:
+    """Benchmark the paradigms side by side on held-out task cases: task metrics, tok/forward, tok/s, TTFT, ratios
+    against AR in the same round (methods interleaved case by case, repeated; medians and min-max).
 
     Args:
-        model: the AR checkpoint: baseline rows, speculation target, judge of the quality column
+        model: the AR checkpoint: baseline rows, speculation target, judge of the gen PPL column
             (default: the shipped ar-small)
-        prompts: number of held-out prompts
-        max_new_tokens: tokens to generate per prompt
-        out: JSON report path ('' for none); the quality-vs-tokens-per-forward plot goes beside it (.png)
-        data: corpus for the held-out prompts (default: the checkpoint's)
-        warmup: untimed runs before measuring each method
+        prompts: number of held-out cases (line completion; as many infill cases alongside)
+        max_new_tokens: tokens to generate per case (0 = 64; with --task, the task's budget)
+        out: JSON report path ('' for none); the quality-vs-tokens-per-forward/wall-time plot goes beside it (.png)
+        data: source files for the cases (default: the stdlib's held-out split); with --task sudoku, a CSV
+        warmup: untimed runs of each method on its own before the interleaved, timed runs
         naive: include the naive (no KV cache) AR loop
         mdlm: an mdlm checkpoint for masked-diffusion rows (default: the shipped mdlm-small when --model and
             --draft are not given; '' for none)
         usdm: a usdm checkpoint for uniform-state rows (default: the shipped usdm-small when --model and
             --draft are not given; '' for none)
-        sweep: sweep the diffusion samplers (steps, entropy bound, threshold, block length) instead of one row each
+        sweep: sweep the diffusion samplers (steps, entropy bound, threshold, block length) instead of two rows each
         draft: speculative rows: drafter checkpoints (dflash or AR) and/or 'lookup', each verified by --model
         temperature: temperatures of the speculative rows (default: 0 and 1), each beside the target alone
         block_size: speculative block per cycle, last token + proposals (default: each drafter's)
+        repeat: interleaved repetitions (figures: medians; ratios: min-max over repetitions too)
+        task: complete, infill or sudoku: a Pareto sweep of the diffusion samplers on that task's cases (quality
+            against tokens per forward and against wall time; the PNG beside --out)
+        span: --task infill: line or lines
     """
     from dlm.bench import run_bench
     from dlm.demo import shipped
@@ -201,8 +258,15 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
     for t in temps:
         if t < 0:
             raise DlmError(f"--temperature must be >= 0, got {t}")
+    if max_new_tokens < 0:
+        raise DlmError(f"--max-new-tokens must be > 0 (0 = the default), got {max_new_tokens}")
+    if not max_new_tokens:
+        from dlm.tasks import task_module
+
+        max_new_tokens = task_module(task).default_new_tokens(span) if task else 64
     run_bench(model, prompts, max_new_tokens, out or None, data, warmup, naive, mdlm=default(mdlm, "mdlm-small"),
-              usdm=default(usdm, "usdm-small"), sweep=sweep, draft=draft, temperatures=temps, block_size=block_size)
+              usdm=default(usdm, "usdm-small"), sweep=sweep, draft=draft, temperatures=temps, block_size=block_size,
+              repeat=repeat, task=task, span=span)
     if out:
         print(f"report: {out}")
 
@@ -291,6 +355,31 @@ def serve_cmd(model: list[str], draft: str | None = None, host: str = "127.0.0.1
         raise DlmError(f"--host {host} --port {port}: cannot listen ({e.strerror or e})") from None
 
 
+def task_cmd(name: Annotated[Literal["sudoku"], tyro.conf.Positional], out: str, n: int = 1000,
+             clues: str = "40-50", seed: int = 0) -> None:
+    """Write task data: `dlm task sudoku` writes puzzles with exactly one solution as a CSV in the public layout
+    (`quizzes,solutions`, 81 digits each, 0 = blank), for `dlm train --data` and `dlm eval --task sudoku --data`.
+
+    Args:
+        name: the task whose data to write: sudoku
+        out: the .csv file to write (written under a temporary name, then renamed)
+        n: number of puzzles
+        clues: givens per puzzle, A-B (drawn uniformly) or A; many clues = easy (40-50: naked singles mostly suffice)
+        seed: puzzle k depends only on (seed, k): the same seed gives the same puzzles
+    """
+    import time
+
+    from dlm.data.csvtask import write_pairs
+    from dlm.tasks.sudoku import generate, parse_clues
+
+    if not out.lower().endswith(".csv"):
+        raise DlmError(f"--out must name a .csv file (training reads .csv as sudoku puzzles), got {out!r}")
+    t0 = time.perf_counter()
+    pairs = generate(n, parse_clues(clues), seed)
+    write_pairs(out, pairs)
+    print(f"wrote {out}: {len(pairs)} puzzles ({clues} clues, seed {seed}) in {time.perf_counter() - t0:.1f} s")
+
+
 _json = json  # the commands' `json` flag shadows the module inside them
 
 
@@ -346,13 +435,14 @@ def main(argv: list[str] | None = None) -> int:
     commands = {  # the dataclasses are imported only for the command that runs
         "train": Command(train_cmd, _train_config, "cfg", group="training"),
         "generate": Command(generate_cmd, _sample_config, "scfg", group="sampling"),
-        "eval": Command(eval_cmd),
+        "eval": Command(eval_cmd, _sample_config, "scfg", group="sampling"),
         "export": Command(export_cmd),
         "import": Command(import_cmd),
         "bench": Command(bench_cmd),
         "demo": Command(demo_cmd),
         "distill": Command(distill_cmd),
         "serve": Command(serve_cmd),
+        "task": Command(task_cmd),
     }
     try:
         argv = merge_repeated(canonical_argv(list(sys.argv[1:] if argv is None else argv)), "serve", "--model")

@@ -143,7 +143,7 @@ def _entry(cmd: Command, full: bool, argv: list[str], where: str) -> Callable[..
     that is not run."""
     import tyro
 
-    hints = typing.get_type_hints(cmd.fn)
+    hints = typing.get_type_hints(cmd.fn, include_extras=True)
     cls = cmd.config() if cmd.config and full else None
     path = _config_path(argv) if full else None
     from_file = _load_config(path) if path else {}
@@ -163,8 +163,11 @@ def _entry(cmd: Command, full: bool, argv: list[str], where: str) -> Callable[..
                 params.append(inspect.Parameter(cmd.group, inspect.Parameter.KEYWORD_ONLY, default=default,
                                                 annotation=Annotated[cls, tyro.conf.OmitArgPrefixes]))
             continue
-        params.append(inspect.Parameter(p.name, inspect.Parameter.KEYWORD_ONLY, default=values.get(p.name, p.default),
-                                        annotation=options[p.name]))
+        positional = any(m is tyro.conf.Positional for m in getattr(options[p.name], "__metadata__", ()))
+        param = inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD if positional
+                                  else inspect.Parameter.KEYWORD_ONLY, default=values.get(p.name, p.default),
+                                  annotation=options[p.name])
+        params.insert(0, param) if positional else params.append(param)  # `dlm task sudoku ...`
 
     def entry(config: str | None = None, **kw: Any) -> Callable[[], Any]:
         if cls is not None:

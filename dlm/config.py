@@ -83,6 +83,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # the AR draft model of ar-small (speculative-decoding baseline): ~0.92M parameters with a 4k vocabulary,
     # comparable to a 1-layer DFlash drafter at ar-small's width (~0.95M, embedding and head shared with the target)
     "draft": dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=1024),
+    # puzzles (sudoku) with a character vocabulary (~28 tokens): ~0.86M parameters, a fraction of Ye et al.'s
+    # 6M (3 layers, d 384), sized for CPU training in tens of minutes
+    "puzzle": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=384, max_seq_len=256),
     # for GPU runs: ~26M parameters with a 4k vocabulary
     "base": dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1408, max_seq_len=2048),
 }
@@ -101,9 +104,9 @@ class TrainConfig:
 
     Attributes:
         objective: ar | mdlm | usdm | dflash | joint
-        preset: model size when training from scratch: tiny | small | draft | base
+        preset: model size when training from scratch: tiny | small | draft | base | puzzle
         data: corpus: stdlib, a folder, a text file, or a .jsonl file with a "text" field
-        tokenizer: a tokenizer.json or a checkpoint folder (default: train one on the corpus)
+        tokenizer: a tokenizer.json or a checkpoint folder, or 'char' (train one token per character on the corpus: tasks such as sudoku) (default: train a byte-level BPE on the corpus)
         vocab_size: vocabulary of a tokenizer trained on the corpus
         seq_len: tokens per training window
         batch_size: windows per step
@@ -135,6 +138,8 @@ class TrainConfig:
         target_features: dflash ablation: off = context from token embeddings, not target hidden states
         ar_weight: joint: weight of the AR (clean half) loss
         dlm_weight: joint: weight of the masked-diffusion (noisy half) loss
+        fim_rate: ar: fraction of training documents rearranged for fill-in-the-middle (Bavarian et al. 2022: prefix, suffix, middle around the FIM markers; document level, cut at two random characters); default 0.5 for ar, 0 = off
+        answer_sep: supervised pairs: documents are PROMPT + this text + ANSWER (one token); the loss reads only the answer and diffusion noises only the answer, the prompt is the condition (LLaDA's SFT); default '=' for a .csv task corpus, '' = off
     """
 
     objective: str = "ar"
@@ -176,6 +181,9 @@ class TrainConfig:
     # joint AR + diffusion (joint)
     ar_weight: float = 1.0
     dlm_weight: float = 0.3
+    # tasks
+    fim_rate: float | None = None
+    answer_sep: str | None = None
 
     def validate(self) -> None:
         """The checks every objective shares (each objective checks its own options)."""
@@ -188,6 +196,19 @@ class TrainConfig:
         check(self.grad_clip >= 0, f"--grad-clip must be >= 0, got {self.grad_clip}")
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
               f"--device must be auto, cpu or cuda[:N], got {self.device!r}")
+        check(self.fim_rate is None or 0 <= self.fim_rate <= 1, f"--fim-rate must be in [0, 1], got {self.fim_rate}")
+        check(not self.fim_rate or self.objective == "ar",
+              f"--fim-rate applies to --objective ar (fill-in-the-middle for a causal model), got {self.objective}")
+        check(not self.answer_sep or self.objective in ("ar", "mdlm"),
+              f"--answer-sep applies to --objective ar or mdlm, got {self.objective}")
+
+    def resolved(self) -> TrainConfig:
+        """The config with the defaults that depend on other options filled in (what a run saves)."""
+        fim = self.fim_rate if self.fim_rate is not None else (0.5 if self.objective == "ar" else 0.0)
+        sep = self.answer_sep
+        if sep is None:
+            sep = "=" if self.data.lower().endswith(".csv") and self.objective in ("ar", "mdlm") else ""
+        return dataclasses.replace(self, fim_rate=fim, answer_sep=sep)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -200,6 +221,8 @@ class TrainConfig:
             old = d.pop("block_length")
             if d.get("objective") == "mdlm":
                 d["block_size"] = old
+        d.setdefault("fim_rate", 0.0)  # runs saved before fill-in-the-middle existed trained without it
+        d.setdefault("answer_sep", "")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:

@@ -20,7 +20,8 @@ def shipped(name: str) -> Path | None:
     return p if (p / "config.json").is_file() else None
 
 
-def run_demo(prompts: int = 3, max_new_tokens: int = 48, bench_prompts: int = 4, temperature: float = 0.7) -> None:
+def run_demo(prompts: int = 3, max_new_tokens: int = 48, bench_prompts: int = 4, temperature: float = 0.7,
+             bench_tokens: int = 32, repeat: int = 3) -> None:
     from rich.console import Console
     from rich.panel import Panel
     from rich.text import Text
@@ -50,8 +51,11 @@ def run_demo(prompts: int = 3, max_new_tokens: int = 48, bench_prompts: int = 4,
                         title_align="left"))
     mdlm, usdm = shipped("mdlm-small"), shipped("usdm-small")
     drafts = [str(p) for p in (shipped("dflash-small"), shipped("ar-draft")) if p] + ["lookup"]
-    con.print("\n[bold]Side by side[/] (dlm bench: every shipped paradigm on the same held-out prompts; medians)")
-    run_bench(str(ar), prompts=bench_prompts, max_new_tokens=max_new_tokens, out=None, naive=False,
+    con.print("\n[bold]Side by side[/] (dlm bench: every shipped paradigm on the same held-out cases, greedy; "
+              f"`dlm bench --prompts {bench_prompts} --max-new-tokens {bench_tokens} --repeat {repeat} --no-naive "
+              "--mdlm checkpoints/mdlm-small --usdm checkpoints/usdm-small --draft checkpoints/dflash-small "
+              "checkpoints/ar-draft lookup --temperature 0`)")
+    run_bench(str(ar), prompts=bench_prompts, max_new_tokens=bench_tokens, out=None, naive=False,
               mdlm=str(mdlm) if mdlm else None, usdm=str(usdm) if usdm else None,
-              draft=drafts, temperatures=(0.0,))
+              draft=drafts, temperatures=(0.0,), repeat=repeat)
     con.print(f"[dim]demo took {time.perf_counter() - t0:.1f} s[/]")

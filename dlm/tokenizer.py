@@ -1,4 +1,10 @@
-"""Byte-level BPE tokenizer (HF `tokenizers`), with the special tokens every paradigm needs.
+"""Tokenizers (HF `tokenizers`), with the special tokens every paradigm needs.
+
+Two kinds are trained by dlm, both saved as a plain tokenizer.json so checkpoints stay uniform:
+  byte-level BPE   (`Tokenizer.train`) for code and text: the default
+  characters       (`Tokenizer.train_chars`, `dlm train --tokenizer char`) for tasks with a small
+                   alphabet (sudoku: one token per cell): one token per character seen in the corpus,
+                   `<unk>` for any other; a BPE model without merges, so decode(encode(s)) == s
 
 dlm's own tokenizers reserve, at ids 0..15:
   <pad> <bos> <eos> <mask>            padding, document start/end, the absorbing-diffusion mask
@@ -26,6 +32,8 @@ SPECIALS = [
     "<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<fill>",
     *[f"<reserved_{i}>" for i in range(8)],
 ]
+
+CHAR_UNK = "<unk>"  # the character tokenizer's token for a character it has not seen
 
 # names used by other tokenizers for the same roles, in order of preference
 _ALIASES = {
@@ -82,6 +90,23 @@ class Tokenizer:
         )
         tk.train_from_iterator(texts, trainer=trainer)
         return cls(tk, source=f"trained(vocab={vocab_size})")
+
+    @classmethod
+    def train_chars(cls, texts: Iterable[str]) -> Tokenizer:
+        """One token per character of the corpus (specials first, then `<unk>`, then the characters in order)."""
+        chars: set[str] = set()
+        for t in texts:
+            chars.update(t)
+        if not chars:
+            raise DlmError("--tokenizer char: the corpus has no characters to build a vocabulary from")
+        specials = [*SPECIALS, CHAR_UNK]
+        vocab = {tok: i for i, tok in enumerate(specials)}
+        for ch in sorted(chars):
+            vocab.setdefault(ch, len(vocab))
+        tk = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token=CHAR_UNK))
+        tk.decoder = decoders.Fuse()  # characters join without spaces
+        tk.add_special_tokens(specials)
+        return cls(tk, source=f"chars(vocab={len(vocab)})")
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> Tokenizer:

@@ -63,6 +63,8 @@ def make_optimizer(params: list[nn.Parameter], cfg: TrainConfig, fused: bool) ->
 def resolve_tokenizer(cfg: TrainConfig, corpus: Corpus, out: Path, resuming: bool) -> Tokenizer:
     if resuming:
         return Tokenizer.from_file(out / "tokenizer.json")
+    if cfg.tokenizer == "char":  # (a file named char: --tokenizer ./char)
+        return Tokenizer.train_chars(corpus.texts("train"))
     for option, source in (("--tokenizer", cfg.tokenizer), ("--init-from", cfg.init_from), ("--target", cfg.target)):
         if source:
             path = Path(source)
@@ -220,6 +222,7 @@ def prepare(cfg: TrainConfig, out: Path, resume: bool, explicit: set[str] | None
         cfg = resumed_config(saved, cfg, explicit)
         start_step = int(trainer["step"])
     cfg.validate()
+    cfg = cfg.resolved()
     objective_class(cfg.objective).check_config(cfg)
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
@@ -227,7 +230,8 @@ def prepare(cfg: TrainConfig, out: Path, resume: bool, explicit: set[str] | None
     tok = resolve_tokenizer(cfg, corpus, out, resuming=state_dir is not None)
     objective = make_objective(cfg, tok)
     model = objective.build_model().to(device)
-    train_batches = Batches(load_tokens(corpus, tok, "train"), cfg.seq_len, cfg.batch_size, cfg.seed)
+    train_batches = Batches(load_tokens(corpus, tok, "train", cfg.fim_rate or 0.0, cfg.seed), cfg.seq_len,
+                            cfg.batch_size, cfg.seed)
     val_batches = Batches(load_tokens(corpus, tok, "val"), cfg.seq_len, cfg.batch_size, cfg.seed)
     return Run(cfg, out, state_dir, start_step, device, tok, objective, model, train_batches, val_batches)
 

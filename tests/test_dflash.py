@@ -361,12 +361,13 @@ def test_bench_puts_drafters_beside_the_target_alone(tiny_ar, tiny_dflash, corpu
 
     out = tmp_path / "bench.json"
     rep = run_bench(str(tiny_ar), prompts=2, max_new_tokens=16, out=str(out), data=str(corpus_dir), warmup=0,
-                    naive=False, quiet=True, draft=["lookup", str(tiny_dflash)], temperatures=(0.0, 1.0))
+                    naive=False, quiet=True, draft=["lookup", str(tiny_dflash)], temperatures=(0.0, 1.0), repeat=2)
     rows = {s["method"]: s for s in rep["summaries"]}
     spec = [s for s in rep["summaries"] if s["paradigm"] == "spec"]
     assert len(spec) == 4 and "target alone T=1" in rows and rows["ar (KV cache)"]["speedup"] == 1.0
     for s in spec:
         assert 1 <= s["tau"] <= s["settings"]["gamma"] and s["speedup"] > 0 and 0 <= s["draft_share"] <= 1
+        assert s["speedup_range"][0] <= s["speedup"] <= s["speedup_range"][1]  # min-max over the 2 repetitions
         assert sum(s["acceptance_histogram"]) > 0
         assert s["lossless"] == (1.0 if s["temperature"] == 0 else None)
     assert json.loads(out.read_text())["summaries"][0]["method"] == "ar (KV cache)"

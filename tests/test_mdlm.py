@@ -447,14 +447,17 @@ def test_bench_has_mdlm_rows_and_a_plot(tiny_ar, tiny_mdlm, corpus_dir, tmp_path
 
     out = tmp_path / "bench.json"
     report = run_bench(str(tiny_ar), prompts=2, max_new_tokens=16, out=str(out), data=str(corpus_dir), warmup=0,
-                       naive=False, quiet=True, mdlm=str(tiny_mdlm))
+                       naive=False, quiet=True, mdlm=str(tiny_mdlm), repeat=1)
     rows = {s["method"]: s for s in report["summaries"]}
-    assert set(rows) == {"ar (KV cache)", "mdlm confidence", "mdlm threshold thr=0.9", "mdlm entropy_bound bound=0.1"}
+    parallel = "mdlm entropy_bound bound=1.0 steps=4"  # a budget of block/4 steps: >= 4 tokens per forward
+    assert set(rows) == {"ar (KV cache)", "mdlm confidence", parallel}
     conf = rows["mdlm confidence"]
     assert conf["tokens_per_forward"] == 1.0 and conf["forwards_per_canvas"] > 1 and conf["gen_ppl"] > 1
+    assert rows[parallel]["tokens_per_forward"] >= 4 and 0 <= rows[parallel]["complete_edit_similarity"] <= 1
+    assert "infill_exact_match" in conf and "complete_exact_match" in conf
     assert json.loads(out.read_text())["plot"] == str(out.with_suffix(".png"))
     assert out.with_suffix(".png").stat().st_size > 1000
-    assert {q["method"] for q in report["equal_quality"]} == {"mdlm threshold thr=0.9", "mdlm entropy_bound bound=0.1"}
+    assert {q["method"] for q in report["equal_quality"]} == {parallel}
 
 
 def test_equal_quality_interpolates_the_confidence_curve():

@@ -410,11 +410,12 @@ def test_bench_has_usdm_rows(tiny_ar, tiny_usdm, corpus_dir):
     from dlm.bench import run_bench
 
     rep = run_bench(str(tiny_ar), prompts=2, max_new_tokens=12, data=str(corpus_dir), warmup=0, naive=False,
-                    quiet=True, usdm=str(tiny_usdm))
+                    quiet=True, usdm=str(tiny_usdm), repeat=1, sweep=True)
     rows = {s["method"]: s for s in rep["summaries"]}
-    assert {"usdm (adaptive)", "usdm (fixed 48 steps)"} <= set(rows)
+    assert {"usdm (adaptive)", "usdm (adaptive, 8 steps)", "usdm (fixed 48 steps)"} <= set(rows)
     fixed = rows["usdm (fixed 48 steps)"]
     assert fixed["forwards_per_canvas"] >= 48 and fixed["tokens_per_forward"] > 0
+    assert rows["usdm (adaptive, 8 steps)"]["forwards_per_canvas"] <= 9  # the prefill and 8 steps at most
     assert "forwards_per_canvas" not in rows["ar (KV cache)"] and math.isfinite(fixed["gen_ppl"])
     with pytest.raises(DlmError, match="--usdm"):
         run_bench(str(tiny_ar), prompts=1, max_new_tokens=4, data=str(corpus_dir), quiet=True, usdm=str(tiny_ar))

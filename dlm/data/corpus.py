@@ -3,6 +3,8 @@
 A corpus is a list of named documents:
   stdlib          the running interpreter's standard library (.py files; tests and site-packages left out)
   FILE.jsonl      one document per line, from its "text" field
+  FILE.csv        sudoku puzzles in the public layout (`quizzes,solutions`): one document per puzzle,
+                  QUIZ=SOLUTION (dlm.data.csvtask)
   FILE (other)    a text file, cut into documents of CHUNK_LINES lines
   DIR             every UTF-8 text file below it (hidden entries skipped)
 
@@ -72,7 +74,7 @@ class Corpus:
             if not p.exists():
                 raise DlmError(f"--data: no such file or directory: {spec} (use 'stdlib', a text file, a folder or a .jsonl)")
             self.root = p.resolve()
-            self.kind = "dir" if p.is_dir() else ("jsonl" if p.suffix == ".jsonl" else "text")
+            self.kind = "dir" if p.is_dir() else {".jsonl": "jsonl", ".csv": "csv"}.get(p.suffix.lower(), "text")
         if not self.documents:
             raise DlmError(f"--data {spec}: the corpus is empty (no documents with text found)")
 
@@ -95,6 +97,11 @@ class Corpus:
             return [d for d in docs if d.text.strip()]
         if self.kind == "jsonl":
             return self._jsonl()
+        if self.kind == "csv":
+            from dlm.data.csvtask import pair_text, read_pairs
+
+            return [Document(f"{self.root.name}:{i}", text_=pair_text(q, s), line=i)
+                    for i, (q, s) in enumerate(read_pairs(self.root, "--data"), start=2)]
         return self._text_chunks()
 
     def _walk(self, root: Path, pattern: str) -> list[Path]:

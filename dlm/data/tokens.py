@@ -1,7 +1,9 @@
 """Tokenize once into a memory-mapped cache; pack into fixed-length sequences; held-out prompts.
 
 The cache lives in $DLM_CACHE (default ~/.cache/dlm), one folder per (corpus, tokenizer) pair,
-one .npy per split: every document's tokens followed by <eos>. Files are written under a
+one .npy per split: every document's tokens followed by <eos>. With a FIM rate (AR training,
+`fim_document`), that fraction of the documents is stored in fill-in-the-middle order instead, in
+a file of its own per (rate, seed). Files are written under a
 temporary name and renamed, so a killed run never leaves a half-written cache behind.
 """
 
@@ -25,29 +27,60 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DLM_CACHE", Path.home() / ".cache" / "dlm"))
 
 
-def token_file(corpus: Corpus, tok: Tokenizer, split: str) -> Path:
+def token_file(corpus: Corpus, tok: Tokenizer, split: str, fim_rate: float = 0.0, seed: int = 0) -> Path:
     key = hashlib.sha256(f"{corpus.key}:{tok.sha256}".encode()).hexdigest()[:20]
-    return cache_dir() / key / f"{split}.npy"
+    name = f"{split}.fim{fim_rate:g}-{seed}" if fim_rate > 0 else split
+    return cache_dir() / key / f"{name}.npy"
 
 
-def load_tokens(corpus: Corpus, tok: Tokenizer, split: str) -> np.ndarray:
-    """All tokens of a split, documents separated by <eos>, memory-mapped."""
-    path = token_file(corpus, tok, split)
+def fim_markers(tok: Tokenizer) -> tuple[int, int, int]:
+    ids = (tok.fim_prefix_id, tok.fim_suffix_id, tok.fim_middle_id)
+    if any(i is None for i in ids):
+        raise DlmError(f"tokenizer {tok.source} has no fill-in-the-middle markers (<fim_prefix> <fim_suffix> "
+                       "<fim_middle>): use --fim-rate 0")
+    return ids  # type: ignore[return-value]
+
+
+def fim_prompt_ids(tok: Tokenizer, prefix: list[int], suffix: list[int]) -> list[int]:
+    """What an AR model trained with FIM continues with the middle: <fim_prefix> P <fim_suffix> S <fim_middle>."""
+    pre, suf, mid = fim_markers(tok)
+    return [pre, *prefix, suf, *suffix, mid]
+
+
+def fim_document(tok: Tokenizer, text: str, rng: np.random.Generator) -> list[int]:
+    """One document in FIM order (PSM, Bavarian et al. 2022): cut at two uniformly random characters into
+    prefix, middle, suffix; <fim_prefix> prefix <fim_suffix> suffix <fim_middle> middle. The <eos> that
+    follows every document then ends the middle, so a model learns where a middle stops."""
+    a, b = sorted(int(x) for x in rng.integers(0, len(text) + 1, size=2))
+    return fim_prompt_ids(tok, tok.encode(text[:a]), tok.encode(text[b:])) + tok.encode(text[a:b])
+
+
+def load_tokens(corpus: Corpus, tok: Tokenizer, split: str, fim_rate: float = 0.0, seed: int = 0) -> np.ndarray:
+    """All tokens of a split, documents separated by <eos>, memory-mapped.
+
+    fim_rate > 0: each document, with that probability (seeded by (seed, its name)), in FIM order."""
+    path = token_file(corpus, tok, split, fim_rate, seed)
     if not path.exists():
         docs = corpus.docs(split)
         dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
+        if fim_rate > 0:
+            fim_markers(tok)
         chunks = []
         for i in range(0, len(docs), 256):
-            for ids in tok.encode_batch([d.text for d in docs[i:i + 256]]):
+            for d, ids in zip(docs[i:i + 256], tok.encode_batch([d.text for d in docs[i:i + 256]])):
+                if fim_rate > 0:
+                    rng = np.random.default_rng([seed, int.from_bytes(hashlib.sha1(d.name.encode()).digest()[:8], "big")])
+                    if rng.random() < fim_rate:
+                        ids = fim_document(tok, d.text, rng)
                 chunks.append(np.asarray(ids + [tok.eos_id], dtype=dtype))
         arr = np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{split}.{os.getpid()}.tmp.npy")
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npy")
         np.save(tmp, arr)
         os.replace(tmp, path)
         meta = {"corpus": corpus.spec, "corpus_key": corpus.key, "tokenizer": tok.sha256, "split": split,
-                "documents": len(docs), "tokens": int(arr.size)}
-        (path.parent / f"{split}.json").write_text(json.dumps(meta, indent=1))
+                "documents": len(docs), "tokens": int(arr.size), "fim_rate": fim_rate, "seed": seed}
+        (path.parent / f"{path.stem}.json").write_text(json.dumps(meta, indent=1))
     return np.load(path, mmap_mode="r", allow_pickle=False)
 
 

@@ -14,8 +14,19 @@ from torch import Tensor, nn
 
 from dlm.checkpoint import load_weights, open_checkpoint
 from dlm.config import ModelConfig, TrainConfig, preset
+from dlm.errors import DlmError
 from dlm.model import Transformer
 from dlm.tokenizer import Tokenizer
+
+
+def answer_positions(x: Tensor, sep_id: int, eos_id: int) -> Tensor:
+    """Bool (B, T): the positions of windows x (B, T) that belong to an answer, i.e. that follow a separator
+    token of their document (no <eos> in between). A window that starts inside an answer marks nothing
+    until its next separator."""
+    idx = torch.arange(x.shape[1], device=x.device).expand_as(x)
+    last_sep = torch.where(x == sep_id, idx, -1).cummax(1).values
+    last_eos = torch.where(x == eos_id, idx, -1).cummax(1).values
+    return (last_sep > last_eos) & (x != sep_id)
 
 
 class Objective(ABC):
@@ -27,6 +38,17 @@ class Objective(ABC):
     def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer):
         self.cfg = cfg
         self.tok = tokenizer
+        self.sep_id: int | None = None  # supervised pairs (--answer-sep): the separator's token
+        if cfg.answer_sep:
+            ids = tokenizer.encode(cfg.answer_sep)
+            if len(ids) != 1:
+                raise DlmError(f"--answer-sep {cfg.answer_sep!r} must be one token of the tokenizer, "
+                               f"it is {len(ids)}")
+            self.sep_id = ids[0]
+
+    def answers(self, x: Tensor) -> Tensor | None:
+        """Bool (B, T) of the answer positions of windows x (B, T), or None without --answer-sep."""
+        return None if self.sep_id is None else answer_positions(x, self.sep_id, self.tok.eos_id)
 
     @classmethod
     def check_config(cls, cfg: TrainConfig) -> None:

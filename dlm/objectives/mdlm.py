@@ -107,11 +107,12 @@ class MDLM(Objective):
         nb = T // L
         t = stratified_t(B * nb, gen, x0.device).view(B, nb)  # one time per block
         t_tok = t.repeat_interleave(L, dim=1)  # (B, T)
-        xt, masked = mask_corrupt(x0, t_tok, self.mask_id, gen)
+        ans = self.answers(x0)  # supervised pairs: only the answer is noised, the prompt is the condition
+        xt, masked = mask_corrupt(x0, t_tok, self.mask_id, gen, corruptible=ans)
         h = noisy_hidden(model, xt, x0 if self.block_size else None, L)  # (B, T, D)
         logits = masked_logits(model, h[masked], self.mask_id)  # (N, V)
         ce = F.cross_entropy(logits, x0[masked], reduction="none")  # (N,)
-        loss = (ce / t_tok[masked]).sum() / (B * T)
+        loss = (ce / t_tok[masked]).sum() / (B * T if ans is None else max(1, int(ans.sum())))
         n = int(masked.sum())
         return loss, {"ce_masked": float(ce.detach().mean()) if n else 0.0, "mask_rate": n / (B * T)}
 

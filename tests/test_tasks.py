@@ -1,0 +1,420 @@
+"""Tasks (dlm.tasks, `dlm eval --task`, `dlm task sudoku`): the sudoku generator against an independent solver,
+the CSV layout, the character tokenizer, answer-only training, fill-in-the-middle data, the metrics, the
+cases, every paradigm through every task, and bad --data."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import random
+
+import pytest
+import torch
+
+from dlm.errors import DlmError
+from dlm.tasks import sudoku
+
+
+# an independent sudoku solver: plain backtracking in reading order over sets (the generator's uses bitmasks and
+# the most constrained cell first)
+
+def count_by_backtracking(grid: list[int], limit: int = 2) -> int:
+    g = list(grid)
+
+    def ok(i: int, d: int) -> bool:
+        r, c = divmod(i, 9)
+        if d in g[r * 9:r * 9 + 9] or d in g[c::9]:
+            return False
+        br, bc = r - r % 3, c - c % 3
+        return all(g[(br + a) * 9 + bc + b] != d for a in range(3) for b in range(3))
+
+    def solve(i: int, want: int) -> int:  # solutions found, at most `want`
+        while i < 81 and g[i]:
+            i += 1
+        if i == 81:
+            return 1
+        n = 0
+        for d in range(1, 10):
+            if ok(i, d):
+                g[i] = d
+                n += solve(i + 1, want - n)
+                g[i] = 0
+                if n >= want:
+                    break
+        return n
+
+    for i, v in enumerate(g):  # the givens must not clash already
+        if v:
+            g[i] = 0
+            if not ok(i, v):
+                return 0
+            g[i] = v
+    return solve(0, limit)
+
+
+def test_generated_puzzles_have_exactly_one_solution():
+    pairs = sudoku.generate(12, (34, 50), seed=7)
+    for quiz, solution in pairs:
+        grid = [int(c) for c in quiz]
+        assert 34 <= sum(1 for v in grid if v) <= 50
+        assert count_by_backtracking(grid) == 1
+        assert sudoku.is_valid(quiz, [int(c) for c in solution])
+        assert all(q in ("0", s) for q, s in zip(quiz, solution))
+    assert pairs == sudoku.generate(12, (34, 50), seed=7)  # reproducible
+    assert pairs[:3] == sudoku.generate(3, (34, 50), seed=7)  # puzzle k depends on (seed, k) only
+    assert pairs != sudoku.generate(12, (34, 50), seed=8)
+
+
+def test_the_counter_and_the_generators_solver_agree_on_ambiguous_and_broken_grids():
+    quiz, solution = sudoku.generate(1, (40, 40), seed=1)[0]
+    grid = [int(c) for c in quiz]
+    rng = random.Random(0)
+    givens = [i for i, v in enumerate(grid) if v]
+    for _ in range(3):  # blank many givens: several solutions
+        g = list(grid)
+        for i in rng.sample(givens, 25):
+            g[i] = 0
+        assert sudoku.count_solutions(g) == count_by_backtracking(g) == 2
+    g = list(grid)
+    i = grid.index(0)
+    g[i] = next(d for d in range(1, 10) if d != int(solution[i]))
+    assert sudoku.count_solutions(g) == count_by_backtracking(g)  # 0 (a wrong digit) or 0 by a clash
+    with pytest.raises(DlmError, match="--clues"):
+        sudoku.parse_clues("10-20")
+    with pytest.raises(DlmError, match="--clues"):
+        sudoku.parse_clues("forty")
+
+
+def test_grading_a_solution():
+    quiz, solution = sudoku.generate(1, (45, 45), seed=2)[0]
+    assert sudoku.grade(quiz, solution, solution) == {"accuracy": 1.0, "cell_accuracy": 1.0, "valid": 1.0,
+                                                      "blanks": 36}
+    blank = quiz.index("0")
+    other = next(d for d in "123456789" if d != solution[blank])
+    wrong = solution[:blank] + other + solution[blank + 1:]
+    g = sudoku.grade(quiz, solution, wrong)
+    assert g["accuracy"] == 0.0 and g["valid"] == 0.0 and g["cell_accuracy"] == pytest.approx(35 / 36)
+    assert sudoku.grade(quiz, solution, "12x")["valid"] == 0.0
+
+
+def test_the_csv_layout_round_trips_and_bad_csvs_are_refused(tmp_path):
+    from dlm.data.corpus import Corpus
+    from dlm.data.csvtask import SEP, read_pairs, write_pairs
+
+    pairs = sudoku.generate(5, (40, 50), seed=3)
+    path = tmp_path / "p.csv"
+    write_pairs(path, pairs)
+    assert path.read_text().splitlines()[0] == "quizzes,solutions"
+    assert read_pairs(path) == pairs
+    docs = Corpus(str(path)).documents
+    assert [d.text for d in docs] == [q + SEP + s for q, s in pairs] and len(docs[0].text) == 163
+    other = tmp_path / "extreme.csv"  # Sudoku-Extreme's spelling: source,q,a,rating with '.' blanks
+    other.write_text("source,q,a,rating\nx," + pairs[0][0].replace("0", ".") + "," + pairs[0][1] + ",3\n")
+    assert read_pairs(other) == pairs[:1]
+    bad = {
+        "header.csv": "a,b\n1,2\n",
+        "short.csv": "quizzes,solutions\n123,456\n",
+        "clash.csv": f"quizzes,solutions\n{pairs[0][0]},{pairs[1][1]}\n",
+        "empty.csv": "",
+        "noquiz.csv": "quizzes,solutions\n",
+    }
+    for name, text in bad.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(DlmError, match=name):
+            read_pairs(tmp_path / name)
+    (tmp_path / "latin1.csv").write_bytes(b"quizzes,solutions\n\xff\n")
+    with pytest.raises(DlmError, match="not UTF-8"):
+        read_pairs(tmp_path / "latin1.csv")
+
+
+def test_the_character_tokenizer_gives_one_token_per_cell(tmp_path):
+    from dlm.data.csvtask import pair_text
+    from dlm.tokenizer import Tokenizer
+
+    q, s = sudoku.generate(1, (45, 45), seed=4)[0]
+    tok = Tokenizer.train_chars([pair_text(q, s)])
+    assert tok.vocab_size == 16 + 1 + 11  # specials, <unk>, 0-9 and '='
+    ids = tok.encode(pair_text(q, s))
+    assert len(ids) == 81 + 1 + 81 and tok.decode(ids) == pair_text(q, s)
+    tok.save(tmp_path / "tokenizer.json")
+    back = Tokenizer.from_file(tmp_path)
+    assert back.encode(q) == tok.encode(q) and back.mask_id == 3 and back.fim_prefix_id == 4
+    assert back.encode("x1") == [16, back.encode("1")[0]]  # an unseen character is <unk>
+    assert back.encode("<mask>") == [16] * 6  # special-token text is text (here: characters it has not seen)
+
+
+def test_answer_positions_follow_the_separator_within_a_document():
+    from dlm.objectives.base import answer_positions
+
+    SEP, EOS = 9, 2
+    x = torch.tensor([[5, 6, SEP, 7, 8, EOS, 5, SEP, 7, EOS],
+                      [7, 8, EOS, 5, 5, SEP, 6, 6, 6, 6]])
+    want = [[0, 0, 0, 1, 1, 0, 0, 0, 1, 0],
+            [0, 0, 0, 0, 0, 0, 1, 1, 1, 1]]  # a window that starts inside an answer marks nothing before its SEP
+    assert answer_positions(x, SEP, EOS).int().tolist() == want
+
+
+def test_answer_only_losses_ignore_the_prompt(tmp_path):
+    from dlm.config import TrainConfig
+    from dlm.model import Transformer
+    from dlm.objectives import make_objective
+    from dlm.tokenizer import Tokenizer
+
+    tok = Tokenizer.train_chars(["0123456789="])
+    sep = tok.encode("=")[0]
+    for objective in ("ar", "mdlm"):
+        cfg = TrainConfig(objective=objective, seq_len=12, answer_sep="=", data="x.csv").resolved()
+        obj = make_objective(cfg, tok)
+        torch.manual_seed(0)
+        model = Transformer(obj.model_config())
+        batch = torch.tensor([tok.encode("1234=5678") + [tok.eos_id] + tok.encode("12=")])
+        changed = batch.clone()
+        changed[0, :3] = torch.tensor(tok.encode("999"))  # another prompt: the loss's targets are the same...
+        loss, _ = obj.loss(model, batch, torch.Generator().manual_seed(1))
+        assert torch.isfinite(loss) and obj.sep_id == sep
+        if objective == "mdlm":  # ... and the prompt is never noised
+            from dlm.noise import mask_corrupt
+
+            ans = obj.answers(batch[:, :-1])
+            _, masked = mask_corrupt(batch[:, :-1], torch.ones(1, 12), tok.mask_id, torch.Generator(), ans)
+            assert masked.int().tolist()[0] == [0] * 5 + [1] * 4 + [0] * 3
+    with pytest.raises(DlmError, match="one token"):
+        make_objective(TrainConfig(objective="ar", answer_sep="=="), tok)
+
+
+def test_fim_documents_and_the_fim_rate(corpus_dir, tokenizer_path):
+    import numpy as np
+
+    from dlm.config import TrainConfig
+    from dlm.data.corpus import Corpus
+    from dlm.data.tokens import fim_document, load_tokens, token_file
+    from dlm.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer_path)
+    text = "def f(x):\n    return x + 1\n"
+    ids = fim_document(tok, text, np.random.default_rng(0))
+    pre, suf, mid = tok.fim_prefix_id, tok.fim_suffix_id, tok.fim_middle_id
+    assert ids[0] == pre and ids.count(suf) == ids.count(mid) == 1 and ids.index(suf) < ids.index(mid)
+    p, s, m = (tok.decode(ids[1:ids.index(suf)]), tok.decode(ids[ids.index(suf) + 1:ids.index(mid)]),
+               tok.decode(ids[ids.index(mid) + 1:]))
+    assert p + m + s == text  # prefix, suffix, middle: the document rearranged, nothing lost
+
+    corpus = Corpus(str(corpus_dir))
+    plain = load_tokens(corpus, tok, "train")
+    half = load_tokens(corpus, tok, "train", 0.5, seed=0)
+    assert token_file(corpus, tok, "train") != token_file(corpus, tok, "train", 0.5, 0)
+    docs = int((plain == tok.eos_id).sum())
+    fim_docs = int((half == pre).sum())
+    assert 0.25 * docs < fim_docs < 0.75 * docs and int((plain == pre).sum()) == 0
+    assert np.array_equal(half, load_tokens(corpus, tok, "train", 0.5, seed=0))  # reproducible
+
+    assert TrainConfig(objective="ar").resolved().fim_rate == 0.5  # the default of a new AR run
+    assert TrainConfig(objective="mdlm").resolved().fim_rate == 0.0
+    assert TrainConfig.from_dict({"objective": "ar"}).fim_rate == 0.0  # a run saved before FIM existed
+    assert TrainConfig(objective="ar", data="p.csv").resolved().answer_sep == "="
+    for bad, match in ((dict(objective="mdlm", fim_rate=0.5), "--fim-rate"), (dict(fim_rate=1.5), "--fim-rate"),
+                       (dict(objective="usdm", answer_sep="="), "--answer-sep")):
+        with pytest.raises(DlmError, match=match):
+            TrainConfig(**bad).validate()
+
+
+def test_metrics():
+    from dlm.tasks.metrics import edit_similarity, exact_match, levenshtein
+
+    assert levenshtein("kitten", "sitting") == 3 and levenshtein("", "abc") == 3 and levenshtein("ab", "ab") == 0
+    assert exact_match("  x =  1 ", "x = 1") == 1.0 and exact_match("x=1", "x = 1") == 0.0
+    assert edit_similarity("abcd", "abce") == pytest.approx(0.75)
+    assert edit_similarity("", "") == 1.0 and edit_similarity("", "abc") == 0.0
+    assert edit_similarity("return   x", "return x") == 1.0
+
+
+def test_completion_and_infill_cases(corpus_dir):
+    from dlm.tasks import complete, infill
+    from dlm.tasks.common import source_files
+
+    files = {s.name: s.text for s in source_files(str(corpus_dir))}
+    cs = complete.cases(str(corpus_dir), 20, seed=0)
+    assert len(cs) == 20 and len({c.name for c in cs}) == 20
+    assert [c.name for c in cs] == [c.name for c in complete.cases(str(corpus_dir), 20, seed=0)]
+    assert [c.name for c in cs] != [c.name for c in complete.cases(str(corpus_dir), 20, seed=1)]
+    for c in cs:
+        name, line = c.name.rsplit(":", 1)
+        assert c.target.strip() and files[name].startswith(c.prefix + "\n" + c.target)
+        assert files[name].splitlines()[int(line) - 1] == c.target
+    assert complete.next_line("x)\n    return y\nz") == "    return y" and complete.next_line("no newline") == ""
+    for span in ("line", "lines"):
+        for c in infill.cases(str(corpus_dir), 20, seed=0, span=span):
+            name = c.name.rsplit(":", 1)[0]
+            assert c.prefix + c.info["middle"] + c.suffix == files[name]
+            assert 1 <= c.info["lines"] <= (1 if span == "line" else 5) and c.target.strip()
+            assert infill.cut(c.info["middle"], c.info["lines"]).rstrip() == c.target.rstrip()
+    with pytest.raises(DlmError, match="--span"):
+        infill.cases(str(corpus_dir), 2, 0, "word")
+
+
+def _cli(*args):
+    from dlm.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def _shipped(name):
+    from dlm.demo import shipped
+
+    p = shipped(name)
+    if p is None:
+        pytest.skip(f"the shipped checkpoint {name} is missing")
+    return str(p)
+
+
+@pytest.mark.parametrize("task,extra", [("complete", []), ("infill", ["--span", "lines"])])
+def test_every_paradigm_runs_the_code_tasks(task, extra):
+    base = ["eval", "--task", task, "--n", "2", "--json", *extra]
+    runs = [["--model", _shipped("ar-small")], ["--model", _shipped("mdlm-small")],
+            ["--model", _shipped("usdm-small"), "--steps", "8"],
+            ["--model", _shipped("ar-small"), "--draft", "lookup"]]
+    for args in runs:
+        code, out, err = _cli(*base, *args, "--max-new-tokens", "12")
+        assert code == 0, err
+        res = json.loads(out)
+        assert res["task"] == task and res["n"] == 2
+        assert {"exact_match", "edit_similarity", "tokens_per_forward", "forwards", "seconds"} <= set(res)
+        assert 0 <= res["edit_similarity"] <= 1 and res["forwards"] > 0
+        assert ("tau" in res) == ("--draft" in args)
+
+
+@pytest.fixture(scope="module")
+def sudoku_models(tmp_path_factory):
+    """Tiny AR, mdlm and usdm on 300 puzzles with the character tokenizer (trained for a few steps: the pipeline,
+    not skill)."""
+    from dlm.config import TrainConfig
+    from dlm.data.csvtask import write_pairs
+    from dlm.train import train
+
+    root = tmp_path_factory.mktemp("sudoku")
+    data = root / "train.csv"
+    write_pairs(data, sudoku.generate(300, (40, 50), seed=0))
+    out = {}
+    for obj in ("ar", "mdlm", "usdm"):
+        cfg = TrainConfig(objective=obj, preset="tiny", tokenizer="char", data=str(data), seq_len=164, batch_size=4,
+                          max_steps=2, eval_every=2, eval_batches=1, save_every=2, log_every=1, canvas_length=81)
+        out[obj] = train(cfg, root / obj, quiet=True)
+    test = root / "test.csv"
+    write_pairs(test, sudoku.generate(3, (40, 50), seed=1))
+    return out, test
+
+
+def test_every_paradigm_runs_sudoku(sudoku_models):
+    models, test = sudoku_models
+    cfg = json.loads((models["mdlm"] / "config.json").read_text())
+    assert cfg["train"]["answer_sep"] == "=" and cfg["tokenizer"]["vocab_size"] == 28
+    for args in (["--model", str(models["ar"])], ["--model", str(models["ar"]), "--draft", "lookup"],
+                 ["--model", str(models["mdlm"]), "--steps", "10"], ["--model", str(models["usdm"]), "--steps", "4"]):
+        code, out, err = _cli("eval", "--task", "sudoku", "--data", str(test), "--n", "2", "--json", *args)
+        assert code == 0, err
+        res = json.loads(out)
+        assert res["task"] == "sudoku" and res["n"] == 2
+        assert {"accuracy", "cell_accuracy", "valid", "tokens_per_forward", "forwards", "seconds"} <= set(res)
+        assert 0 <= res["cell_accuracy"] <= 1
+    # mdlm fills only the blanks (the givens are pinned): at 10 steps, >= 3 cells per forward
+    code, out, _ = _cli("eval", "--task", "sudoku", "--data", str(test), "--n", "1", "--json",
+                        "--model", str(models["mdlm"]), "--steps", "10")
+    assert json.loads(out)["forwards"] == 10 and json.loads(out)["tokens_per_forward"] >= 3
+
+
+def test_dlm_task_sudoku_writes_the_public_layout(tmp_path):
+    from dlm.data.csvtask import read_pairs
+
+    out = tmp_path / "s.csv"
+    code, stdout, err = _cli("task", "sudoku", "--n", "4", "--clues", "44-46", "--seed", "5", "--out", str(out))
+    assert code == 0, err and "wrote" in stdout
+    pairs = read_pairs(out)
+    assert pairs == sudoku.generate(4, (44, 46), seed=5)
+    for args, needle in (([ "--clues", "9"], "--clues"), (["--out", str(tmp_path / "s.txt")], "--out")):
+        full = ["task", "sudoku", "--n", "2", "--out", str(out), *args]
+        code, _, err = _cli(*full)
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_data_exits_2_with_one_line(tmp_path):
+    ar = _shipped("ar-small")
+    (tmp_path / "empty.py").write_text("")
+    (tmp_path / "latin1.py").write_bytes(b"x = '\xe9'\n")
+    (tmp_path / "wide.csv").write_text("quizzes,solutions,x\n1,2,3\n")
+    (tmp_path / "emptydir").mkdir()
+    for task, data, needle in (("complete", tmp_path / "missing", "no such"),
+                               ("complete", tmp_path / "empty.py", "empty"),
+                               ("infill", tmp_path / "latin1.py", "not UTF-8"),
+                               ("complete", tmp_path / "emptydir", "empty"),
+                               ("sudoku", tmp_path / "wide.csv", "81 digits"),
+                               ("sudoku", tmp_path / "missing.csv", "no such"),
+                               ("sudoku", tmp_path / "latin1.py", "not UTF-8"),
+                               ("sudoku", tmp_path / "emptydir", "no such file")):
+        code, out, err = _cli("eval", "--model", ar, "--task", task, "--data", str(data), "--n", "1", "--json")
+        assert code == 2 and out == "", (task, data, err)
+        assert err.startswith("dlm: error: ") and needle in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = _cli("eval", "--model", ar, "--task", "poetry")
+    assert code == 2 and "--task must be one of" in err
+
+
+# the bench -------------------------------------------------------------------------------------------------------
+
+def test_bench_interleaves_round_robin_and_rotates_each_repetition():
+    from dlm.bench import Item, Method, run_interleaved, schedule
+
+    assert schedule(3, 2, 3) == [(0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 1, 1), (0, 1, 2),
+                                 (1, 0, 1), (1, 0, 2), (1, 0, 0), (1, 1, 1), (1, 1, 2), (1, 1, 0),
+                                 (2, 0, 2), (2, 0, 0), (2, 0, 1), (2, 1, 2), (2, 1, 0), (2, 1, 1)]
+    calls = []
+    methods = [Method(n, "ar", None, None, None) for n in "abc"]
+    items = [Item(None, f"case{i}") for i in range(2)]
+
+    def run(m, it):
+        calls.append((m.name, it.case))
+        return {"who": m.name, "case": it.case, "n": len(calls)}
+
+    rows = run_interleaved(methods, items, 2, 1, run)
+    assert calls[:3] == [("a", "case0"), ("b", "case0"), ("c", "case0")]  # each warmed up on its own, first
+    assert [c[0] for c in calls[3:]] == list("abcabc" + "bcabca")
+    assert all(rows[k][r][i]["who"] == "abc"[k] and rows[k][r][i]["case"] == f"case{i}"
+               for k in range(3) for r in range(2) for i in range(2))
+
+
+def test_bench_reports_medians_min_max_and_same_round_ratios():
+    from dlm.bench import Method, cell, summarize
+
+    def row(sec, tokens=10):
+        return {"tokens_per_second": tokens / sec, "tokens_per_forward": 1.0, "ttft": 0.01, "new_tokens": tokens,
+                "forwards": tokens, "seconds": sec, "exact_match": 1.0}
+
+    base = [[row(1.0), row(1.0), row(1.0)], [row(2.0), row(2.0), row(2.0)]]  # round 2: the machine got slower
+    fast = [[row(0.5), row(0.5), row(1.0)], [row(1.0), row(1.0), row(2.0)]]  # twice as fast, in the same rounds
+    s = summarize(Method("m", "spec", None, None, None), fast, base, ("exact_match",), "complete_")
+    assert s["speedup"] == 2.0 and s["speedup_range"] == [2.0, 2.0]  # per-case ratios of the same round
+    assert s["tokens_per_second"] == pytest.approx(15.0) and s["tokens_per_second_range"] == [10.0, 20.0]
+    assert s["complete_exact_match"] == 1.0 and s["repeat"] == 2
+    assert cell(s, "speedup", ".2f", True) == "2.00 (2.00-2.00)"
+    assert cell({"repeat": 3, "x": 1.0, "x_range": [0.4, 1.6]}, "x", ".2f", True) == "noisy*"  # spread > figure
+
+
+def test_bench_rows_carry_task_metrics_and_the_pareto_sweep_writes_a_plot(sudoku_models, tmp_path):
+    from dlm.bench import run_bench
+
+    models, test = sudoku_models
+    out = tmp_path / "b.json"
+    rep = run_bench(str(models["ar"]), prompts=2, max_new_tokens=81, out=str(out), data=str(test), warmup=0,
+                    naive=False, quiet=True, mdlm=str(models["mdlm"]), repeat=2, task="sudoku")
+    rows = {s["method"]: s for s in rep["summaries"]}
+    assert rep["repeat"] == 2 and rep["task"] == "sudoku" and "mdlm confidence steps=81" in rows
+    for s in rows.values():
+        assert {"accuracy", "cell_accuracy", "valid", "tokens_per_forward", "tokens_per_second_range",
+                "speedup_vs_ar", "speedup_vs_ar_range"} <= set(s)
+    assert all(len(r["seconds_per_repetition"]) == 2 for r in rep["per_case"]["ar (KV cache)"])
+    assert out.with_suffix(".png").stat().st_size > 1000
