@@ -350,6 +350,8 @@ BAD = [  # (path, body (dict, or raw bytes), status, param)
     ("/v1/completions", {**OK, "model": "usdm-small", "temperature": 0.7}, 400, "temperature"),
     ("/v1/completions", {**OK, "model": "usdm-small", "canvas_length": 0}, 400, "canvas_length"),
     ("/v1/completions", {**OK, "model": "usdm-small", "t_min": 2.0}, 400, "t_min"),
+    ("/v1/completions", {**OK, "model": "usdm-small", "t_min": 1e-300, "t_max": 1e-300}, 400, "t_min"),
+    ("/v1/completions", {**OK, "model": "mdlm-small", "temperature": 1e300}, 400, "temperature"),
     ("/v1/completions", {**OK, "model": "ar-small+dflash-small", "block_size": 99}, 400, "block_size"),
     ("/v1/completions", {**OK, "model": "ar-small+dflash-small", "gamma": 4, "block_size": 5}, 400, "gamma"),
     ("/v1/completions", {**OK, "model": "ar-small+dflash-small", "draft_passes": 7}, 400, "draft_passes"),
@@ -388,8 +390,14 @@ def test_transport_level_mistakes(url):
     assert httpx.get(url + "/v1/completions").status_code == 405
     r = httpx.get(url + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
-    r = httpx.post(url + "/v1/completions", content=b'{"model": "ar-small", "prompt": "x", "temperature": NaN}')
-    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    for value in (b"NaN", b"Infinity", b"1e999"):
+        r = httpx.post(url + "/v1/completions", content=b'{"model": "ar-small", "prompt": "x", "temperature": %s}' % value)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    # a top_p below float32's range used to leave no token to sample from (a 500): it keeps the most likely one
+    r = httpx.post(url + "/v1/completions", json={"model": "ar-small", "prompt": "x", "max_tokens": 4, "temperature": 1.0,
+                                                   "top_p": 1e-300})
+    greedy = httpx.post(url + "/v1/completions", json={"model": "ar-small", "prompt": "x", "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
 
 
 def test_openai_client_sees_errors_as_its_exceptions(client):

@@ -197,6 +197,7 @@ def probs_from_logits(logits: Tensor, temperature: float = 1.0, top_k: int = 0, 
         sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
         # drop a token when the mass before it already reaches top_p (the first token always stays)
         drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        drop[..., 0] = False  # (a top_p below float32's range compares as 0: the first token must stay all the same)
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)

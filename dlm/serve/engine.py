@@ -494,10 +494,19 @@ class ARBatcher:
         greedy = logits.argmax(-1).tolist()
         eos = self.tok.eos_id
         for i, s in enumerate(slots):
+            if s.done:
+                continue
             if s.temperature == 0:
                 t = greedy[i]
             else:
-                t = int(sample_token(logits[i:i + 1], s.temperature, s.top_k, s.top_p, s.gen)[0])
+                try:
+                    t = int(sample_token(logits[i:i + 1], s.temperature, s.top_k, s.top_p, s.gen)[0])
+                except Exception as e:  # one row's options broke its sampling: fail its request, not the batch
+                    log.exception("sampling failed")
+                    s.done = True
+                    s.job.cancel()
+                    s.job.emit(Failed(f"internal error while sampling: {type(e).__name__}: {e}"))
+                    continue
             if s.logprobs is not None:
                 top = []
                 if s.logprobs > 0:

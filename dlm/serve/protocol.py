@@ -36,6 +36,8 @@ MAX_STOPS = 4
 MAX_LOGPROBS = 5  # completions (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20  # chat
 MAX_SEED = 2**63 - 1
+MAX_TEMPERATURE = 100.0  # (OpenAI allows 2; far above, float32 logits / T underflow or overflow)
+TEMPERATURE_RANGE = (1e-4, 100.0)  # usdm's t_min, t_max
 
 # dlm's sampler options accepted as extra body fields, and the paradigms each applies to
 PARADIGM_OPTIONS: dict[str, set[str]] = {
@@ -115,7 +117,7 @@ def from_validation_error(e: ValidationError) -> ApiError:
 # request schemas -------------------------------------------------------------------------------------
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class DlmFields(_Strict):
@@ -259,6 +261,10 @@ def _sample_config(served: Served, req: _Common, max_tokens: int) -> SampleConfi
     if "lookup_ngram" in given and kind != "PromptLookup":
         raise ApiError(400, f"lookup_ngram applies to prompt lookup; {served.id} drafts with {served.draft}",
                        "lookup_ngram", "unsupported_parameter")
+    for name in ("t_min", "t_max"):  # a temperature the logits are divided by in float32
+        if name in given and not TEMPERATURE_RANGE[0] <= given[name] <= TEMPERATURE_RANGE[1]:
+            raise ApiError(400, f"{name} must be in [{TEMPERATURE_RANGE[0]}, {TEMPERATURE_RANGE[1]}], got {given[name]}",
+                           name, "invalid_value")
     for name in ("fill_length", "canvas_length", "steps", "block_size"):  # sizes: keep allocations bounded
         if name in given and given[name] > served.context:
             raise ApiError(400, f"{name} must be <= {served.context} (the model's context), got {given[name]}",
@@ -281,6 +287,9 @@ def _check_common(served: Served, req: _Common, max_tokens: int | None) -> int:
     if max_tokens > served.context:
         raise ApiError(400, f"max_tokens must be <= {served.context} (the model's context, prompt included), "
                             f"got {max_tokens}", "max_tokens", "invalid_value")
+    if req.temperature is not None and req.temperature > MAX_TEMPERATURE:
+        raise ApiError(400, f"temperature must be <= {MAX_TEMPERATURE}, got {req.temperature}", "temperature",
+                       "invalid_value")
     if not 1 <= req.n <= MAX_N:
         raise ApiError(400, f"n must be in [1, {MAX_N}], got {req.n}", "n", "invalid_value")
     if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
