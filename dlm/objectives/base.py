@@ -39,10 +39,11 @@ class Objective(ABC):
         self.cfg = cfg
         self.tok = tokenizer
         self.sep_id: int | None = None  # supervised pairs (--answer-sep): the separator's token
-        if cfg.answer_sep:
-            ids = tokenizer.encode(cfg.answer_sep)
+        sep = getattr(cfg, "answer_sep", None)
+        if sep:
+            ids = tokenizer.encode(sep)
             if len(ids) != 1:
-                raise DlmError(f"--answer-sep {cfg.answer_sep!r} must be one token of the tokenizer, "
+                raise DlmError(f"--answer-sep {sep!r} must be one token of the tokenizer, "
                                f"it is {len(ids)}")
             self.sep_id = ids[0]
 
