@@ -106,13 +106,16 @@ def dflash_objective(target: Transformer, gamma: int, anchors: int) -> DFlash:
     return obj
 
 
-@pytest.mark.parametrize("injection,features", [("kv", True), ("input", True), ("kv", False)],
-                         ids=["kv", "input", "no-target-features"])
-def test_dflash_loss_by_hand(injection, features):
+@pytest.mark.parametrize("injection,features,every", [("kv", True, False), ("input", True, False),
+                                                    ("kv", False, False), ("kv", True, True)],
+                         ids=["kv", "input", "no-target-features", "every-position-an-anchor"])
+def test_dflash_loss_by_hand(injection, features, every):
     """Per anchor: the block [x_a, <mask> x (g-1)] reads the context of positions < a (the target's features,
     or its token embeddings in the ablation; as K/V of every layer, or as input rows for "input"); slot k's
     cross-entropy against x_{a+k} weighted by the decaying slot weights; the mean over blocks."""
     g, B, T1, A = 4, 2, 16, 2  # A != g - 1: a sum over the wrong axis shows
+    if every:  # every position that has g - 1 labels after it: 13 blocks per row
+        A = T1 - g + 1
     target = random_model(3, layers=2)
     with torch.no_grad():  # a head that argmaxes token 5 always, so slots hit where the label is 5
         head = torch.nn.Linear(16, V, bias=True).double()
@@ -152,5 +155,7 @@ def test_dflash_loss_by_hand(injection, features):
     assert float(loss) == pytest.approx(float(torch.stack(blocks).mean()), rel=1e-6)
     hits = torch.stack(hits)  # (B * A, g - 1)
     assert 0 < float(hits.double().mean()) < 1 and hits[:, 0].sum() != hits[:, 1].sum()  # the metrics see hits
+    if every:
+        assert anchors.tolist() == [list(range(A))] * B
     assert extra["acc_slot1"] == pytest.approx(float(hits[:, 0].double().mean()))
     assert extra["tau_train"] == pytest.approx(1 + float(hits.cumprod(1).sum(1).double().mean()))
