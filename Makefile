@@ -22,7 +22,7 @@ demo: setup
 	$(VENV)/bin/dlm demo
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 test-all: setup
 	$(PY) -m pytest -q -m ''
