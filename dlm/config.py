@@ -30,6 +30,9 @@ class ModelConfig:
     tie_embeddings: bool = True
     max_seq_len: int = 1024  # longest position the model is trained and sampled for
     self_cond: bool = False  # uniform-state diffusion: self-conditioning module (DiffusionGemma)
+    # a learned absolute position embedding added to the token embeddings (GPT-2's), beside RoPE: puzzles whose
+    # geometry is absolute (sudoku: a cell's row, column and box); Qwen3/Llama have none (no transformers export)
+    learned_pos: bool = False
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -67,7 +70,8 @@ class ModelConfig:
         mlp = 3 * d * self.ffn_dim
         per_layer = attn + mlp + 2 * d
         emb = self.vocab_size * d
-        return emb + self.n_layers * per_layer + d + (0 if self.tie_embeddings else emb)
+        pos = self.max_seq_len * d if self.learned_pos else 0
+        return emb + pos + self.n_layers * per_layer + d + (0 if self.tie_embeddings else emb)
 
 
 # older spellings of options that now share one name (accepted on the command line and in --config files)
@@ -83,9 +87,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # the AR draft model of ar-small (speculative-decoding baseline): ~0.92M parameters with a 4k vocabulary,
     # comparable to a 1-layer DFlash drafter at ar-small's width (~0.95M, embedding and head shared with the target)
     "draft": dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=1024),
-    # puzzles (sudoku) with a character vocabulary (~28 tokens): ~0.86M parameters, a fraction of Ye et al.'s
-    # 6M (3 layers, d 384), sized for CPU training in tens of minutes
-    "puzzle": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=384, max_seq_len=256),
+    # puzzles (sudoku) with a character vocabulary (~28 tokens): ~0.89M parameters, a fraction of Ye et al.'s
+    # 6M (3 layers, d 384), sized for CPU training in tens of minutes,
+    # and learned absolute positions (a bidirectional RoPE model can hardly tell a cell's row and column: docs/sudoku.md)
+    "puzzle": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=384, max_seq_len=256, learned_pos=True),
     # for GPU runs: ~26M parameters with a 4k vocabulary
     "base": dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1408, max_seq_len=2048),
 }

@@ -304,6 +304,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.self_cond = SelfConditioning(cfg) if cfg.self_cond else None
+        self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.learned_pos else None  # GPT-2's, beside RoPE
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         init_weights(self, cfg.n_layers)
 
@@ -328,6 +329,11 @@ class Transformer(nn.Module):
         head: bool = True,  # compute logits
     ) -> Output:
         x = self.embed_tokens(tokens) if embeds is None else embeds  # (B, T, D)
+        if self.pos_embed is not None:  # learned absolute positions (ModelConfig.learned_pos)
+            if pos is None:
+                start = (cache.length if cache is not None else 0) + (ctx.shape[1] if ctx is not None else 0)
+                pos = torch.arange(start, start + x.shape[1], device=x.device)
+            x = x + self.pos_embed(pos)  # (T, D) or (B, T, D)
         x, out_taps = run_blocks(self.layers, self.inv_freq, x, pos=pos, cache=cache, mask=mask, write=write,
                                  ctx=ctx, ctx_pos=ctx_pos, taps=taps)
         last = self.norm(x)

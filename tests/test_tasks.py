@@ -169,11 +169,16 @@ def test_answer_only_losses_ignore_the_prompt(tmp_path):
         torch.manual_seed(0)
         model = Transformer(obj.model_config())
         batch = torch.tensor([tok.encode("1234=5678") + [tok.eos_id] + tok.encode("12=")])
-        changed = batch.clone()
-        changed[0, :3] = torch.tensor(tok.encode("999"))  # another prompt: the loss's targets are the same...
-        loss, _ = obj.loss(model, batch, torch.Generator().manual_seed(1))
+        loss, extra = obj.loss(model, batch, torch.Generator().manual_seed(1))
+        loss = loss.detach()
         assert torch.isfinite(loss) and obj.sep_id == sep
-        if objective == "mdlm":  # ... and the prompt is never noised
+        if objective == "ar":  # the targets are the four answer tokens 5678, nothing of the prompts
+            import torch.nn.functional as F
+
+            logits = model(batch[:, :-1]).logits[0].detach()
+            want = F.cross_entropy(logits[4:8].float(), batch[0, 5:9])
+            assert extra["answer_tokens"] == 4 and loss.item() == pytest.approx(want.item(), rel=1e-5)
+        if objective == "mdlm":  # the prompt is never noised
             from dlm.noise import mask_corrupt
 
             ans = obj.answers(batch[:, :-1])
@@ -183,7 +188,7 @@ def test_answer_only_losses_ignore_the_prompt(tmp_path):
         make_objective(TrainConfig(objective="ar", answer_sep="=="), tok)
 
 
-def test_fim_documents_and_the_fim_rate(corpus_dir, tokenizer_path):
+def test_fim_documents_and_the_fim_rate(corpus_dir, tokenizer_path, tiny_ar):
     import numpy as np
 
     from dlm.config import TrainConfig
@@ -210,6 +215,8 @@ def test_fim_documents_and_the_fim_rate(corpus_dir, tokenizer_path):
     assert np.array_equal(half, load_tokens(corpus, tok, "train", 0.5, seed=0))  # reproducible
 
     assert TrainConfig(objective="ar").resolved().fim_rate == 0.5  # the default of a new AR run
+    saved = json.loads((tiny_ar / "config.json").read_text())["train"]
+    assert saved["fim_rate"] == 0.5 and saved["answer_sep"] == ""  # what the run trained with is recorded
     assert TrainConfig(objective="mdlm").resolved().fim_rate == 0.0
     assert TrainConfig.from_dict({"objective": "ar"}).fim_rate == 0.0  # a run saved before FIM existed
     assert TrainConfig(objective="ar", data="p.csv").resolved().answer_sep == "="
@@ -409,7 +416,7 @@ def test_bench_rows_carry_task_metrics_and_the_pareto_sweep_writes_a_plot(sudoku
 
     models, test = sudoku_models
     out = tmp_path / "b.json"
-    rep = run_bench(str(models["ar"]), prompts=2, max_new_tokens=81, out=str(out), data=str(test), warmup=0,
+    rep = run_bench(str(models["ar"]), prompts=1, max_new_tokens=81, out=str(out), data=str(test), warmup=0,
                     naive=False, quiet=True, mdlm=str(models["mdlm"]), repeat=2, task="sudoku")
     rows = {s["method"]: s for s in rep["summaries"]}
     assert rep["repeat"] == 2 and rep["task"] == "sudoku" and "mdlm confidence steps=81" in rows
@@ -418,3 +425,25 @@ def test_bench_rows_carry_task_metrics_and_the_pareto_sweep_writes_a_plot(sudoku
                 "speedup_vs_ar", "speedup_vs_ar_range"} <= set(s)
     assert all(len(r["seconds_per_repetition"]) == 2 for r in rep["per_case"]["ar (KV cache)"])
     assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_learned_positions_the_puzzle_preset_adds(tmp_path):
+    from dlm.config import preset
+    from dlm.hf import export_hf
+    from dlm.model import Transformer
+    from dlm.tokenizer import Tokenizer
+
+    cfg = preset("puzzle", vocab_size=28)
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    assert cfg.learned_pos and model.num_params() == cfg.num_params()
+    x = torch.randint(0, 28, (2, 12))
+    with torch.no_grad():
+        full = model(x).logits
+        cache = model.new_cache(2, 12)
+        parts = torch.cat([model(x[:, :5], cache=cache).logits, model(x[:, 5:], cache=cache).logits], 1)
+        shifted = model(x, pos=torch.arange(1, 13)).logits
+    assert torch.allclose(full, parts, atol=1e-5)  # the cache's positions are the embedding's positions
+    assert not torch.allclose(full, shifted, atol=1e-3)  # absolute positions matter (RoPE alone would not see it)
+    with pytest.raises(DlmError, match="learned absolute positions"):
+        export_hf(model, Tokenizer.train_chars(["0123456789="]), tmp_path / "hf")
