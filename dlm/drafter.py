@@ -32,7 +32,9 @@ from torch import Tensor, nn
 
 from dlm.config import ModelConfig
 from dlm.errors import DlmError, check
-from dlm.model import Block, KVCache, RMSNorm, Transformer, init_weights, rope_inv_freq, run_blocks
+from dlm.model import (
+    Block, KVCache, RMSNorm, Transformer, block_shapes, init_weights, rope_inv_freq, run_blocks,
+)
 
 INJECTIONS = ("kv", "input")
 DEFAULT_BLOCK_SIZE = 16
@@ -157,6 +159,21 @@ def build_drafter(config: dict[str, Any]) -> DFlashDrafter:
                              d.get("injection", "kv"), d.get("target_features", True))
     except KeyError as e:
         raise DlmError(f"dflash checkpoint config.json lacks {e}") from None
+
+
+def drafter_shapes(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """Name -> shape of every tensor of the drafter a dflash config.json describes, without building it."""
+    try:
+        mc = ModelConfig.from_dict(config["model"])
+        d = config["dflash"]
+        n_in = len(d["target_layer_ids"]) if d.get("target_features", True) else 1
+    except KeyError as e:
+        raise DlmError(f"dflash checkpoint config.json lacks {e}") from None
+    out: dict[str, tuple[int, ...]] = {}
+    for i in range(mc.n_layers):
+        out.update(block_shapes(mc, f"layers.{i}."))
+    out.update({"fc.weight": (mc.dim, n_in * mc.dim), "hidden_norm.weight": (mc.dim,), "norm.weight": (mc.dim,)})
+    return out, {}
 
 
 def target_fingerprint(target: Transformer) -> list[float]:

@@ -99,7 +99,7 @@ class Tokenizer:
     def save(self, path: str | os.PathLike) -> None:
         """Write tokenizer.json atomically."""
         p = Path(path)
-        tmp = p.with_name(p.name + ".tmp")
+        tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")  # the temporary names every dlm write uses
         self.tk.save(str(tmp))
         os.replace(tmp, p)
 
