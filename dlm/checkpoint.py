@@ -265,6 +265,19 @@ class Checkpoint:
         return int(self.config.get("canvas_length", self.config.get("train", {}).get("canvas_length",
                                                                                        DEFAULT_CANVAS)))
 
+    def corpus(self, given: str | None) -> str:
+        """The corpus to read: `given` (the user's --data), else the one recorded at training if it is the
+        embedded stdlib. A recorded path is never followed: a checkpoint from elsewhere could name any folder."""
+        if given:
+            return given
+        recorded = self.config.get("data", "stdlib")
+        if recorded == "stdlib":
+            return recorded
+        import shlex
+
+        raise DlmError(f"--data: {self.path} was trained on {recorded!r}; paths recorded in a checkpoint are not "
+                       f"followed, so name the corpus yourself (e.g. --data {shlex.quote(recorded)})")
+
     @property
     def noise_vocab(self) -> int:
         """Size of the vocabulary uniform noise is drawn from (the tokenizer's, recorded at training)."""

@@ -196,7 +196,7 @@ def check_target(dflash: dict[str, Any], target: Transformer, tok_sha: str, wher
         raise DlmError(f"--draft {where}: the drafter's target used a different tokenizer than the target given")
     fp = rec.get("fingerprint")
     if fp and not torch.allclose(torch.tensor(fp), torch.tensor(target_fingerprint(target)), rtol=1e-2, atol=1e-2):
-        raise DlmError(f"--draft {where}: drafter was trained for another target ({rec.get('path')}); "
+        raise DlmError(f"--draft {where}: drafter was trained for another target ({rec.get('name', rec.get('path'))}); "
                        "its embeddings differ from the target given")
 
 

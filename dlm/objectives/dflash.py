@@ -180,7 +180,9 @@ class DFlash(Objective):
             "target_layer_ids": self.layer_ids, "block_size": self.gamma, "mask_token_id": self.mask_id,
             "injection": self.cfg.injection, "target_features": self.cfg.target_features,
             "gamma_w": gamma_w(self.gamma),
-            "target": {"path": str(Path(self.cfg.target).resolve()), "model": tc.to_dict(),
+            # the target by its folder's name: a checkpoint records no path of the machine it was trained on
+            # (the target is given again at inference, and checked by its shapes, tokenizer and fingerprint)
+            "target": {"name": Path(self.cfg.target).resolve().name, "model": tc.to_dict(),
                        "tokenizer_sha256": self.target_ck.tokenizer.sha256,
                        "fingerprint": target_fingerprint(self.target)},
         }}
