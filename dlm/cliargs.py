@@ -194,7 +194,13 @@ def _load_config(path: str) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"--config: no such file: {path}")
-    text = p.read_text()
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--config {path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") \
+            from None
+    except OSError as e:
+        raise UsageError(f"--config {path}: cannot read it ({e.strerror})") from None
     try:
         if p.suffix in (".yaml", ".yml"):
             import yaml

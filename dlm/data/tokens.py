@@ -33,6 +33,8 @@ def token_file(corpus: Corpus, tok: Tokenizer, split: str) -> Path:
 def load_tokens(corpus: Corpus, tok: Tokenizer, split: str) -> np.ndarray:
     """All tokens of a split, documents separated by <eos>, memory-mapped."""
     path = token_file(corpus, tok, split)
+    if path.exists() and not _readable(path):  # damaged (cut short by a full disk, say): rebuilt from the corpus
+        path.unlink()
     if not path.exists():
         docs = corpus.docs(split)
         dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
@@ -47,8 +49,20 @@ def load_tokens(corpus: Corpus, tok: Tokenizer, split: str) -> np.ndarray:
         os.replace(tmp, path)
         meta = {"corpus": corpus.spec, "corpus_key": corpus.key, "tokenizer": tok.sha256, "split": split,
                 "documents": len(docs), "tokens": int(arr.size)}
-        (path.parent / f"{split}.json").write_text(json.dumps(meta, indent=1))
+        tmp = path.with_name(f".{split}.json.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(meta, indent=1))
+        os.replace(tmp, path.with_name(f"{split}.json"))
     return np.load(path, mmap_mode="r", allow_pickle=False)
+
+
+def _readable(path: Path) -> bool:
+    """Whether a cached split reads back as the 1-D token array its .json describes."""
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        meta = json.loads(path.with_name(path.stem + ".json").read_text())
+        return arr.ndim == 1 and arr.dtype in (np.uint16, np.uint32) and int(meta["tokens"]) == arr.size
+    except (OSError, ValueError, EOFError, KeyError, TypeError):  # ValueError: a cut header or body, or bad JSON
+        return False
 
 
 @dataclass
