@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from dlm.checkpoint import load_model
+from dlm.checkpoint import check_out_file, load_model
 from dlm.errors import DlmError
 from dlm.sampling import SampleConfig, stream
 from dlm.sampling.common import Result, drain
@@ -221,7 +221,7 @@ def ar_methods(model, ck, max_new_tokens: int, naive: bool = True) -> list[Metho
 def load_paired(path: str, objective: str, ref_ck):
     """A diffusion checkpoint for the bench: of the given objective, with the reference model's tokenizer
     (the quality column scores its text under that model)."""
-    net, ck = load_model(path)
+    net, ck = load_model(path, option=f"--{objective}")
     if ck.objective != objective:
         raise DlmError(f"--{objective} {path}: objective {ck.objective!r}, expected a {objective} checkpoint")
     if ck.tokenizer.sha256 != ref_ck.tokenizer.sha256:
@@ -555,7 +555,13 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
     if task:
         task_module(task)
         sweep = True
+    if out:
+        check_out_file(out)  # before the run, not after it
     net, ck = load_model(model)
+    if ck.objective != "ar":  # its rows would be labelled "ar (KV cache)" and it would judge the quality column
+        hint = f" (pass it as --{ck.objective})" if ck.objective in ("mdlm", "usdm") else ""
+        raise DlmError(f"--model {model}: objective {ck.objective!r}; bench's --model is the ar baseline, speculation "
+                       f"target and quality judge, an ar checkpoint{hint}")
     items, infill_items = bench_items(task, data, prompts, span)
     methods, spec_groups = build_methods(net, ck, max_new_tokens, naive, mdlm, usdm, sweep, draft, temperatures,
                                          block_size)

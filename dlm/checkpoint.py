@@ -27,9 +27,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dlm.config import ModelConfig
-from dlm.drafter import build_drafter
+from dlm.drafter import build_drafter, drafter_shapes
 from dlm.errors import DlmError, check
-from dlm.model import Transformer
+from dlm.model import Transformer, param_shapes
 from dlm.tokenizer import Tokenizer
 
 DEFAULT_CANVAS = 256  # usdm canvas length when a checkpoint records none (DiffusionGemma's)
@@ -102,24 +102,50 @@ def write_folder(out: str | os.PathLike, *, overwrite: bool = False, inputs: tup
         src = Path(src).resolve()
         if dst == src or dst in src.parents or src in dst.parents:
             raise DlmError(f"{option} {out}: overlaps the input {src} (write somewhere else)")
-    if out.exists() and any(out.iterdir()) and not overwrite:
+    existed = dst.exists()
+    if existed and any(dst.iterdir()) and not overwrite:
         raise DlmError(f"{option} {out}: exists and is not empty; choose another folder, or pass --overwrite "
                        "to replace the files this command writes there (nothing else is deleted)")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.{os.getpid()}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = dst.parent / f".{dst.name or 'out'}.{os.getpid()}.tmp"
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise DlmError(f"{option} {out}: cannot create it ({e.strerror})") from None
     try:
         yield tmp
-        if out.exists() and not any(out.iterdir()):
-            out.rmdir()
-        if not out.exists():
+        if not existed:  # the usual case: the whole folder appears at once
             os.replace(tmp, dst)
             return
-        for f in sorted(tmp.iterdir()):  # --overwrite: replace our files one by one, keep the rest
+        # an existing folder (empty, or --overwrite; `.` too): our files move in one by one, config.json last
+        # (a folder with a config.json is complete); nothing else there is touched
+        files = sorted(tmp.iterdir(), key=lambda f: (f.name == CONFIG, f.name))
+        for f in files:
+            there = dst / f.name
+            if there.is_dir() and not there.is_symlink():
+                raise DlmError(f"{option} {out}: holds a folder named {f.name}, a file this command writes")
+        for f in files:
             os.replace(f, dst / f.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_out_file(path: str | os.PathLike, option: str = "--out") -> Path:
+    """A file that a command will write at its end (a report, a .jsonl), checked before any work is done."""
+    p = Path(path)
+    if not str(path) or p.name in ("", ".", "..") or str(path).endswith(os.sep):
+        raise DlmError(f"{option} {str(path)!r}: must name a file, not a folder")
+    if p.is_dir():
+        raise DlmError(f"{option} {path}: is a folder; give a file name (e.g. {p / 'out.json'})")
+    if p.exists() and not p.is_file():
+        raise DlmError(f"{option} {path}: exists and is not a regular file")
+    parent = p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise DlmError(f"{option} {path}: {parent} is a file, not a folder")
+    return p
 
 
 # model weights -------------------------------------------------------------------------------
@@ -136,20 +162,57 @@ def state_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> dict[st
     return out
 
 
-def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: Path) -> None:
-    """Load tensors into model, reporting missing/unexpected/misshapen names against `source`."""
-    expected = model.state_dict()
-    tied = {n for n, t in expected.items() for m, u in expected.items()
-            if n != m and t.data_ptr() == u.data_ptr() and m in tensors and n not in tensors}
-    missing = [n for n in expected if n not in tensors and n not in tied]
-    unexpected = [n for n in tensors if n not in expected]
+def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of a safetensors file's tensors, from its header alone (no tensor is read)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise DlmError(f"{path}: missing")
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            return {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise DlmError(f"{path}: truncated or corrupt safetensors file ({str(e).splitlines()[0][:160]})") from None
+
+
+def check_shapes(expected: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]], source: Path,
+                 aliases: dict[str, str] | None = None) -> None:
+    """Raise unless the tensors `shapes` names (name -> shape: a state dict's, or a safetensors header's) are
+    exactly the `expected` ones; a tied tensor may be stored under its alias (aliases: alias -> name)."""
+    aliases = aliases or {}
+    missing = [n for n in expected if n not in shapes and not any(a in shapes for a, m in aliases.items() if m == n)]
+    unexpected = [n for n in shapes if aliases.get(n, n) not in expected]
     if missing or unexpected:
         raise DlmError(f"{source}: does not match its config.json (missing {missing[:4]}, unexpected {unexpected[:4]})")
+    for n, shape in shapes.items():
+        want = expected[aliases.get(n, n)]
+        if tuple(shape) != tuple(want):
+            raise DlmError(f"{source}: tensor {n} has shape {tuple(shape)}, config.json implies {tuple(want)}")
+
+
+def model_shapes(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """A built model's tensors (name -> shape) and the aliases of the ones it holds under two names (a tied head)."""
+    first: dict[int, str] = {}
+    expected, aliases = {}, {}
+    for n, t in model.state_dict(keep_vars=True).items():
+        if id(t) in first:
+            aliases[n] = first[id(t)]
+        else:
+            first[id(t)] = n
+            expected[n] = tuple(t.shape)
+    return expected, aliases
+
+
+def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: Path) -> None:
+    """Load tensors into model, reporting missing/unexpected/misshapen names and non-finite values against `source`."""
+    expected, aliases = model_shapes(model)
+    check_shapes(expected, {n: tuple(t.shape) for n, t in tensors.items()}, source, aliases)
     for n, t in tensors.items():
-        if tuple(t.shape) != tuple(expected[n].shape):
-            raise DlmError(f"{source}: tensor {n} has shape {tuple(t.shape)}, config.json implies {tuple(expected[n].shape)}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise DlmError(f"{source}: tensor {n} holds NaN or infinite values (a damaged or diverged checkpoint)")
     with torch.no_grad():
-        for n, p in expected.items():
+        for n, p in model.state_dict().items():
             if n in tensors:
                 p.copy_(tensors[n].to(p.dtype))
 
@@ -202,21 +265,88 @@ class Checkpoint:
         return int(self.config.get("canvas_length", self.config.get("train", {}).get("canvas_length",
                                                                                        DEFAULT_CANVAS)))
 
+    def corpus(self, given: str | None) -> str:
+        """The corpus to read: `given` (the user's --data), else the one recorded at training if it is the
+        embedded stdlib. A recorded path is never followed: a checkpoint from elsewhere could name any folder."""
+        if given:
+            return given
+        recorded = self.config.get("data", "stdlib")
+        if recorded == "stdlib":
+            return recorded
+        import shlex
+
+        raise DlmError(f"--data: {self.path} was trained on {recorded!r}; paths recorded in a checkpoint are not "
+                       f"followed, so name the corpus yourself (e.g. --data {shlex.quote(recorded)})")
+
     @property
     def noise_vocab(self) -> int:
         """Size of the vocabulary uniform noise is drawn from (the tokenizer's, recorded at training)."""
         return int(self.config.get("noise_vocab", self.tokenizer.vocab_size))
 
 
-def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Read config.json and tokenizer.json of a checkpoint folder, checking they belong together."""
+# the entries of config.json that dlm reads, with their types ("?": may be null); others are kept and ignored
+CONFIG_SCHEMA = {"version": "int", "objective": "str", "model": "dict", "train": "dict", "data": "str", "step": "int",
+                 "params": "int", "tokenizer": "dict", "block_size": "int?", "block_length": "int?",
+                 "canvas_length": "int", "noise_vocab": "int", "mask_id": "int?", "dtype": "str", "dflash": "dict"}
+SECTION_SCHEMAS = {
+    "train": {"seq_len": "int", "canvas_length": "int", "init_from": "str?", "data": "str"},
+    "tokenizer": {"sha256": "str", "vocab_size": "int"},
+    "dflash": {"target_layer_ids": "ints", "block_size": "int", "mask_token_id": "int", "injection": "str",
+               "target_features": "bool", "target": "dict"},
+}
+_KINDS = {
+    "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "dict": ("an object", lambda v: isinstance(v, dict)),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "ints": ("a list of integers", lambda v: isinstance(v, list) and all(_KINDS["int"][1](x) for x in v)),
+}
+
+
+def check_config(cfg: dict[str, Any], source: Path) -> None:
+    """Raise DlmError naming the entry unless every entry dlm reads from a config.json has its type."""
+    def check_entries(obj: dict[str, Any], schema: dict[str, str], prefix: str) -> None:
+        for key, kind in schema.items():
+            if key not in obj or (kind.endswith("?") and obj[key] is None):
+                continue
+            want, ok = _KINDS[kind.rstrip("?")]
+            if not ok(obj[key]):
+                raise DlmError(f"{source}: {prefix}{key} must be {want}, got {obj[key]!r}"[:240])
+
+    check_entries(cfg, CONFIG_SCHEMA, "")
+    for section, schema in SECTION_SCHEMAS.items():
+        if section in cfg:
+            check_entries(cfg[section], schema, f"{section}.")
+    if cfg.get("objective") == "dflash":
+        for key in ("model", "dflash"):
+            if key not in cfg:
+                raise DlmError(f"{source}: a dflash checkpoint's config.json needs its {key!r} section")
+        if "model" in cfg["dflash"].get("target", {}) and not isinstance(cfg["dflash"]["target"]["model"], dict):
+            raise DlmError(f"{source}: dflash.target.model must be an object")
+    if "model" in cfg:
+        try:
+            mc = ModelConfig.from_dict(cfg["model"])
+        except (TypeError, DlmError) as e:
+            raise DlmError(f"{source}: bad 'model' section ({e})") from None
+        if cfg.get("objective") == "usdm" and not mc.self_cond:
+            raise DlmError(f"{source}: a usdm checkpoint's model has the self-conditioning module (model.self_cond: "
+                           "true)")
+
+
+def open_checkpoint(path: str | os.PathLike, option: str = "--model") -> Checkpoint:
+    """Read config.json and tokenizer.json of a checkpoint folder, checking they belong together.
+
+    option: the command-line option that named the folder (for the messages)."""
     p = Path(path)
     if not p.is_dir():
-        raise DlmError(f"--model: checkpoint folder not found: {p}")
+        raise DlmError(f"{option} {p}: checkpoint folder not found")
+    if not (p / CONFIG).is_file():
+        raise DlmError(f"{p / CONFIG}: missing ({option} {p} is not a dlm checkpoint folder)")
     cfg = read_json(p / CONFIG)
     if cfg.get("format") != "dlm":
         hint = " (a transformers checkpoint? use `dlm import --hf`)" if "model_type" in cfg else ""
-        raise DlmError(f"{p / CONFIG}: not a dlm checkpoint{hint}")
+        raise DlmError(f"{option} {p}: not a dlm checkpoint ({CONFIG} says format {cfg.get('format')!r}){hint}")
+    check_config(cfg, p / CONFIG)
     if not (p / TOKENIZER).is_file():
         raise DlmError(f"{p / TOKENIZER}: missing")
     tok = Tokenizer.from_file(p / TOKENIZER)
@@ -233,17 +363,28 @@ def resolve_device(name: str) -> torch.device:
     """--device: auto (CUDA when there is one), cpu, cuda or cuda:N."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    check(name in ("cpu", "cuda") or name.startswith("cuda:"), f"--device must be auto, cpu or cuda[:N], got {name!r}")
+    index = name.partition(":")[2]
+    check(name in ("cpu", "cuda") or (name.startswith("cuda:") and index.isdigit() and index.isascii()),
+          f"--device must be auto, cpu, cuda or cuda:N, got {name!r}")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise DlmError(f"--device {name}: no CUDA device is available")
+    if index and int(index) >= torch.cuda.device_count():
+        raise DlmError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices (cuda:0 .. "
+                       f"cuda:{torch.cuda.device_count() - 1})")
     return torch.device(name)
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Checkpoint]:
-    """Build the model a checkpoint describes and load its weights (in eval mode)."""
-    ck = open_checkpoint(path)
-    model = build_drafter(ck.config) if ck.objective == "dflash" else Transformer(ck.model_config)
+               dtype: torch.dtype = torch.float32, option: str = "--model") -> tuple[nn.Module, Checkpoint]:
+    """Build the model a checkpoint describes and load its weights (in eval mode).
+
+    config.json is held against the names and shapes in the weights' header first, so a config that asks
+    for more than its weights hold is refused before anything is allocated."""
+    ck = open_checkpoint(path, option)
+    dflash = ck.objective == "dflash"
+    expected, aliases = drafter_shapes(ck.config) if dflash else param_shapes(ck.model_config)
+    check_shapes(expected, tensor_shapes(ck.path / WEIGHTS), ck.path / WEIGHTS, aliases)
+    model = build_drafter(ck.config) if dflash else Transformer(ck.model_config)
     load_weights(model, ck.tensors(), ck.path / WEIGHTS)
     return model.to(device=device, dtype=dtype).eval(), ck
 

@@ -5,20 +5,102 @@ Every subcommand is a function below; tyro (through dlm.cliargs) turns its typed
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
-import tyro
-
-from dlm.errors import DlmError
+from dlm.errors import DlmError  # (the module imports little: main's handlers cover the rest)
 
 
 def _device(name: str):
     from dlm.checkpoint import resolve_device
 
     return resolve_device(name)
+
+
+def _console(**kw):
+    """A rich Console that lets a broken pipe (`dlm generate | head -1`) reach main (exit 141, quietly):
+    rich's own reaction is exit code 1."""
+    from rich.console import Console
+
+    class PipeConsole(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise BrokenPipeError
+
+    return PipeConsole(**kw)
+
+
+def _text(text: str, option: str) -> str:
+    """Text from the command line or a file must be UTF-8 (undecodable bytes arrive as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = ord(text[e.start]) - 0xDC00 if 0xDC80 <= ord(text[e.start]) <= 0xDCFF else ord(text[e.start])
+        raise DlmError(f"{option}: not UTF-8 text (byte {bad:#04x} at character {e.start})") from None
+    return text
+
+
+def _read_text(path: str) -> str:
+    """--prompt-file: a UTF-8 file, or standard input for '-'."""
+    from pathlib import Path
+
+    try:
+        if path == "-":
+            stdin = getattr(sys.stdin, "buffer", None)
+            data = stdin.read() if stdin is not None else sys.stdin.read().encode("utf-8", "surrogateescape")
+        elif Path(path).exists() and not Path(path).is_file():  # a folder, or a device that never ends
+            raise DlmError(f"--prompt-file {path}: not a regular file ('-' reads standard input)")
+        else:
+            with open(path, "rb") as fh:
+                data = fh.read()
+    except OSError as e:
+        raise DlmError(f"--prompt-file: cannot read {path} ({e.strerror})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        where = "standard input" if path == "-" else path
+        raise DlmError(f"--prompt-file: {where} is not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") \
+            from None
+
+
+# the sampling options each paradigm reads (besides max_new_tokens, seed, and fill_length with <fill> markers);
+# one it does not read is ignored, and `dlm generate` says so. An option a sampler refuses (usdm's --temperature,
+# --suffix with an ar model) counts as read: its error is the message.
+SAMPLER_OPTIONS = {
+    "ar": {"temperature", "top_k", "top_p", "naive", "sampler", "suffix"},
+    "mdlm": {"temperature", "top_k", "top_p", "naive", "sampler", "steps", "threshold", "entropy_bound", "block_size",
+             "remasking", "suffix"},
+    "usdm": {"temperature", "top_k", "top_p", "sampler", "steps", "entropy_bound", "block_size", "canvas_length",
+             "t_max", "t_min", "stability_threshold", "confidence_threshold", "adaptive", "suffix"},
+    "speculative": {"temperature", "top_k", "top_p", "block_size", "draft", "draft_passes", "lookup_ngram",
+                    "check_lossless", "suffix"},
+}
+
+
+def unused_options(scfg, objective: str, prompt: str = "") -> list[str]:
+    """Warnings naming the sampling options that were set (differ from their defaults) but are not read: by the
+    checkpoint's paradigm (SAMPLER_OPTIONS), or --fill-length without <fill> markers in the prompt."""
+    import dataclasses
+
+    paradigm = "speculative" if scfg.draft else objective
+    if paradigm not in SAMPLER_OPTIONS:
+        return []  # a checkpoint that cannot sample: its own error follows
+    reads = SAMPLER_OPTIONS[paradigm] | {"max_new_tokens", "seed", "fill_length"}
+    if paradigm == "speculative":
+        reads = reads - ({"draft_passes"} if scfg.draft == "lookup" else {"lookup_ngram"})
+    defaults = type(scfg)()
+    changed = {f.name for f in dataclasses.fields(scfg) if getattr(scfg, f.name) != getattr(defaults, f.name)}
+    unused = [f.name for f in dataclasses.fields(scfg) if f.name in changed - reads]
+    out = []
+    if unused:
+        names = ", ".join("--" + n.replace("_", "-") for n in unused)
+        what = {"speculative": f"speculative decoding with --draft {scfg.draft}", "ar": "an ar checkpoint",
+                "mdlm": "an mdlm checkpoint", "usdm": "a usdm checkpoint"}[paradigm]
+        out.append(f"{names} {'does' if len(unused) == 1 else 'do'} not apply to {what}")
+    if "fill_length" in changed and "<fill" not in prompt:
+        out.append("--fill-length sizes <fill> markers, and the prompt has none")
+    return out
 
 
 def train_cmd(cfg, out: str, resume: bool = False, quiet: bool = False) -> None:
@@ -58,25 +140,27 @@ def generate_cmd(
     from dlm.sampling import encode, generate, stream
 
     if prompt_file:
-        try:
-            prompt = sys.stdin.read() if prompt_file == "-" else Path(prompt_file).read_text()
-        except OSError as e:
-            raise DlmError(f"--prompt-file: cannot read {prompt_file} ({e.strerror})") from None
+        prompt = _read_text(prompt_file)
+    prompt = _text(prompt, "--prompt-file" if prompt_file else "--prompt")
+    if scfg.suffix is not None:
+        _text(scfg.suffix, "--suffix")
     net, ck = load_model(model, device=_device(device))
-    if show:
+    for warning in unused_options(scfg, ck.objective, prompt):
+        sys.stderr.write(f"dlm: warning: {warning}; ignored\n")
+    if show:  # with --json the live view goes to stderr: stdout holds the one JSON object
         from dlm.sampling.show import live
 
-        res = live(stream(net, ck, encode(ck, prompt, scfg), scfg), ck.tokenizer, prompt)
+        view = _console(file=sys.stderr) if json else _console()
+        res = live(stream(net, ck, encode(ck, prompt, scfg), scfg), ck.tokenizer, prompt, console=view)
     else:
         res = generate(net, ck, prompt, scfg)
     stats = res.stats.as_dict()
     if json:
-        print(_json.dumps({"text": res.text, **stats}))
+        print(_dumps({"text": res.text, **stats}))
         return
-    from rich.console import Console
     from rich.text import Text
 
-    con = Console()
+    con = _console()
     con.print(Text.assemble((prompt, "dim"), (res.text, "bold green")))
     con.print(f"[dim]{stats['new_tokens']} tokens, {stats['forwards']} forwards "
               f"({stats['tokens_per_forward']:.2f} tok/forward), {stats['tokens_per_second']:.1f} tok/s[/]")
@@ -112,21 +196,31 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
         context: --task: tokens of prompt + generation at most (0 = the checkpoint's training window)
     """
     from dlm.checkpoint import load_model
+    from dlm.config import check_seed
     from dlm.sampling import SampleConfig
 
     scfg = scfg or SampleConfig()
+    check_seed(scfg.seed)
     if task is not None:
         _eval_task(model, device, scfg, task, data, n, span, context, json)
         return
+    if batch_size <= 0:
+        raise DlmError(f"--batch-size must be > 0, got {batch_size}")
+    if max_batches < 0:
+        raise DlmError(f"--max-batches must be >= 0 (0 = the whole split), got {max_batches}")
+    if seq_len < 0:
+        raise DlmError(f"--seq-len must be >= 0 (0 = the training sequence length), got {seq_len}")
+    if samples <= 0:
+        raise DlmError(f"--samples must be > 0, got {samples}")
     net, ck = load_model(model, device=_device(device))
     from dlm.data.corpus import Corpus
     from dlm.evaluate import evaluate
 
-    corpus = Corpus(data or ck.config.get("data", "stdlib"))
+    corpus = Corpus(ck.corpus(data))
     seq = seq_len or ck.config.get("train", {}).get("seq_len", 256)
     res = evaluate(net, ck, corpus, split, seq, batch_size, max_batches or None, scfg.seed, samples, reference)
     if json:
-        print(_json.dumps(res))
+        print(_dumps(res))
     else:
         print(f"{split}: " + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in res.items()))
 
@@ -158,7 +252,7 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
     if task == "infill":
         res["span"] = span
     if json:
-        print(_json.dumps(res))
+        print(_dumps(res))
         return
     print(f"{task} ({res['n']} cases, {ck.path}): " + "  ".join(
         f"{k} {res[k]:.3f}" for k in [*mod.METRICS, "tokens_per_forward"] + (["tau"] if "tau" in res else []))
@@ -280,6 +374,9 @@ def demo_cmd(prompts: int = 3, max_new_tokens: int = 48) -> None:
     """
     from dlm.demo import run_demo
 
+    for name, v in (("--prompts", prompts), ("--max-new-tokens", max_new_tokens)):
+        if v <= 0:
+            raise DlmError(f"{name} must be > 0, got {v}")
     run_demo(prompts, max_new_tokens)
 
 
@@ -355,7 +452,7 @@ def serve_cmd(model: list[str], draft: str | None = None, host: str = "127.0.0.1
         raise DlmError(f"--host {host} --port {port}: cannot listen ({e.strerror or e})") from None
 
 
-def task_cmd(name: Annotated[Literal["sudoku"], tyro.conf.Positional], out: str, n: int = 1000,
+def task_cmd(name: Literal["sudoku"], out: str, n: int = 1000,
              clues: str = "40-50", seed: int = 0) -> None:
     """Write task data: `dlm task sudoku` writes puzzles with exactly one solution as a CSV in the public layout
     (`quizzes,solutions`, 81 digits each, 0 = blank), for `dlm train --data` and `dlm eval --task sudoku --data`.
@@ -380,7 +477,10 @@ def task_cmd(name: Annotated[Literal["sudoku"], tyro.conf.Positional], out: str,
     print(f"wrote {out}: {len(pairs)} puzzles ({clues} clues, seed {seed}) in {time.perf_counter() - t0:.1f} s")
 
 
-_json = json  # the commands' `json` flag shadows the module inside them
+def _dumps(obj) -> str:  # (the commands' `json` flag shadows the module inside them)
+    import json
+
+    return json.dumps(obj)
 
 
 def canonical_argv(argv: list[str]) -> list[str]:
@@ -430,23 +530,24 @@ def _sample_config() -> type:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dlm.cliargs import Command, run
+    try:  # everything, imports included: Ctrl-C at any moment is exit 130 without a traceback
+        from dlm.cliargs import Command, run
 
-    commands = {  # the dataclasses are imported only for the command that runs
-        "train": Command(train_cmd, _train_config, "cfg", group="training"),
-        "generate": Command(generate_cmd, _sample_config, "scfg", group="sampling"),
-        "eval": Command(eval_cmd, _sample_config, "scfg", group="sampling"),
-        "export": Command(export_cmd),
-        "import": Command(import_cmd),
-        "bench": Command(bench_cmd),
-        "demo": Command(demo_cmd),
-        "distill": Command(distill_cmd),
-        "serve": Command(serve_cmd),
-        "task": Command(task_cmd),
-    }
-    try:
+        commands = {  # the dataclasses are imported only for the command that runs
+            "train": Command(train_cmd, _train_config, "cfg", group="training"),
+            "generate": Command(generate_cmd, _sample_config, "scfg", group="sampling"),
+            "eval": Command(eval_cmd, _sample_config, "scfg", group="sampling"),
+            "export": Command(export_cmd),
+            "import": Command(import_cmd),
+            "bench": Command(bench_cmd),
+            "demo": Command(demo_cmd),
+            "distill": Command(distill_cmd),
+            "serve": Command(serve_cmd),
+            "task": Command(task_cmd, positional=("name",)),
+        }
         argv = merge_repeated(canonical_argv(list(sys.argv[1:] if argv is None else argv)), "serve", "--model")
         run("dlm", "dlm: diffusion language models on one backbone", commands, argv)
+        sys.stdout.flush()  # a reader that left (`| head`) is found here, not at exit
     except DlmError as e:
         sys.stderr.write(f"dlm: error: {e}\n")
         return 2

@@ -34,6 +34,7 @@ class Command:
     config: Callable[[], type] | None = None  # returns a dataclass whose fields are options too, passed as `config_param`
     config_param: str = "cfg"
     group: str = "options"  # the name of that dataclass's section in --help (`GROUP options`)
+    positional: tuple[str, ...] = ()  # parameters given without their --name (`dlm task sudoku`)
 
 
 class UsageError(Exception):
@@ -163,10 +164,11 @@ def _entry(cmd: Command, full: bool, argv: list[str], where: str) -> Callable[..
                 params.append(inspect.Parameter(cmd.group, inspect.Parameter.KEYWORD_ONLY, default=default,
                                                 annotation=Annotated[cls, tyro.conf.OmitArgPrefixes]))
             continue
-        positional = any(m is tyro.conf.Positional for m in getattr(options[p.name], "__metadata__", ()))
+        positional = p.name in cmd.positional
         param = inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD if positional
                                   else inspect.Parameter.KEYWORD_ONLY, default=values.get(p.name, p.default),
-                                  annotation=options[p.name])
+                                  annotation=Annotated[options[p.name], tyro.conf.Positional] if positional
+                                  else options[p.name])
         params.insert(0, param) if positional else params.append(param)  # `dlm task sudoku ...`
 
     def entry(config: str | None = None, **kw: Any) -> Callable[[], Any]:
@@ -197,7 +199,13 @@ def _load_config(path: str) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"--config: no such file: {path}")
-    text = p.read_text()
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--config {path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") \
+            from None
+    except OSError as e:
+        raise UsageError(f"--config {path}: cannot read it ({e.strerror})") from None
     try:
         if p.suffix in (".yaml", ".yml"):
             import yaml

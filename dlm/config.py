@@ -8,6 +8,7 @@ objective are checked by that objective (`Objective.check_config`), once, before
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,19 +36,33 @@ class ModelConfig:
     learned_pos: bool = False
 
     def __post_init__(self) -> None:
+        self.check_types()
         if not self.head_dim:
             self.head_dim = self.dim // max(self.n_heads, 1)
         self.validate()
 
+    def check_types(self) -> None:
+        """Each field has its type (a config.json or an HF config may say anything)."""
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            want, ok = {
+                "int": ("an integer", isinstance(v, int) and not isinstance(v, bool)),
+                "float": ("a number", isinstance(v, (int, float)) and not isinstance(v, bool)),
+                "bool": ("true or false", isinstance(v, bool)),
+            }.get(f.type, ("null or an object", v is None or isinstance(v, dict)))
+            check(ok, f"model.{f.name} must be {want}, got {v!r}"[:200])
+
     def validate(self) -> None:
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_seq_len"):
-            check(getattr(self, name) > 0, f"model.{name} must be > 0, got {getattr(self, name)}")
+        for name, most in MODEL_LIMITS.items():
+            v = getattr(self, name)
+            check(0 < v <= most, f"model.{name} must be in [1, {most}], got {v}")
         check(
             self.n_heads % self.n_kv_heads == 0,
             f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads})",
         )
         check(self.head_dim % 2 == 0, f"model.head_dim must be even for RoPE, got {self.head_dim}")
         check(self.rope_theta > 0, f"model.rope_theta must be > 0, got {self.rope_theta}")
+        check(0 < self.norm_eps < 1, f"model.norm_eps must be in (0, 1), got {self.norm_eps}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             check(kind in ("default", "llama3"), f"model.rope_scaling type must be 'default' or 'llama3', got {kind!r}")
@@ -57,6 +72,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        if not isinstance(d, dict):
+            raise DlmError(f"model config must be an object of fields, got {d!r}"[:200])
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -72,6 +89,20 @@ class ModelConfig:
         emb = self.vocab_size * d
         pos = self.max_seq_len * d if self.learned_pos else 0
         return emb + pos + self.n_layers * per_layer + d + (0 if self.tie_embeddings else emb)
+
+
+# the largest sizes a model config may ask for: beyond them a crafted config.json would only allocate until memory
+# runs out (real models stay far below: Llama-3-405B has 126 layers of 16384, vocabularies reach ~260k tokens)
+MODEL_LIMITS = {"vocab_size": 1 << 21, "dim": 1 << 16, "n_layers": 1024, "n_heads": 1024, "n_kv_heads": 1024,
+                "head_dim": 1024, "ffn_dim": 1 << 18, "max_seq_len": 1 << 20}
+
+MAX_SEED = 2**63 - 1
+
+
+def check_seed(seed: int, option: str = "--seed") -> None:
+    """Seeds are integers in [0, 2**63 - 1] (what torch and numpy generators both take)."""
+    check(isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= MAX_SEED,
+          f"{option} must be an integer in [0, {MAX_SEED}], got {seed!r}")
 
 
 # older spellings of options that now share one name (accepted on the command line and in --config files)
@@ -193,12 +224,22 @@ class TrainConfig:
     def validate(self) -> None:
         """The checks every objective shares (each objective checks its own options)."""
         check(self.preset in PRESETS, f"--preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
+        for f in dataclasses.fields(self):
+            if f.type == "float":
+                v = getattr(self, f.name)
+                check(math.isfinite(v), f"--{f.name.replace('_', '-')} must be a finite number, got {v}")
+        check(self.seq_len <= MODEL_LIMITS["max_seq_len"],
+              f"--seq-len must be in [1, {MODEL_LIMITS['max_seq_len']}], got {self.seq_len}")
         for f in ("seq_len", "batch_size", "max_steps", "eval_batches", "eval_every", "save_every", "log_every"):
             check(getattr(self, f) > 0, f"--{f.replace('_', '-')} must be > 0, got {getattr(self, f)}")
         check(self.lr > 0, f"--lr must be > 0, got {self.lr}")
         check(0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         check(self.warmup >= 0, f"--warmup must be >= 0, got {self.warmup}")
         check(self.grad_clip >= 0, f"--grad-clip must be >= 0, got {self.grad_clip}")
+        check(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
+        for f in ("beta1", "beta2"):
+            check(0 <= getattr(self, f) < 1, f"--{f} must be in [0, 1), got {getattr(self, f)}")
+        check_seed(self.seed)
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
               f"--device must be auto, cpu or cuda[:N], got {self.device!r}")
         check(self.fim_rate is None or 0 <= self.fim_rate <= 1, f"--fim-rate must be in [0, 1], got {self.fim_rate}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -16,6 +17,9 @@ def checkpoints_dir() -> Path:
 
 
 def shipped(name: str) -> Path | None:
+    """The shipped reference checkpoint of this name (a plain folder name: ar-small, mdlm-small, ...), if present."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name or ""):
+        return None
     p = checkpoints_dir() / name
     return p if (p / "config.json").is_file() else None
 

@@ -25,6 +25,9 @@ from dlm.data.corpus import Corpus
 from dlm.errors import DlmError, check
 
 
+MAX_PROMPTS = 1_000_000  # a bound on one run (days of generation on a CPU); a bigger set is several runs
+
+
 @dataclass
 class Snippet:
     source: str
@@ -67,19 +70,21 @@ def distill(target: str, out: str, data: str = "stdlib", prompts: int = 4096, ma
     """Generate the target's continuations of train-split prompts into a .jsonl file; returns a summary."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from dlm.checkpoint import load_model
+    from dlm.checkpoint import check_out_file, load_model, resolve_device
+    from dlm.config import check_seed
     from dlm.sampling import SampleConfig, stream
     from dlm.sampling.common import Commit
-    from dlm.checkpoint import resolve_device
 
-    check(prompts > 0, f"--prompts must be > 0, got {prompts}")
+    check(0 < prompts <= MAX_PROMPTS, f"--prompts must be in [1, {MAX_PROMPTS}] (DFlash's drafters learned from "
+                                      f"~800k; run several distills for more), got {prompts}")
     check(max_new_tokens > 0, f"--max-new-tokens must be > 0, got {max_new_tokens}")
     check(batch_size > 0, f"--batch-size must be > 0, got {batch_size}")
     check(temperature >= 0, f"--temperature must be >= 0, got {temperature}")
     check(0 < min_chars <= max_chars, f"--min-chars must be in (0, --max-chars], got {min_chars} and {max_chars}")
-    dst = Path(out)
+    check_seed(seed)
+    dst = check_out_file(out)
     check(dst.suffix == ".jsonl", f"--out must be a .jsonl file, got {out!r}")
-    model, ck = load_model(target, device=resolve_device(device))
+    model, ck = load_model(target, device=resolve_device(device), option="--target")
     if ck.objective != "ar":
         raise DlmError(f"--target {target}: distill needs an AR checkpoint, got objective {ck.objective!r}")
     tok = ck.tokenizer

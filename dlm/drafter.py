@@ -32,7 +32,9 @@ from torch import Tensor, nn
 
 from dlm.config import ModelConfig
 from dlm.errors import DlmError, check
-from dlm.model import Block, KVCache, RMSNorm, Transformer, init_weights, rope_inv_freq, run_blocks
+from dlm.model import (
+    Block, KVCache, RMSNorm, Transformer, block_shapes, init_weights, rope_inv_freq, run_blocks,
+)
 
 INJECTIONS = ("kv", "input")
 DEFAULT_BLOCK_SIZE = 16
@@ -159,6 +161,21 @@ def build_drafter(config: dict[str, Any]) -> DFlashDrafter:
         raise DlmError(f"dflash checkpoint config.json lacks {e}") from None
 
 
+def drafter_shapes(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """Name -> shape of every tensor of the drafter a dflash config.json describes, without building it."""
+    try:
+        mc = ModelConfig.from_dict(config["model"])
+        d = config["dflash"]
+        n_in = len(d["target_layer_ids"]) if d.get("target_features", True) else 1
+    except KeyError as e:
+        raise DlmError(f"dflash checkpoint config.json lacks {e}") from None
+    out: dict[str, tuple[int, ...]] = {}
+    for i in range(mc.n_layers):
+        out.update(block_shapes(mc, f"layers.{i}."))
+    out.update({"fc.weight": (mc.dim, n_in * mc.dim), "hidden_norm.weight": (mc.dim,), "norm.weight": (mc.dim,)})
+    return out, {}
+
+
 def target_fingerprint(target: Transformer) -> list[float]:
     """A cheap, dtype-tolerant identity of a target: sums of 16 embedding rows."""
     E = target.embed_tokens.weight
@@ -179,7 +196,7 @@ def check_target(dflash: dict[str, Any], target: Transformer, tok_sha: str, wher
         raise DlmError(f"--draft {where}: the drafter's target used a different tokenizer than the target given")
     fp = rec.get("fingerprint")
     if fp and not torch.allclose(torch.tensor(fp), torch.tensor(target_fingerprint(target)), rtol=1e-2, atol=1e-2):
-        raise DlmError(f"--draft {where}: drafter was trained for another target ({rec.get('path')}); "
+        raise DlmError(f"--draft {where}: drafter was trained for another target ({rec.get('name', rec.get('path'))}); "
                        "its embeddings differ from the target given")
 
 

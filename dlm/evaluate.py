@@ -54,14 +54,15 @@ EVALUATORS = {
 
 
 def resolve_reference(ck: Checkpoint, reference: str | None) -> tuple[Checkpoint | None, str]:
-    """The reference AR checkpoint: --reference, else the checkpoint's --init-from, else the shipped ar-small.
+    """The reference AR checkpoint: --reference, else the checkpoint's --init-from when that names a shipped
+    reference checkpoint (ar-small), else the shipped ar-small. A path recorded in a checkpoint is never
+    followed (a checkpoint from elsewhere could name any folder): pass it as --reference.
 
-    Returns (checkpoint or None, why none). An explicit reference must exist and share the tokenizer.
+    Returns (checkpoint or None, a note: why none, or which recorded path was not followed). An explicit
+    reference must exist and share the tokenizer.
     """
-    from pathlib import Path
-
     if reference:
-        ref = open_checkpoint(reference)
+        ref = open_checkpoint(reference, "--reference")
         if ref.objective != "ar":
             raise DlmError(f"--reference {reference}: must be an ar checkpoint, got objective {ref.objective!r}")
         if ref.tokenizer.sha256 != ck.tokenizer.sha256:
@@ -69,12 +70,16 @@ def resolve_reference(ck: Checkpoint, reference: str | None) -> tuple[Checkpoint
         return ref, ""
     from dlm.demo import shipped
 
-    for cand in (ck.config.get("train", {}).get("init_from"), shipped("ar-small")):
-        if cand and (Path(cand) / "config.json").is_file():
-            ref = open_checkpoint(cand)
+    recorded = ck.config.get("train", {}).get("init_from")
+    by_name = shipped(recorded) if recorded else None
+    note = "" if not recorded or by_name else (f"{ck.path} records --init-from {recorded}, a path, which is not "
+                                               f"followed: pass --reference {recorded} to score with it")
+    for cand in (by_name, shipped("ar-small")):
+        if cand is not None:
+            ref = open_checkpoint(cand, "--reference")
             if ref.objective == "ar" and ref.tokenizer.sha256 == ck.tokenizer.sha256:
-                return ref, ""
-    return None, "no reference AR checkpoint with the same tokenizer (tried init_from and the shipped ar-small)"
+                return ref, note
+    return None, note or "no reference AR checkpoint with the same tokenizer (tried the shipped ar-small)"
 
 
 def evaluate(model, ck: Checkpoint, corpus: Corpus, split: str, seq_len: int, batch_size: int = 8,
@@ -84,10 +89,11 @@ def evaluate(model, ck: Checkpoint, corpus: Corpus, split: str, seq_len: int, ba
         raise DlmError(f"dlm eval: objective {ck.objective!r} has no evaluator (have {sorted(EVALUATORS)})")
     res = EVALUATORS[ck.objective](model, ck, corpus, split, seq_len, batch_size, max_batches, seed, samples)
     if ck.objective != "ar":
-        ref, why = resolve_reference(ck, reference)
+        ref, note = resolve_reference(ck, reference)
+        if note:
+            res["reference_note"] = note
         if ref is None:
             res["reference"] = None
-            res["reference_note"] = why
         else:
             net, _ = load_model(ref.path, device=model.device)
             ar = ar_loss(net, ref.tokenizer, corpus, split, seq_len, batch_size, max_batches)

@@ -19,12 +19,13 @@ from typing import Any
 import torch
 
 from dlm.checkpoint import (
-    Checkpoint, read_json, read_tensors, save_checkpoint, state_tensors, write_folder, write_json, write_tensors,
+    Checkpoint, check_shapes, read_json, read_tensors, save_checkpoint, state_tensors, tensor_shapes, write_folder,
+    write_json, write_tensors,
 )
 from dlm.config import ModelConfig
 from dlm.drafter import DFlashDrafter
 from dlm.errors import DlmError
-from dlm.model import Transformer
+from dlm.model import Transformer, param_shapes
 from dlm.tokenizer import Tokenizer
 
 
@@ -125,6 +126,9 @@ def export_drafter(drafter: DFlashDrafter, ck: Checkpoint, out: str | os.PathLik
 
 def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     params = hf.get("rope_parameters") or {}
+    for key in ("rope_parameters", "rope_scaling"):
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            raise DlmError(f"config.json: {key} must be an object, got {hf[key]!r}"[:200])
     theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
     scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
     if scaling:
@@ -135,6 +139,8 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             raise DlmError(f"config.json: rope scaling {kind!r} is not supported (default and llama3 are)")
         else:
             scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool):
+        raise DlmError(f"config.json: rope_theta must be a number, got {theta!r}"[:200])
     return float(theta), scaling
 
 
@@ -149,31 +155,68 @@ def model_config_from_hf(hf: dict[str, Any], source: Path) -> ModelConfig:
     if hf.get("hidden_act", "silu") != "silu":
         raise DlmError(f"{source}: hidden_act {hf.get('hidden_act')!r} is not supported (silu is)")
     theta, scaling = _rope(hf)
-    n_heads = hf["num_attention_heads"]
-    return ModelConfig(
-        vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads, ffn_dim=hf["intermediate_size"],
-        rope_theta=theta, rope_scaling=scaling, norm_eps=hf.get("rms_norm_eps", 1e-6),
-        qk_norm=kind == "qwen3", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_seq_len=hf.get("max_position_embeddings", 4096),
-    )
+
+    def get(key: str, default: Any = None) -> Any:
+        if hf.get(key) is None:
+            if default is None:
+                raise DlmError(f"{source}: {key} is missing (a Qwen3/Llama config.json has it)")
+            return default
+        v = hf[key]
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise DlmError(f"{source}: {key} must be a number, got {v!r}"[:200])
+        return v
+
+    n_heads, dim = get("num_attention_heads"), get("hidden_size")
+    try:
+        return ModelConfig(
+            vocab_size=get("vocab_size"), dim=dim, n_layers=get("num_hidden_layers"), n_heads=n_heads,
+            n_kv_heads=get("num_key_value_heads", n_heads),
+            head_dim=get("head_dim", dim // n_heads if isinstance(n_heads, int) and n_heads > 0 else 0),
+            ffn_dim=get("intermediate_size"), rope_theta=theta, rope_scaling=scaling,
+            norm_eps=get("rms_norm_eps", 1e-6),
+            qk_norm=kind == "qwen3", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_seq_len=get("max_position_embeddings", 4096),
+        )
+    except DlmError as e:
+        raise DlmError(f"{source}: {e}") from None
+
+
+def weight_files(folder: Path) -> list[str]:
+    """The safetensors files of a transformers folder: model.safetensors, or the shards its index names
+    (plain file names inside the folder: an index cannot point outside it)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        wmap = read_json(index).get("weight_map")
+        if not isinstance(wmap, dict) or not wmap:
+            raise DlmError(f"{index}: weight_map must be a non-empty object of tensor name -> shard file")
+        bad = [f for f in wmap.values()
+               if not isinstance(f, str) or Path(f).name != f or f in ("", ".", "..") or "\\" in f]
+        if bad:
+            raise DlmError(f"{index}: shard {bad[0]!r} is not a plain file name in {folder} (an index may only name "
+                           "files beside it)")
+        files = sorted(set(wmap.values()))
+        return files
+    if (folder / "model.safetensors").is_file():
+        return ["model.safetensors"]
+    raise DlmError(f"{folder}: no model.safetensors or model.safetensors.index.json (only safetensors are read)")
 
 
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(read_json(index).get("weight_map", {}).values()))
-        if not files:
-            raise DlmError(f"{index}: empty weight_map")
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise DlmError(f"{folder}: no model.safetensors or model.safetensors.index.json (only safetensors are read)")
     tensors: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in weight_files(folder):
         tensors.update(read_tensors(folder / f))
     return tensors
+
+
+def dlm_name(name: str, cfg: ModelConfig, src: Path) -> str | None:
+    """The dlm name of a transformers tensor (None: not kept)."""
+    if name.startswith("model."):
+        return name[len("model."):]
+    if name == "lm_head.weight":
+        return None if cfg.tie_embeddings else name
+    if "rotary_emb" in name:
+        return None
+    raise DlmError(f"{src}: unexpected tensor {name!r}")
 
 
 def import_hf(folder: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Path:
@@ -184,26 +227,19 @@ def import_hf(folder: str | os.PathLike, out: str | os.PathLike, overwrite: bool
     hf = read_json(src / "config.json")
     cfg = model_config_from_hf(hf, src / "config.json")
     tok = Tokenizer.from_file(src / "tokenizer.json")
+    # the config against the weights' headers (names and shapes) before anything is read or allocated
+    expected, aliases = param_shapes(cfg)
+    shapes = {}
+    for f in weight_files(src):
+        for k, shape in tensor_shapes(src / f).items():
+            if dlm_name(k, cfg, src) is not None:
+                shapes[dlm_name(k, cfg, src)] = shape
+    check_shapes(expected, shapes, src, aliases)
     raw = read_hf_weights(src)
-    tensors = {}
-    for k, v in raw.items():
-        if k.startswith("model."):
-            tensors[k[len("model."):]] = v
-        elif k == "lm_head.weight":
-            if not cfg.tie_embeddings:
-                tensors[k] = v
-        elif "rotary_emb" not in k:
-            raise DlmError(f"{src}: unexpected tensor {k!r}")
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in Transformer(cfg).state_dict().items()}
-    if cfg.tie_embeddings:
-        expected.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        raise DlmError(f"{src}: weights missing for {missing[:4]}")
+    tensors = {dlm_name(k, cfg, src): v for k, v in raw.items() if dlm_name(k, cfg, src) is not None}
     for k, v in tensors.items():
-        if k not in expected or tuple(v.shape) != expected[k]:
-            raise DlmError(f"{src}: tensor {k!r} {tuple(v.shape)} does not fit config.json")
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise DlmError(f"{src}: tensor {k} holds NaN or infinite values")
     with torch.device("meta"):
         model = Transformer(cfg)
     tied = {"lm_head.weight": tensors["embed_tokens.weight"]} if cfg.tie_embeddings else {}

@@ -293,6 +293,39 @@ def init_weights(model: nn.Module, n_layers: int) -> None:
             nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layers))
 
 
+def block_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of the tensors of one Block(cfg), without building it."""
+    D, F, hd = cfg.dim, cfg.ffn_dim, cfg.head_dim
+    out = {"input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
+           "self_attn.q_proj.weight": (cfg.n_heads * hd, D), "self_attn.k_proj.weight": (cfg.n_kv_heads * hd, D),
+           "self_attn.v_proj.weight": (cfg.n_kv_heads * hd, D), "self_attn.o_proj.weight": (D, cfg.n_heads * hd),
+           "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F)}
+    if cfg.qk_norm:
+        out.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+    return {prefix + k: v for k, v in out.items()}
+
+
+def param_shapes(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """Name -> shape of every tensor of a Transformer(cfg), computed without building it (so a config.json can be
+    held against its weights' header before anything is allocated), and the aliases of tied tensors
+    (lm_head.weight -> embed_tokens.weight). tests hold this to the state_dict of built models."""
+    D = cfg.dim
+    out = {"embed_tokens.weight": (cfg.vocab_size, D)}
+    for i in range(cfg.n_layers):
+        out.update(block_shapes(cfg, f"layers.{i}."))
+    out["norm.weight"] = (D,)
+    aliases = {"lm_head.weight": "embed_tokens.weight"} if cfg.tie_embeddings else {}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, D)
+    if cfg.self_cond:
+        F = cfg.ffn_dim
+        out.update({"self_cond.norm.weight": (D,), "self_cond.mlp.gate_proj.weight": (F, D),
+                    "self_cond.mlp.up_proj.weight": (F, D), "self_cond.mlp.down_proj.weight": (D, F)})
+    if cfg.learned_pos:
+        out["pos_embed.weight"] = (cfg.max_seq_len, D)
+    return out, aliases
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -115,8 +115,8 @@ class Tokenizer:
             p = p / "tokenizer.json"
         if not p.is_file():
             raise DlmError(f"tokenizer file not found: {p}")
-        try:
-            tk = HFTokenizer.from_file(str(p))
+        try:  # read here, not by the library: a path need not be UTF-8 (the library takes str paths only)
+            tk = HFTokenizer.from_str(p.read_bytes().decode("utf-8"))
         except Exception as e:  # the tokenizers library raises a plain Exception on bad JSON
             raise DlmError(f"{p}: not a valid tokenizer.json ({str(e).splitlines()[0][:200]})") from None
         return cls(tk, source=str(p))
@@ -124,8 +124,8 @@ class Tokenizer:
     def save(self, path: str | os.PathLike) -> None:
         """Write tokenizer.json atomically."""
         p = Path(path)
-        tmp = p.with_name(p.name + ".tmp")
-        self.tk.save(str(tmp))
+        tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")  # the temporary names every dlm write uses
+        tmp.write_text(self.tk.to_str(pretty=True), encoding="utf-8")  # (the library's save takes UTF-8 paths only)
         os.replace(tmp, p)
 
     def to_json(self) -> str:

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from dlm.checkpoint import (
-    find_state, load_weights, read_json, read_tensors, resolve_device, restore_optimizer, save_checkpoint, save_state,
+    find_state, load_weights, open_checkpoint, read_json, read_tensors, resolve_device, restore_optimizer,
+    save_checkpoint, save_state,
 )
 from dlm.config import TrainConfig
 from dlm.data.corpus import Corpus
@@ -65,12 +66,14 @@ def resolve_tokenizer(cfg: TrainConfig, corpus: Corpus, out: Path, resuming: boo
         return Tokenizer.from_file(out / "tokenizer.json")
     if cfg.tokenizer == "char":  # (a file named char: --tokenizer ./char)
         return Tokenizer.train_chars(corpus.texts("train"))
-    for option, source in (("--tokenizer", cfg.tokenizer), ("--init-from", cfg.init_from), ("--target", cfg.target)):
+    if cfg.tokenizer:
+        path = Path(cfg.tokenizer)
+        if not path.exists():
+            raise DlmError(f"--tokenizer {cfg.tokenizer}: no such file or checkpoint folder (or 'char')")
+        return Tokenizer.from_file(path / "tokenizer.json" if path.is_dir() else path)
+    for option, source in (("--init-from", cfg.init_from), ("--target", cfg.target)):
         if source:
-            path = Path(source)
-            if not path.exists():
-                raise DlmError(f"{option} {source}: no such file or checkpoint folder")
-            return Tokenizer.from_file(path / "tokenizer.json" if path.is_dir() else path)
+            return open_checkpoint(source, option).tokenizer
     return Tokenizer.train(corpus.texts("train"), vocab_size=cfg.vocab_size)
 
 
@@ -255,24 +258,33 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, quiet:
     None = the saved run's options, with cfg.max_steps when it is larger (extending a run).
     """
     out = Path(out)
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise DlmError(f"--out {out}: exists and is not a folder")
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DlmError(f"--out {out}: cannot create it ({e.strerror})") from None
     lock = RunLock(out)
+    fresh = False
     try:
         lock.acquire()
-        try:
-            run = prepare(cfg, out, resume, explicit)
-        except BaseException:
-            lock.release()
-            if created and not any(out.iterdir()):  # a refused run leaves nothing behind
-                out.rmdir()
-            raise
+        run = prepare(cfg, out, resume, explicit)
         remove_stale_temps(out)
-        if run.state_dir is None:
+        fresh = run.state_dir is None
+        if fresh:
             run.tok.save(out / "tokenizer.json")
         _loop(run, quiet)
+    except BaseException:
+        if fresh and find_state(out) is None:  # a new run that failed before its first checkpoint: nothing to resume
+            for name in ("tokenizer.json", "metrics.jsonl", "config.json", "model.safetensors"):
+                (out / name).unlink(missing_ok=True)
+            remove_stale_temps(out)
+        raise
     finally:
         lock.release()
+        if created and out.is_dir() and not any(out.iterdir()):  # a refused or failed run leaves nothing behind
+            out.rmdir()
     return out
 
 
@@ -346,7 +358,7 @@ def _step_function(cfg: TrainConfig, model: nn.Module, objective: Objective, par
         with autocast():
             loss, extra = objective.loss(model, batch, step_generator(device, cfg.seed, step))
         if not torch.isfinite(loss):
-            raise DlmError(f"loss became {float(loss)} at step {step + 1}; lower --lr or check the data")
+            raise DlmError(f"loss became {float(loss.detach())} at step {step + 1}; lower --lr or check the data")
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0 else torch.tensor(0.0)
         opt.step()

@@ -28,14 +28,14 @@ def test_train_from_a_yaml_config_then_generate_eval_bench(corpus_dir, tokenizer
     assert {"text", "new_tokens", "forwards", "tokens_per_forward", "seconds", "tokens_per_second"} <= set(res)
     assert res["new_tokens"] == res["forwards"] <= 12 and res["tokens_per_forward"] == 1.0
 
-    e = run_cli("eval", "--model", str(out), "--split", "test", "--json", check=True)
+    e = run_cli("eval", "--model", str(out), "--data", str(corpus_dir), "--split", "test", "--json", check=True)
     ev = json.loads(e.stdout)
     assert set(ev) >= {"loss", "perplexity", "tokens"} and ev["tokens"] > 0
     assert ev["perplexity"] == pytest.approx(2.718281828 ** ev["loss"], rel=1e-6)
 
     report = tmp_path / "bench.json"
-    b = run_cli("bench", "--model", str(out), "--prompts", "2", "--max-new-tokens", "8", "--out", str(report),
-                check=True)
+    b = run_cli("bench", "--model", str(out), "--data", str(corpus_dir), "--prompts", "2", "--max-new-tokens", "8",
+                "--out", str(report), check=True)
     assert "ar (KV cache)" in b.stdout
     rep = json.loads(report.read_text())
     names = [s["method"] for s in rep["summaries"]]

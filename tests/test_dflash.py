@@ -191,7 +191,7 @@ def test_generate_json_and_check_lossless(tiny_ar, tiny_dflash):
         assert ("draft_forwards" in out) and out["draft_seconds"] >= 0 and out["verify_seconds"] > 0
 
 
-def test_export_matches_the_public_dflash_layout(tiny_dflash, tmp_path):
+def test_export_matches_the_public_dflash_layout(tiny_dflash, tiny_ar, tmp_path):
     from safetensors.torch import load_file
 
     out = tmp_path / "hf"
@@ -222,7 +222,7 @@ def test_export_matches_the_public_dflash_layout(tiny_dflash, tmp_path):
                      p + "mlp.down_proj.weight": (D, F)})
     assert {k: tuple(v.shape) for k, v in w.items()} == want
     # the exported weights, run by the public formula (written out here from the layout alone), give our drafts
-    _check_public_forward(cfg, w, drafter, load_model(ck.config["dflash"]["target"]["path"])[0])
+    _check_public_forward(cfg, w, drafter, load_model(tiny_ar)[0])
 
 
 def _rms(x, w, eps):

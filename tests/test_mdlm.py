@@ -422,11 +422,11 @@ def test_elbo_of_a_uniform_model_is_log_vocab():
         torch.testing.assert_close(nll, torch.full((3, 2), 20 * math.log(49), dtype=nll.dtype))
 
 
-def test_cli_eval_bound_is_reproducible(tiny_mdlm, tiny_ar, capsys):
+def test_cli_eval_bound_is_reproducible(tiny_mdlm, tiny_ar, corpus_dir, capsys):
     from dlm.cli import main
 
-    args = ["eval", "--model", str(tiny_mdlm), "--samples", "2", "--max-batches", "2", "--json",
-            "--reference", str(tiny_ar)]
+    args = ["eval", "--model", str(tiny_mdlm), "--data", str(corpus_dir), "--samples", "2", "--max-batches", "2",
+            "--json", "--reference", str(tiny_ar)]
     a = json.loads(run_cli(*args, check=True).stdout)
     assert main(args) == 0
     b = json.loads(capsys.readouterr().out)

@@ -73,6 +73,8 @@ class Corpus:
             p = Path(spec).expanduser()
             if not p.exists():
                 raise DlmError(f"--data: no such file or directory: {spec} (use 'stdlib', a text file, a folder or a .jsonl)")
+            if not (p.is_dir() or p.is_file()):  # a device or a pipe: /dev/zero would never end
+                raise DlmError(f"--data {spec}: not a regular file or a folder")
             self.root = p.resolve()
             self.kind = "dir" if p.is_dir() else {".jsonl": "jsonl", ".csv": "csv"}.get(p.suffix.lower(), "text")
         if not self.documents:
@@ -85,7 +87,11 @@ class Corpus:
         if self.kind == "dir":
             docs = []
             for f in self._walk(self.root, "*"):
-                head = f.read_bytes()[:8192]
+                try:
+                    with open(f, "rb") as fh:
+                        head = fh.read(8192)
+                except OSError:  # unreadable (permissions, a file that went away): not a document
+                    continue
                 if b"\0" in head:
                     continue
                 try:
@@ -112,14 +118,22 @@ class Corpus:
                 if fn.startswith(".") or not Path(fn).match(pattern):
                     continue
                 f = Path(dirpath) / fn
-                if f.is_file() and f.stat().st_size > 0:
-                    out.append(f)
+                try:
+                    if f.is_file() and f.stat().st_size > 0:
+                        out.append(f)
+                except OSError:  # (a link /proc or the permissions will not let us follow)
+                    continue
         return out
 
     def _jsonl(self) -> list[Document]:
         docs = []
-        with open(self.root, encoding="utf-8") as fh:
-            for i, line in enumerate(fh, 1):
+        with open(self.root, "rb") as fh:
+            for i, raw in enumerate(fh, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DlmError(f"--data {self.spec}: line {i} is not UTF-8 text (byte {raw[e.start]:#04x} at "
+                                   f"column {e.start + 1})") from None
                 if not line.strip():
                     continue
                 try:

@@ -60,6 +60,8 @@ def load_tokens(corpus: Corpus, tok: Tokenizer, split: str, fim_rate: float = 0.
 
     fim_rate > 0: each document, with that probability (seeded by (seed, its name)), in FIM order."""
     path = token_file(corpus, tok, split, fim_rate, seed)
+    if path.exists() and not _readable(path):  # damaged (cut short by a full disk, say): rebuilt from the corpus
+        path.unlink()
     if not path.exists():
         docs = corpus.docs(split)
         dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
@@ -80,8 +82,20 @@ def load_tokens(corpus: Corpus, tok: Tokenizer, split: str, fim_rate: float = 0.
         os.replace(tmp, path)
         meta = {"corpus": corpus.spec, "corpus_key": corpus.key, "tokenizer": tok.sha256, "split": split,
                 "documents": len(docs), "tokens": int(arr.size), "fim_rate": fim_rate, "seed": seed}
-        (path.parent / f"{path.stem}.json").write_text(json.dumps(meta, indent=1))
+        tmp = path.with_name(f".{path.stem}.json.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(meta, indent=1))
+        os.replace(tmp, path.with_name(f"{path.stem}.json"))
     return np.load(path, mmap_mode="r", allow_pickle=False)
+
+
+def _readable(path: Path) -> bool:
+    """Whether a cached split reads back as the 1-D token array its .json describes."""
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        meta = json.loads(path.with_name(path.stem + ".json").read_text())
+        return arr.ndim == 1 and arr.dtype in (np.uint16, np.uint32) and int(meta["tokens"]) == arr.size
+    except (OSError, ValueError, EOFError, KeyError, TypeError):  # ValueError: a cut header or body, or bad JSON
+        return False
 
 
 @dataclass

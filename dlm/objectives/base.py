@@ -57,7 +57,7 @@ class Objective(ABC):
 
     def model_config(self) -> ModelConfig:
         if self.cfg.init_from:
-            mc = open_checkpoint(self.cfg.init_from).model_config
+            mc = open_checkpoint(self.cfg.init_from, "--init-from").model_config
             mc.self_cond = self.self_cond
             mc.max_seq_len = max(mc.max_seq_len, self.cfg.seq_len)
             return mc
@@ -68,7 +68,7 @@ class Objective(ABC):
     def build_model(self) -> nn.Module:
         model = Transformer(self.model_config())
         if self.cfg.init_from:
-            ck = open_checkpoint(self.cfg.init_from)
+            ck = open_checkpoint(self.cfg.init_from, "--init-from")
             tensors = ck.tensors()
             if self.self_cond:  # a new module: keep its fresh initialisation
                 tensors.update({k: v for k, v in model.state_dict().items() if k.startswith("self_cond.")})

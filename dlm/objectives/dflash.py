@@ -83,7 +83,7 @@ class DFlash(Objective):
         check(cfg.injection in INJECTIONS, f"--injection must be one of {list(INJECTIONS)}, got {cfg.injection!r}")
         check(cfg.draft_layers >= 0, f"--draft-layers must be >= 0 (0 = default), got {cfg.draft_layers}")
         check(cfg.anchors >= 0, f"--anchors must be >= 0 (0 = default), got {cfg.anchors}")
-        tck = open_checkpoint(cfg.target)
+        tck = open_checkpoint(cfg.target, "--target")
         if tck.objective != "ar":
             raise DlmError(f"--target {cfg.target}: a DFlash target must be an AR checkpoint, "
                            f"got objective {tck.objective!r}")
@@ -96,7 +96,7 @@ class DFlash(Objective):
 
     def __init__(self, cfg, tokenizer):
         super().__init__(cfg, tokenizer)
-        target, tck = load_model(cfg.target)
+        target, tck = load_model(cfg.target, option="--target")
         if tck.tokenizer.sha256 != tokenizer.sha256:
             raise DlmError(f"--tokenizer does not match the target's ({cfg.target}/tokenizer.json); "
                            "leave --tokenizer unset to use the target's")
@@ -117,7 +117,7 @@ class DFlash(Objective):
         with torch.no_grad():  # the drafter's output feeds the target's head: start at the target's scale
             model.norm.weight.copy_(self.target.norm.weight)
         if self.cfg.init_from:  # warm start: continue a drafter of the same shape (e.g. longer, or on more data)
-            ck = open_checkpoint(self.cfg.init_from)
+            ck = open_checkpoint(self.cfg.init_from, "--init-from")
             if ck.objective != "dflash":
                 raise DlmError(f"--init-from {ck.path}: a dflash run starts from a dflash drafter, "
                                f"not from objective {ck.objective!r}")
@@ -180,7 +180,9 @@ class DFlash(Objective):
             "target_layer_ids": self.layer_ids, "block_size": self.block_size, "mask_token_id": self.mask_id,
             "injection": self.cfg.injection, "target_features": self.cfg.target_features,
             "gamma_w": gamma_w(self.block_size),
-            "target": {"path": str(Path(self.cfg.target).resolve()), "model": tc.to_dict(),
+            # the target by its folder's name: a checkpoint records no path of the machine it was trained on
+            # (the target is given again at inference, and checked by its shapes, tokenizer and fingerprint)
+            "target": {"name": Path(self.cfg.target).resolve().name, "model": tc.to_dict(),
                        "tokenizer_sha256": self.target_ck.tokenizer.sha256,
                        "fingerprint": target_fingerprint(self.target)},
         }}

@@ -26,6 +26,7 @@ from typing import Iterator, Sequence
 from torch import nn
 
 from dlm.checkpoint import Checkpoint
+from dlm.config import check_seed
 from dlm.errors import DlmError
 from dlm.sampling import ar, joint, mdlm, speculative, usdm
 from dlm.sampling.common import Event, Prompt, Result, drain
@@ -104,6 +105,8 @@ def stream(model: nn.Module, ck: Checkpoint, prompts: Sequence[Prompt | Sequence
     ps = [p if isinstance(p, Prompt) else Prompt(list(p)) for p in prompts]
     if not ps:
         raise DlmError("no prompt given")
+    if cfg.seed is not None:
+        check_seed(cfg.seed)
     if cfg.draft or drafter is not None:
         return speculative.stream(model, ck, ps, cfg, drafter)
     if ck.objective not in SAMPLERS:

@@ -207,6 +207,9 @@ def probs_from_logits(logits: Tensor, temperature: float = 1.0, top_k: int = 0, 
 def sample_from(probs: Tensor, gen: torch.Generator | None) -> Tensor:
     """One draw per row of probs (…, V) -> (…,)."""
     flat = probs.reshape(-1, probs.shape[-1])
+    if not bool(torch.isfinite(flat).all()):  # (torch.multinomial would fail with an internal error)
+        raise DlmError("the model's output holds NaN or infinite values: its weights are damaged, or the dtype "
+                       "overflowed (try float32)")
     return torch.multinomial(flat, 1, generator=gen).reshape(probs.shape[:-1])
 
 

@@ -366,13 +366,13 @@ def load_drafter(spec: str, target: Transformer, ck, sampling: Sampling, passes:
         return PromptLookup(lookup_ngram)
     if not Path(spec).is_dir():
         raise DlmError(f"--draft must be 'lookup' or a drafter checkpoint folder, got {spec!r} (no such folder)")
-    dck = open_checkpoint(spec)
+    dck = open_checkpoint(spec, "--draft")
     if dck.tokenizer.sha256 != ck.tokenizer.sha256:
         raise DlmError(f"--draft {spec}: its tokenizer differs from the target's ({ck.path}); "
                        "a drafter must share the target's tokenizer")
     if dck.objective not in ("dflash", "ar"):
         raise DlmError(f"--draft {spec}: objective {dck.objective!r} cannot draft (dflash and ar checkpoints can)")
-    model, dck = load_model(spec, device=target.device, dtype=target.embed_tokens.weight.dtype)
+    model, dck = load_model(spec, device=target.device, dtype=target.embed_tokens.weight.dtype, option="--draft")
     capacity = drafter_capacity(target)
     if dck.objective == "ar":
         if model.cfg.vocab_size != target.cfg.vocab_size:
