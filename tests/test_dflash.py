@@ -15,7 +15,7 @@ from dlm.model import Transformer
 from dlm.drafter import DFlashDrafter, default_draft_layers, target_layer_ids
 from dlm.objectives.dflash import DFlash, gamma_w, multi_block_mask, slot_weights
 from dlm.sampling.speculative import DFlashDraft, Sampling, _taps, speculate, target_greedy
-from tests.conftest import run_cli, tiny_train_config
+from conftest import run_cli, tiny_train_config
 
 
 def test_target_layer_ids_follow_the_paper_and_handle_small_targets():

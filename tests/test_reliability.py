@@ -571,7 +571,8 @@ def test_model_shapes_are_computed_exactly(tiny_ar):
     from dlm.drafter import build_drafter, drafter_shapes
     from dlm.model import Transformer, param_shapes
 
-    for kw in ({}, {"tie_embeddings": False}, {"qk_norm": False}, {"self_cond": True}, {"head_dim": 32}):
+    for kw in ({}, {"tie_embeddings": False}, {"qk_norm": False}, {"self_cond": True}, {"head_dim": 32},
+               {"learned_pos": True}):
         cfg = preset("tiny", vocab_size=300, **kw)
         assert param_shapes(cfg) == model_shapes(Transformer(cfg)), kw
     for features in (True, False):
@@ -621,11 +622,21 @@ def test_ctrl_c_at_any_moment_is_exit_130_without_a_traceback(tiny_ar):
     """SIGINT while dlm imports torch, loads, generates: exit 130, one line, no traceback."""
     code = ("import os, signal, sys\n"
             "from dlm.cli import main\n"  # (the interpreter's own start-up runs no code of dlm's)
-            "signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))\n"
-            "signal.setitimer(signal.ITIMER_REAL, float(sys.argv[1]))\n"
+            "if sys.argv[1] == 'forward':\n"  # during generation: at the model's third forward, whatever the speed
+            "    import dlm.model\n"
+            "    forward, calls = dlm.model.Transformer.forward, []\n"
+            "    def interrupted(*a, **k):\n"
+            "        calls.append(1)\n"
+            "        if len(calls) == 3:\n"
+            "            os.kill(os.getpid(), signal.SIGINT)\n"
+            "        return forward(*a, **k)\n"
+            "    dlm.model.Transformer.forward = interrupted\n"
+            "else:\n"
+            "    signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))\n"
+            "    signal.setitimer(signal.ITIMER_REAL, float(sys.argv[1]))\n"
             "sys.exit(main(sys.argv[2:]))\n")
-    delays = (0.001, 0.05, 0.3, 1.0)
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(d), "generate", "--model", str(tiny_ar), "--prompt",
+    delays = ("0.001", "0.05", "0.3", "forward")
+    procs = [subprocess.Popen([sys.executable, "-c", code, d, "generate", "--model", str(tiny_ar), "--prompt",
                                "def f(", "--max-new-tokens", "400", "--temperature", "1"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for d in delays]
     for d, p in zip(delays, procs):
