@@ -421,6 +421,56 @@ def target_method(model, ck, max_new_tokens: int, temperature: float, seed: int 
                   {"model": str(ck.path), "temperature": temperature, "spec_base": True})
 
 
+def joint_methods(path: str, ref_ck, max_new_tokens: int, blocks: tuple[int, ...]) -> tuple[Method, list[Method]]:
+    """A joint checkpoint's AR mode (the baseline its self-speculation must reproduce) and one row per
+    self-speculation mode and block size, greedy."""
+    from dlm.sampling.joint import SELF_SPEC
+
+    net, ck = load_paired(path, "joint", ref_ck)
+    cfg = SampleConfig(max_new_tokens=max_new_tokens)
+    base = Method("joint ar mode", "ar", net, ck, cfg.replace(sampler="ar"),
+                  {"model": str(ck.path), "sampler": "ar", "greedy": True, "spec_base": True})
+    rows = [Method(f"joint {mode} B={b}", "spec", net, ck, cfg.replace(sampler=mode, block_size=b),
+                   {"model": str(ck.path), "sampler": mode, "gamma": b, "block_size": b, "temperature": 0.0})
+            for mode in SELF_SPEC for b in blocks]
+    return base, rows
+
+
+def plot_blocks(summaries: list[dict[str, Any]], path: Path) -> str | None:
+    """Tokens per forward and tau of each self-speculation mode against its block size."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot"
+    modes: dict[str, list[dict[str, Any]]] = {}
+    for s in summaries:
+        if s["settings"].get("sampler", "").startswith("self-spec"):
+            modes.setdefault(s["settings"]["sampler"], []).append(s)
+    if not modes:
+        return "no self-speculation rows: no plot"
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, key, label in ((axes[0], "tokens_per_forward", "tokens per forward"), (axes[1], "tau", "tau"),
+                           (axes[2], "speedup", "speedup vs its AR mode (this CPU)")):
+        for mode, rows in modes.items():
+            rows = sorted(rows, key=lambda r: r["settings"]["block_size"])
+            ax.plot([r["settings"]["block_size"] for r in rows], [r.get(key) for r in rows], marker="o", label=mode)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("block size")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("joint self-speculation against block size (greedy, held-out completion cases)", fontsize=10)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return None
+
+
 def spec_methods(model, ck, drafts: list[str], max_new_tokens: int, temperature: float,
                  block_size: int | None = None, seed: int = 0) -> list[Method]:
     """One row per drafter ('lookup' or a drafter checkpoint), in the lossless speculative loop."""
@@ -464,7 +514,8 @@ def summarize_spec(reps: list[list[dict[str, Any]]], base_reps: list[list[dict[s
 
 
 def build_methods(net, ck, max_new_tokens: int, naive: bool, mdlm: str | None, usdm: str | None, sweep: bool,
-                  draft: list[str] | None, temperatures: tuple[float, ...], block_size: int | None):
+                  draft: list[str] | None, temperatures: tuple[float, ...], block_size: int | None,
+                  joint: str | None = None, joint_blocks: tuple[int, ...] = (16,)):
     """Every row of a bench run; the speculative groups as (temperature, baseline, drafter rows)."""
     methods = ar_methods(net, ck, max_new_tokens, naive=naive)
     if mdlm:
@@ -477,6 +528,10 @@ def build_methods(net, ck, max_new_tokens: int, naive: bool, mdlm: str | None, u
         group = spec_methods(net, ck, list(draft), max_new_tokens, t, block_size)
         spec_groups.append((t, base, group))
         methods += ([] if t == 0 else [base]) + group
+    if joint:  # self-speculation: measured against the joint model's own AR mode
+        base, group = joint_methods(joint, ck, max_new_tokens, joint_blocks)
+        spec_groups.append((0.0, base, group))
+        methods += [base] + group
     return methods, spec_groups
 
 
@@ -505,7 +560,8 @@ def print_report(report: dict[str, Any], spec_rows: list[dict[str, Any]]) -> Non
                   f"{q['confidence_forwards']:.1f} at the same gen PPL {q['gen_ppl']:.2f} (x{q['ratio']:.2f})")
     if spec_rows:
         print_table(spec_rows, [("temperature", "T", "g"), ("tokens_per_second", "tok/s", ".1f")] + [
-            ("tau", "tau", ".2f"), ("speedup", "speedup", ".2f", True), ("lossless", "lossless", ".2f"),
+            ("tokens_per_forward", "tok/fwd", ".2f"), ("tau", "tau", ".2f"), ("speedup", "speedup", ".2f", True),
+            ("lossless", "lossless", ".2f"),
             ("draft_share", "draft time", ".0%"), ("draft_forwards", "draft fwd", ".0f")],
                     title="speculative decoding: speedup = target alone / method, per case in the same round "
                           "(median; min-max over repetitions); tau pooled over cycles")
@@ -535,7 +591,8 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
               warmup: int = 1, naive: bool = True, quiet: bool = False, mdlm: str | None = None,
               usdm: str | None = None, sweep: bool = False, draft: list[str] | None = None,
               temperatures: tuple[float, ...] = (0.0, 1.0), block_size: int | None = None, repeat: int = 3,
-              task: str | None = None, span: str = "line") -> dict[str, Any]:
+              task: str | None = None, span: str = "line", joint: str | None = None,
+              joint_blocks: tuple[int, ...] = (16,)) -> dict[str, Any]:
     """Run every method on the same held-out cases, interleaved and repeated; print the tables, write the JSON
     report (and the PNG of quality against tokens per forward and wall time beside it).
 
@@ -564,7 +621,7 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
                        f"target and quality judge, an ar checkpoint{hint}")
     items, infill_items = bench_items(task, data, prompts, span)
     methods, spec_groups = build_methods(net, ck, max_new_tokens, naive, mdlm, usdm, sweep, draft, temperatures,
-                                         block_size)
+                                         block_size, joint, joint_blocks)
     context = min(window(m.ck, m.model) for m in methods)  # every method gets the same prompt tokens
 
     from rich.progress import Progress
@@ -621,5 +678,9 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
         report["plot"] = None if note else str(png)
         if note:
             report["plot_note"] = note
+        if joint and len(joint_blocks) > 1:
+            blocks_png = Path(out).with_suffix(".blocks.png")
+            if plot_blocks(summaries, blocks_png) is None:
+                report["blocks_plot"] = str(blocks_png)
         write_json(out, report)
     return report

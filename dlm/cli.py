@@ -308,7 +308,8 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
               out: str | None = "bench.json", data: str | None = None, warmup: int = 1, naive: bool = True,
               mdlm: str | None = None, usdm: str | None = None, sweep: bool = False,
               draft: list[str] | None = None, temperature: list[float] | None = None,
-              block_size: int | None = None, repeat: int = 3, task: str | None = None, span: str = "line") -> None:
+              block_size: int | None = None, repeat: int = 3, task: str | None = None, span: str = "line",
+              joint: str | None = None, joint_blocks: list[int] | None = None) -> None:
     """Benchmark the paradigms side by side on held-out task cases: task metrics, tok/forward, tok/s, TTFT, ratios
     against AR in the same round (methods interleaved case by case, repeated; medians and min-max).
 
@@ -333,6 +334,10 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
         task: complete, infill or sudoku: a Pareto sweep of the diffusion samplers on that task's cases (quality
             against tokens per forward and against wall time; the PNG beside --out)
         span: --task infill: line or lines
+        joint: a joint AR + diffusion checkpoint: its AR mode and its self-speculation rows (greedy), measured
+            against its own AR mode (tau, lossless, speedup) and against --model
+        joint_blocks: block sizes of the self-speculation rows (default: 16); several also plot tau and tokens
+            per forward against block size (.blocks.png beside --out)
     """
     from dlm.bench import run_bench
     from dlm.demo import shipped
@@ -343,7 +348,7 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
         found = shipped(name)
         return str(found) if found else None
 
-    if model is not None or draft:  # your own model, or a speculation benchmark: diffusion rows only when asked
+    if model is not None or draft or joint:  # your own model, or a speculation benchmark: diffusion rows only when asked
         mdlm, usdm = mdlm or "", usdm or ""
     model = default(model, "ar-small")
     if model is None:
@@ -360,7 +365,7 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
         max_new_tokens = task_module(task).default_new_tokens(span) if task else 64
     run_bench(model, prompts, max_new_tokens, out or None, data, warmup, naive, mdlm=default(mdlm, "mdlm-small"),
               usdm=default(usdm, "usdm-small"), sweep=sweep, draft=draft, temperatures=temps, block_size=block_size,
-              repeat=repeat, task=task, span=span)
+              repeat=repeat, task=task, span=span, joint=joint, joint_blocks=tuple(joint_blocks or (16,)))
     if out:
         print(f"report: {out}")
 

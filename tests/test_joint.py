@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from collections import Counter
 
 import pytest
@@ -213,3 +214,23 @@ def test_bad_options(tiny_joint, tiny_ar):
     r = run_cli("train", "--objective", "joint", "--init-from", str(tiny_ar), "--block-size", "7", "--seq-len", "64",
                 "--out", str(tiny_joint.parent / "bad"))
     assert r.returncode == 2 and "--block-size must divide" in r.stderr and not (tiny_joint.parent / "bad").exists()
+
+
+def test_bench_rows_for_self_speculation(tiny_joint, tiny_ar, corpus_dir, tmp_path):
+    """`dlm bench --joint`: the AR mode and every (mode, block) row on the same cases; the self-speculation rows
+    are lossless against the AR mode, and the block-size plot is written."""
+    from dlm.bench import run_bench
+
+    out = tmp_path / "bench.json"
+    report = run_bench(str(tiny_ar), prompts=2, max_new_tokens=12, out=str(out), data=str(corpus_dir), warmup=0,
+                       naive=False, quiet=True, draft=None, temperatures=(0.0,), repeat=1, joint=str(tiny_joint),
+                       joint_blocks=(4, 8))
+    rows = {s["method"]: s for s in report["summaries"]}
+    assert set(rows) == {"ar (KV cache)", "joint ar mode", "joint self-spec-linear B=4", "joint self-spec-linear B=8",
+                         "joint self-spec-quadratic B=4", "joint self-spec-quadratic B=8"}
+    for name, s in rows.items():
+        if "self-spec" in name:
+            assert s["lossless"] == 1.0 and s["tau"] >= 1.0 and s["speedup"] > 0, name
+    assert rows["joint self-spec-quadratic B=4"]["draft_forwards"] == 0
+    assert rows["joint self-spec-linear B=8"]["draft_forwards"] > 0
+    assert Path(report["blocks_plot"]).stat().st_size > 0

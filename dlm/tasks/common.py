@@ -77,8 +77,11 @@ def rng_for(task: str, seed: int):
 
 
 def style_of(ck, drafter: Any, cfg) -> str:
-    """ar: AR targets and speculative decoding (left to right); diffusion: mdlm and usdm (a canvas)."""
+    """ar: AR targets, speculative decoding and a joint model's AR and self-speculation modes (left to right);
+    diffusion: mdlm, usdm and a joint model's mdlm samplers (a canvas)."""
     if drafter is not None or cfg.draft or ck.objective == "ar":
+        return "ar"
+    if ck.objective == "joint" and (cfg.sampler in ("auto", "ar") or cfg.sampler.startswith("self-spec")):
         return "ar"
     return "diffusion"
 
