@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
