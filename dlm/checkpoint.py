@@ -150,11 +150,12 @@ def check_out_file(path: str | os.PathLike, option: str = "--out") -> Path:
 
 # model weights -------------------------------------------------------------------------------
 
-def state_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The model's tensors, shared ones (a tied LM head) stored once."""
+def state_tensors(model: nn.Module | dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The model's tensors (or a state dict's: a sharded model's gathered weights), shared ones (a tied LM head)
+    stored once."""
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
-    for name, t in model.state_dict().items():
+    for name, t in (model if isinstance(model, dict) else model.state_dict()).items():
         if t.data_ptr() in seen and t.numel() > 0:
             continue
         seen.add(t.data_ptr())
@@ -220,7 +221,7 @@ def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: Pat
 # checkpoint folders --------------------------------------------------------------------------
 
 def save_checkpoint(
-    out: Path, model: nn.Module, tokenizer: Tokenizer, meta: dict[str, Any], dtype: torch.dtype | None = None,
+    out: Path, model: nn.Module | dict[str, torch.Tensor], tokenizer: Tokenizer, meta: dict[str, Any], dtype: torch.dtype | None = None,
 ) -> None:
     """Write config.json, model.safetensors and tokenizer.json into `out` (each file atomically)."""
     out = Path(out)
@@ -402,8 +403,9 @@ def export_dlm(model: nn.Module, ck: Checkpoint, out: str | os.PathLike, dtype: 
 
 # training state ------------------------------------------------------------------------------
 
-def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    sd = opt.state_dict()
+def optimizer_tensors(opt: torch.optim.Optimizer | dict) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """An optimizer's state (or its state_dict(): a sharded optimizer's gathered state) as tensors + JSON."""
+    sd = opt if isinstance(opt, dict) else opt.state_dict()
     tensors = {}
     for idx, st in sd["state"].items():
         for k, v in st.items():
@@ -419,8 +421,9 @@ def restore_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tenso
     opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
-def save_state(out: Path, model: nn.Module, opt: torch.optim.Optimizer, trainer: dict[str, Any]) -> None:
-    """Write OUT/state as a whole: build state.tmp, then swap it in."""
+def save_state(out: Path, model: nn.Module | dict[str, torch.Tensor], opt: torch.optim.Optimizer | dict,
+               trainer: dict[str, Any]) -> None:
+    """Write OUT/state as a whole: build state.tmp, then swap it in. (model and opt: objects, or their state dicts.)"""
     out = Path(out)
     tmp, cur, old = out / "state.tmp", out / "state", out / "state.old"
     shutil.rmtree(tmp, ignore_errors=True)

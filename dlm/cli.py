@@ -5,6 +5,7 @@ Every subcommand is a function below; tyro (through dlm.cliargs) turns its typed
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Literal
@@ -119,7 +120,8 @@ def train_cmd(cfg, out: str, resume: bool = False, quiet: bool = False) -> None:
     defaults = TrainConfig()
     explicit = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(defaults, f.name)}
     path = train(cfg, out, resume=resume, quiet=quiet, explicit=explicit)
-    print(f"checkpoint: {path}")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
+        print(f"checkpoint: {path}")
 
 
 def generate_cmd(
@@ -425,8 +427,6 @@ def serve_cmd(model: list[str], draft: str | None = None, host: str = "127.0.0.1
         threads: torch CPU threads (0: torch's default)
         log_level: uvicorn's log level (debug logs every request)
     """
-    import os
-
     if max_concurrency < 1:
         raise DlmError(f"--max-concurrency must be >= 1, got {max_concurrency}")
     if max_queue < 0:
@@ -555,8 +555,6 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write("dlm: interrupted\n")
         return 130
     except BrokenPipeError:  # `dlm ... | head`: the reader left; say nothing more, as a Unix tool does
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     return 0
