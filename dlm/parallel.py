@@ -81,9 +81,9 @@ class Dist:
             return
         if device.type == "cuda":
             torch.cuda.set_device(device)
-            dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(minutes=30))
-        else:
-            dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
+        # NCCL for CUDA tensors, gloo for CPU ones (a resumed run may keep the saved run's --device cpu)
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
         try:
             yield
         finally:
