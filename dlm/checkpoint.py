@@ -14,6 +14,7 @@ swapped in as a whole folder so a kill at any moment leaves either the old or th
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from contextlib import contextmanager
@@ -23,13 +24,13 @@ from typing import Any, Iterator
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from dlm.config import ModelConfig
 from dlm.drafter import build_drafter, drafter_shapes
 from dlm.errors import DlmError, check
-from dlm.model import Transformer, param_shapes
+from dlm.model import Transformer, param_shapes, rope_inv_freq
 from dlm.tokenizer import Tokenizer
 
 DEFAULT_CANVAS = 256  # usdm canvas length when a checkpoint records none (DiffusionGemma's)
@@ -54,11 +55,78 @@ def write_json(path: Path, obj: Any) -> None:
     _fsync_replace(tmp, path)
 
 
+# safetensors dtype names (https://github.com/huggingface/safetensors: the format is an 8-byte little-endian header
+# length, a JSON header of name -> dtype, shape, data_offsets, then the tensors' bytes back to back)
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                      torch.bool: "BOOL"}
+_DTYPES_BY_NAME = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """A safetensors file, written tensor by tensor from the tensors' own memory: no copy of the whole model is
+    made (a real-size checkpoint is written with one tensor in flight at a time)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, t in sorted(tensors.items()):
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise DlmError(f"{path}: tensor {name} has dtype {t.dtype}, which safetensors cannot hold")
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    with open(tmp, "wb") as fh:
+        fh.write(len(head).to_bytes(8, "little") + head)
+        for name, t in sorted(tensors.items()):
+            if t.numel():
+                fh.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
     _fsync_replace(tmp, path)
+
+
+def mmap_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, memory-mapped (copy-on-write): nothing is read until it is used, and
+    pages the process never writes stay the file's (the kernel may drop and reread them)."""
+    import mmap
+
+    path = Path(path)
+    bad = f"{path}: truncated or corrupt safetensors file"
+    if not path.is_file():
+        raise DlmError(f"{path}: missing")
+    try:
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            n = int.from_bytes(fh.read(8), "little")
+            if size < 8 or n > size - 8:
+                raise DlmError(f"{bad} (header of {n} bytes in a file of {size})")
+            header = json.loads(fh.read(n))
+            buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if size > 8 + n else b""
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError, ValueError) as e:
+        raise DlmError(f"{bad} ({str(e).splitlines()[0][:160]})") from None
+    if not isinstance(header, dict):
+        raise DlmError(f"{bad} (its header is not an object)")
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape = _DTYPES_BY_NAME[info["dtype"]], tuple(int(d) for d in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise DlmError(f"{bad} (tensor {name!r}: unknown dtype or bad shape/offsets)") from None
+        count = math.prod(shape)
+        start = 8 + n + begin
+        if begin < 0 or end != begin + count * dtype.itemsize or start + count * dtype.itemsize > size:
+            raise DlmError(f"{bad} (tensor {name!r} lies outside the file or has the wrong size)")
+        if count == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+        elif start % dtype.itemsize:  # not aligned to its element size: read a copy
+            out[name] = torch.frombuffer(bytearray(buf[start:start + count * dtype.itemsize]), dtype=dtype).view(shape)
+        else:
+            out[name] = torch.frombuffer(buf, dtype=dtype, count=count, offset=start).view(shape)
+    return out
 
 
 def read_json(path: Path) -> dict:
@@ -150,11 +218,12 @@ def check_out_file(path: str | os.PathLike, option: str = "--out") -> Path:
 
 # model weights -------------------------------------------------------------------------------
 
-def state_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The model's tensors, shared ones (a tied LM head) stored once."""
+def state_tensors(model: nn.Module | dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The model's tensors (or a state dict's: a sharded model's gathered weights), shared ones (a tied LM head)
+    stored once."""
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
-    for name, t in model.state_dict().items():
+    for name, t in (model if isinstance(model, dict) else model.state_dict()).items():
         if t.data_ptr() in seen and t.numel() > 0:
             continue
         seen.add(t.data_ptr())
@@ -204,12 +273,20 @@ def model_shapes(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str
     return expected, aliases
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or infinity in t (min and max carry both: one pass, no temporary as large as t)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
 def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: Path) -> None:
     """Load tensors into model, reporting missing/unexpected/misshapen names and non-finite values against `source`."""
     expected, aliases = model_shapes(model)
     check_shapes(expected, {n: tuple(t.shape) for n, t in tensors.items()}, source, aliases)
     for n, t in tensors.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if not all_finite(t):
             raise DlmError(f"{source}: tensor {n} holds NaN or infinite values (a damaged or diverged checkpoint)")
     with torch.no_grad():
         for n, p in model.state_dict().items():
@@ -220,7 +297,7 @@ def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: Pat
 # checkpoint folders --------------------------------------------------------------------------
 
 def save_checkpoint(
-    out: Path, model: nn.Module, tokenizer: Tokenizer, meta: dict[str, Any], dtype: torch.dtype | None = None,
+    out: Path, model: nn.Module | dict[str, torch.Tensor], tokenizer: Tokenizer, meta: dict[str, Any], dtype: torch.dtype | None = None,
 ) -> None:
     """Write config.json, model.safetensors and tokenizer.json into `out` (each file atomically)."""
     out = Path(out)
@@ -375,18 +452,37 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32, option: str = "--model") -> tuple[nn.Module, Checkpoint]:
+               dtype: torch.dtype | None = torch.float32, option: str = "--model") -> tuple[nn.Module, Checkpoint]:
     """Build the model a checkpoint describes and load its weights (in eval mode).
 
     config.json is held against the names and shapes in the weights' header first, so a config that asks
-    for more than its weights hold is refused before anything is allocated."""
+    for more than its weights hold is refused before anything is allocated. The model is built on the meta
+    device and takes the memory-mapped weights as they are: no random initialisation, and no copy but the one
+    a change of dtype or device makes (dtype None: the dtype the weights are stored in)."""
     ck = open_checkpoint(path, option)
     dflash = ck.objective == "dflash"
     expected, aliases = drafter_shapes(ck.config) if dflash else param_shapes(ck.model_config)
     check_shapes(expected, tensor_shapes(ck.path / WEIGHTS), ck.path / WEIGHTS, aliases)
-    model = build_drafter(ck.config) if dflash else Transformer(ck.model_config)
-    load_weights(model, ck.tensors(), ck.path / WEIGHTS)
+    with torch.device("meta"):
+        model = build_drafter(ck.config) if dflash else Transformer(ck.model_config)
+    assign_weights(model, mmap_tensors(ck.path / WEIGHTS), ck.path / WEIGHTS)
     return model.to(device=device, dtype=dtype).eval(), ck
+
+
+def assign_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: Path) -> None:
+    """Make `tensors` the weights of a model built on the meta device (checked as load_weights checks them);
+    the RoPE frequencies are computed, a tied head is tied again."""
+    expected, aliases = model_shapes(model)
+    check_shapes(expected, {n: tuple(t.shape) for n, t in tensors.items()}, source, aliases)
+    for n, t in tensors.items():
+        if not all_finite(t):
+            raise DlmError(f"{source}: tensor {n} holds NaN or infinite values (a damaged or diverged checkpoint)")
+    full = {**{a: tensors[m] for a, m in aliases.items() if a not in tensors}, **tensors}
+    model.load_state_dict(full, assign=True)
+    model.inv_freq = rope_inv_freq(model.cfg)
+    for a, m in aliases.items():  # assign made two parameters of one tensor: one parameter again
+        owner, _, leaf = a.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, model.get_parameter(m))
 
 
 def export_dlm(model: nn.Module, ck: Checkpoint, out: str | os.PathLike, dtype: torch.dtype,
@@ -402,8 +498,9 @@ def export_dlm(model: nn.Module, ck: Checkpoint, out: str | os.PathLike, dtype: 
 
 # training state ------------------------------------------------------------------------------
 
-def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    sd = opt.state_dict()
+def optimizer_tensors(opt: torch.optim.Optimizer | dict) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """An optimizer's state (or its state_dict(): a sharded optimizer's gathered state) as tensors + JSON."""
+    sd = opt if isinstance(opt, dict) else opt.state_dict()
     tensors = {}
     for idx, st in sd["state"].items():
         for k, v in st.items():
@@ -419,8 +516,9 @@ def restore_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tenso
     opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
-def save_state(out: Path, model: nn.Module, opt: torch.optim.Optimizer, trainer: dict[str, Any]) -> None:
-    """Write OUT/state as a whole: build state.tmp, then swap it in."""
+def save_state(out: Path, model: nn.Module | dict[str, torch.Tensor], opt: torch.optim.Optimizer | dict,
+               trainer: dict[str, Any]) -> None:
+    """Write OUT/state as a whole: build state.tmp, then swap it in. (model and opt: objects, or their state dicts.)"""
     out = Path(out)
     tmp, cur, old = out / "state.tmp", out / "state", out / "state.old"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -5,6 +5,7 @@ Every subcommand is a function below; tyro (through dlm.cliargs) turns its typed
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Literal
@@ -119,12 +120,13 @@ def train_cmd(cfg, out: str, resume: bool = False, quiet: bool = False) -> None:
     defaults = TrainConfig()
     explicit = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(defaults, f.name)}
     path = train(cfg, out, resume=resume, quiet=quiet, explicit=explicit)
-    print(f"checkpoint: {path}")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
+        print(f"checkpoint: {path}")
 
 
 def generate_cmd(
     scfg, model: str, prompt: str = "", prompt_file: str | None = None, json: bool = False, show: bool = False,
-    device: str = "cpu",
+    device: str = "cpu", dtype: Literal["stored", "fp32", "bf16"] = "stored",
 ) -> None:
     """Generate text with a checkpoint (its paradigm's sampler).
 
@@ -135,7 +137,11 @@ def generate_cmd(
         json: print one JSON object with the text and the statistics
         show: live view: redraw the canvas at every denoising step (or stream tokens as they commit)
         device: cpu, cuda or auto
+        dtype: the weights' precision: stored (as the checkpoint holds them, memory-mapped: no copy of a large
+            imported model; fp32 for what dlm trains), fp32 or bf16
     """
+    import torch
+
     from dlm.checkpoint import load_model
     from dlm.sampling import encode, generate, stream
 
@@ -144,7 +150,8 @@ def generate_cmd(
     prompt = _text(prompt, "--prompt-file" if prompt_file else "--prompt")
     if scfg.suffix is not None:
         _text(scfg.suffix, "--suffix")
-    net, ck = load_model(model, device=_device(device))
+    net, ck = load_model(model, device=_device(device),
+                         dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "stored": None}[dtype])
     for warning in unused_options(scfg, ck.objective, prompt):
         sys.stderr.write(f"dlm: warning: {warning}; ignored\n")
     if show:  # with --json the live view goes to stderr: stdout holds the one JSON object
@@ -279,7 +286,7 @@ def export_cmd(model: str, out: str, format: str = "hf", dtype: str = "float32",
         raise DlmError(f"--dtype must be one of {sorted(dtypes)}, got {dtype!r}")
     if format not in ("hf", "dlm"):
         raise DlmError(f"--format must be hf or dlm, got {format!r}")
-    net, ck = load_model(model)
+    net, ck = load_model(model, dtype=None)  # as stored: each tensor is cast as it is written
     if format == "dlm":
         path = export_dlm(net, ck, out, dtypes[dtype], overwrite)
     elif ck.objective == "ar":
@@ -430,8 +437,6 @@ def serve_cmd(model: list[str], draft: str | None = None, host: str = "127.0.0.1
         threads: torch CPU threads (0: torch's default)
         log_level: uvicorn's log level (debug logs every request)
     """
-    import os
-
     if max_concurrency < 1:
         raise DlmError(f"--max-concurrency must be >= 1, got {max_concurrency}")
     if max_queue < 0:
@@ -560,8 +565,6 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write("dlm: interrupted\n")
         return 130
     except BrokenPipeError:  # `dlm ... | head`: the reader left; say nothing more, as a Unix tool does
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     return 0

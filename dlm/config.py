@@ -161,6 +161,10 @@ class TrainConfig:
         seed: data order and every random draw depend only on (seed, step)
         device: auto, cpu, cuda or cuda:N
         compile: torch.compile the model (CUDA only)
+        dtype: autocast precision of forward and backward: auto (bf16 on a CUDA device that has it, else fp32), bf16 or fp32 (bf16 on CPU works, slowly: for checking numerics)
+        grad_accum: micro-batches per optimizer step (--batch-size is the global batch: it splits into grad_accum x processes equal slices)
+        fsdp: under torchrun, shard parameters, gradients and optimizer state over the processes (FSDP2) instead of replicating them (DDP)
+        activation_checkpointing: recompute each decoder layer's activations in the backward pass instead of keeping them (less memory, ~1/3 more compute: the large presets)
         init_from: start from this checkpoint's weights (e.g. diffusion adapted from AR)
         block_size: block of block diffusion (mdlm; default 0 = the whole window; joint: default 16) or of the DFlash drafter (dflash; default 16)
         canvas_length: usdm: tokens per canvas
@@ -200,6 +204,10 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     compile: bool = False
+    dtype: str = "auto"
+    grad_accum: int = 1
+    fsdp: bool = False
+    activation_checkpointing: bool = False
     init_from: str | None = None
     # block diffusion (mdlm) and the DFlash drafter (dflash): one name for one idea
     block_size: int | None = None
@@ -230,7 +238,8 @@ class TrainConfig:
                 check(math.isfinite(v), f"--{f.name.replace('_', '-')} must be a finite number, got {v}")
         check(self.seq_len <= MODEL_LIMITS["max_seq_len"],
               f"--seq-len must be in [1, {MODEL_LIMITS['max_seq_len']}], got {self.seq_len}")
-        for f in ("seq_len", "batch_size", "max_steps", "eval_batches", "eval_every", "save_every", "log_every"):
+        for f in ("seq_len", "batch_size", "max_steps", "eval_batches", "eval_every", "save_every", "log_every",
+                  "grad_accum"):
             check(getattr(self, f) > 0, f"--{f.replace('_', '-')} must be > 0, got {getattr(self, f)}")
         check(self.lr > 0, f"--lr must be > 0, got {self.lr}")
         check(0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
@@ -240,6 +249,10 @@ class TrainConfig:
         for f in ("beta1", "beta2"):
             check(0 <= getattr(self, f) < 1, f"--{f} must be in [0, 1), got {getattr(self, f)}")
         check_seed(self.seed)
+        check(self.batch_size % self.grad_accum == 0,
+              f"--batch-size {self.batch_size} must be a multiple of --grad-accum {self.grad_accum} "
+              "(the global batch splits into equal micro-batches)")
+        check(self.dtype in ("auto", "bf16", "fp32"), f"--dtype must be auto, bf16 or fp32, got {self.dtype!r}")
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
               f"--device must be auto, cpu or cuda[:N], got {self.device!r}")
         check(self.fim_rate is None or 0 <= self.fim_rate <= 1, f"--fim-rate must be in [0, 1], got {self.fim_rate}")

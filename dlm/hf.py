@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from dlm.checkpoint import (
-    Checkpoint, check_shapes, read_json, read_tensors, save_checkpoint, state_tensors, tensor_shapes, write_folder,
-    write_json, write_tensors,
+    Checkpoint, all_finite, check_shapes, mmap_tensors, read_json, save_checkpoint, state_tensors, tensor_shapes,
+    write_folder, write_json, write_tensors,
 )
 from dlm.config import ModelConfig
 from dlm.drafter import DFlashDrafter
@@ -202,9 +202,10 @@ def weight_files(folder: Path) -> list[str]:
 
 
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a transformers folder, memory-mapped (nothing is read until it is used)."""
     tensors: dict[str, torch.Tensor] = {}
     for f in weight_files(folder):
-        tensors.update(read_tensors(folder / f))
+        tensors.update(mmap_tensors(folder / f))
     return tensors
 
 
@@ -220,7 +221,10 @@ def dlm_name(name: str, cfg: ModelConfig, src: Path) -> str | None:
 
 
 def import_hf(folder: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Path:
-    """Read a local Qwen3/Llama folder into a dlm checkpoint (objective "ar")."""
+    """Read a local Qwen3/Llama folder into a dlm checkpoint (objective "ar"), in the dtype it is stored in.
+
+    The weights are memory-mapped and written out tensor by tensor: importing a model takes little memory beyond
+    the pages the kernel maps (docs/scale.md has the figures for Qwen3-0.6B and Llama-3.2-1B shapes)."""
     src, out = Path(folder), Path(out)
     if not src.is_dir():
         raise DlmError(f"--hf: folder not found: {src}")
@@ -238,7 +242,7 @@ def import_hf(folder: str | os.PathLike, out: str | os.PathLike, overwrite: bool
     raw = read_hf_weights(src)
     tensors = {dlm_name(k, cfg, src): v for k, v in raw.items() if dlm_name(k, cfg, src) is not None}
     for k, v in tensors.items():
-        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+        if not all_finite(v):
             raise DlmError(f"{src}: tensor {k} holds NaN or infinite values")
     with torch.device("meta"):
         model = Transformer(cfg)

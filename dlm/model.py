@@ -25,6 +25,7 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from dlm.config import ModelConfig
@@ -189,8 +190,15 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg.dim, cfg.ffn_dim)
+        self.checkpointing = False  # activation checkpointing: recompute this layer in the backward pass
 
     def forward(self, x, rope, mask, is_causal, cache, layer, write, ctx=None, ctx_rope=None) -> Tensor:
+        if self.checkpointing and cache is None and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self.layer, x, rope, mask, is_causal, None, layer, write, ctx,
+                                                     ctx_rope, use_reentrant=False)
+        return self.layer(x, rope, mask, is_causal, cache, layer, write, ctx, ctx_rope)
+
+    def layer(self, x, rope, mask, is_causal, cache, layer, write, ctx=None, ctx_rope=None) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, mask, is_causal, cache, layer, write, ctx, ctx_rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -1,9 +1,11 @@
 """One training loop for every objective.
 
-AdamW, linear warmup + cosine decay, gradient clipping, bf16 autocast and optional torch.compile
-on GPU, periodic validation, a rich progress bar, metrics.jsonl, atomic checkpoints and an exact
---resume: the data order and every random draw depend only on (seed, step), and model + optimizer
-state are restored from safetensors, so the losses after a resume equal an uninterrupted run's.
+AdamW, linear warmup + cosine decay, gradient clipping, gradient accumulation, bf16 autocast and
+optional torch.compile on GPU, activation checkpointing, periodic validation, a rich progress bar,
+metrics.jsonl, atomic checkpoints and an exact --resume: the data order and every random draw depend
+only on (seed, step), and model + optimizer state are restored from safetensors, so the losses after a
+resume equal an uninterrupted run's. Under torchrun the same loop runs data-parallel (DDP, or FSDP2
+with --fsdp; dlm.parallel), and its losses equal one process's on the same global batch.
 
 A run folder belongs to one process at a time (`RunLock`); every option is checked before anything
 is written, so a refused run leaves the folder as it found it.
@@ -33,10 +35,15 @@ from dlm.data.corpus import Corpus
 from dlm.data.tokens import Batches, load_tokens
 from dlm.errors import DlmError, check
 from dlm.objectives import Objective, make_objective, objective_class
+from dlm.parallel import (
+    Dist, check_world, full_optimizer_state, full_state, grad_sync, scalar, shard_optimizer_state, wrap,
+)
 from dlm.tokenizer import Tokenizer
 
-# options a resumed run may change: the rest define the run and must match what was saved
-RESUMABLE = {"max_steps", "eval_every", "eval_batches", "save_every", "log_every", "device", "compile"}
+# options a resumed run may change: the rest define the run and must match what was saved (how a step is computed
+# may change: precision, sharding, accumulation and recomputation leave its batch and its random draws as they were)
+RESUMABLE = {"max_steps", "eval_every", "eval_batches", "save_every", "log_every", "device", "compile", "dtype",
+             "grad_accum", "fsdp", "activation_checkpointing"}
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -77,17 +84,33 @@ def resolve_tokenizer(cfg: TrainConfig, corpus: Corpus, out: Path, resuming: boo
     return Tokenizer.train(corpus.texts("train"), vocab_size=cfg.vocab_size)
 
 
+def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
+    """--dtype: the autocast precision (None: fp32). auto = bf16 on a CUDA device that has it."""
+    cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    if cfg.dtype == "bf16" and device.type == "cuda" and not cuda_bf16:
+        raise DlmError(f"--dtype bf16: {torch.cuda.get_device_name(device)} has no bf16; use --dtype fp32")
+    if cfg.dtype == "bf16" or (cfg.dtype == "auto" and cuda_bf16):
+        return torch.bfloat16
+    return None
+
+
 @torch.no_grad()
-def validate(model: nn.Module, objective: Objective, val: Batches, cfg: TrainConfig, device: torch.device,
-             autocast: Any) -> float:
-    model.eval()
+def validate(step_module: nn.Module, val: Batches, cfg: TrainConfig, device: torch.device, autocast: Any,
+             par: Dist) -> float:
+    """Mean loss of the first eval_batches validation batches; each process computes its share of a batch."""
+    step_module.eval()
     losses = []
     for i, batch in enumerate(val.sequential(cfg.eval_batches)):
+        n = batch.shape[0]
+        rows = par.even_rows(n)
+        weight = (rows.stop - rows.start) / n  # this process's part of the batch loss
+        if weight == 0:  # fewer rows than processes: compute row 0 for nothing, to keep FSDP's gathers in step
+            rows = slice(0, 1)
         with autocast():
-            loss, _ = objective.loss(model, batch.to(device), step_generator(device, cfg.seed + 1, i))
-        losses.append(float(loss))
-    model.train()
-    return sum(losses) / len(losses)
+            loss, _ = step_module(batch.to(device), step_generator(device, cfg.seed + 1, i), rows)
+        losses.append(scalar(loss.detach()) * weight)
+    step_module.train()
+    return sum(par.sum(losses, device)) / len(losses)
 
 
 # the run folder -----------------------------------------------------------------------------------
@@ -206,7 +229,7 @@ class Run:
     val_batches: Batches
 
 
-def prepare(cfg: TrainConfig, out: Path, resume: bool, explicit: set[str] | None) -> Run:
+def prepare(cfg: TrainConfig, out: Path, resume: bool, explicit: set[str] | None, par: Dist = Dist()) -> Run:
     """Check the options, resolve the resumed state, build tokenizer, objective, model and data."""
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise DlmError(f"--out {out}: exists and is not a folder")
@@ -227,7 +250,9 @@ def prepare(cfg: TrainConfig, out: Path, resume: bool, explicit: set[str] | None
     cfg.validate()
     cfg = cfg.resolved()
     objective_class(cfg.objective).check_config(cfg)
-    device = resolve_device(cfg.device)
+    check_world(cfg.batch_size, cfg.grad_accum, par.world)
+    device = par.device(resolve_device(cfg.device), cfg.device)
+    autocast_dtype(cfg, device)
     torch.manual_seed(cfg.seed)
     corpus = Corpus(cfg.data)
     tok = resolve_tokenizer(cfg, corpus, out, resuming=state_dir is not None)
@@ -256,8 +281,25 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, quiet:
 
     explicit: the options the user gave (on --resume, those may not contradict the saved run);
     None = the saved run's options, with cfg.max_steps when it is larger (extending a run).
+    Under torchrun every process calls this; rank 0 owns the folder.
     """
     out = Path(out)
+    par = Dist.from_env()
+    if cfg.fsdp and not par.launched:
+        raise DlmError("--fsdp shards the model over the processes that torchrun starts: "
+                       "torchrun --standalone --nproc-per-node N -m dlm train ... --fsdp")
+    with par.session(par.device(resolve_device(cfg.device), cfg.device)):
+        if par.main:
+            return _train_main(cfg, out, resume, quiet, explicit, par)
+        par.barrier()  # rank 0 holds the run lock and has checked the options
+        run = prepare(cfg, out, resume, explicit, par)
+        par.barrier()  # every process has read the folder before rank 0 writes to it
+        _loop(run, True, par)
+        return out
+
+
+def _train_main(cfg: TrainConfig, out: Path, resume: bool, quiet: bool, explicit: set[str] | None,
+                par: Dist) -> Path:
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise DlmError(f"--out {out}: exists and is not a folder")
     created = not out.exists()
@@ -269,12 +311,14 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, quiet:
     fresh = False
     try:
         lock.acquire()
-        run = prepare(cfg, out, resume, explicit)
+        run = prepare(cfg, out, resume, explicit, par)
+        par.barrier()
+        par.barrier()
         remove_stale_temps(out)
         fresh = run.state_dir is None
         if fresh:
             run.tok.save(out / "tokenizer.json")
-        _loop(run, quiet)
+        _loop(run, quiet, par)
     except BaseException:
         if fresh and find_state(out) is None:  # a new run that failed before its first checkpoint: nothing to resume
             for name in ("tokenizer.json", "metrics.jsonl", "config.json", "model.safetensors"):
@@ -288,35 +332,45 @@ def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, quiet:
     return out
 
 
-def _loop(run: Run, quiet: bool) -> None:
+def _loop(run: Run, quiet: bool, par: Dist = Dist()) -> None:
     cfg, model, objective, device, out = run.cfg, run.model, run.objective, run.device, run.out
-    params = objective.trainable(model)
-    opt = make_optimizer(params, cfg, fused=device.type == "cuda")
-    if run.state_dir is not None:
+    if run.state_dir is not None:  # the full weights, before FSDP shards them
         sd = run.state_dir
         load_weights(model, read_tensors(sd / "model.safetensors"), sd / "model.safetensors")
+    if cfg.activation_checkpointing:
+        for layer in model.layers:
+            layer.checkpointing = True
+    step_module = wrap(model, objective, par, device, cfg.fsdp, cfg.compile and device.type == "cuda")
+    params = objective.trainable(model)  # after wrap: FSDP replaces the parameters by their shards
+    opt = make_optimizer(params, cfg, fused=device.type == "cuda" and not cfg.fsdp)
+    if run.state_dir is not None:
         restore_optimizer(opt, read_tensors(sd / "optimizer.safetensors"), read_json(sd / "optimizer.json"))
-    use_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        if cfg.fsdp:
+            shard_optimizer_state(opt)
+    amp = autocast_dtype(cfg, device)
 
     def autocast():
-        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
+        return torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None)
 
-    fwd_model = torch.compile(model) if cfg.compile and device.type == "cuda" else model
-    log = MetricsLog(out / "metrics.jsonl", run.start_step if run.state_dir is not None else None)
+    log = MetricsLog(out / "metrics.jsonl", run.start_step if run.state_dir is not None else None) if par.main else None
     n_params = sum(p.numel() for p in params)
 
     def checkpoint(step: int) -> None:
+        weights = full_state(model) if cfg.fsdp else model  # FSDP: every process takes part in the gathers
+        opt_state = full_optimizer_state(opt) if cfg.fsdp else opt
+        if not par.main:
+            return
         mc = getattr(model, "cfg", None)
         meta = {"objective": cfg.objective, "model": mc.to_dict() if mc is not None else {},
                 "train": cfg.to_dict(), "data": cfg.data, "step": step, "params": n_params, **objective.meta()}
-        save_state(out, model, opt, {"step": step, "config": cfg.to_dict()})
-        save_checkpoint(out, model, run.tok, meta)
+        save_state(out, weights, opt_state, {"step": step, "config": cfg.to_dict()})
+        save_checkpoint(out, weights, run.tok, meta)
 
-    step_fn = _step_function(cfg, fwd_model, objective, params, opt, device, autocast)
-    model.train()
+    step_fn = _step_function(cfg, step_module, params, opt, device, autocast, par)
+    step_module.train()
     tokens_per_step = cfg.batch_size * cfg.seq_len
     t_log, steps_since, loss_acc = time.perf_counter(), 0, 0.0
-    progress = make_progress(cfg.objective, quiet)
+    progress = make_progress(cfg.objective, quiet or not par.main)
     with progress:
         task = progress.add_task("train", total=cfg.max_steps, completed=run.start_step, loss=float("nan"),
                                  val=float("nan"), tps=0.0)
@@ -330,12 +384,14 @@ def _loop(run: Run, quiet: bool) -> None:
                 tps = steps_since * tokens_per_step / max(dt, 1e-9)
                 row = {"step": done, "loss": loss_acc / steps_since, "lr": lr, "tokens_per_second": tps,
                        "grad_norm": gnorm, **extra}
-                log.write(row)
+                if log is not None:
+                    log.write(row)
                 progress.update(task, loss=row["loss"], tps=tps)
                 t_log, steps_since, loss_acc = time.perf_counter(), 0, 0.0
             if done % cfg.eval_every == 0 or done == cfg.max_steps:
-                val = validate(model, objective, run.val_batches, cfg, device, autocast)
-                log.write({"step": done, "val_loss": val})
+                val = validate(step_module, run.val_batches, cfg, device, autocast, par)
+                if log is not None:
+                    log.write({"step": done, "val_loss": val})
                 progress.update(task, val=val)
                 t_log = time.perf_counter()
             if done % cfg.save_every == 0 or done == cfg.max_steps:
@@ -346,23 +402,33 @@ def _loop(run: Run, quiet: bool) -> None:
         checkpoint(run.start_step)
 
 
-def _step_function(cfg: TrainConfig, model: nn.Module, objective: Objective, params: list[nn.Parameter],
-                   opt: torch.optim.Optimizer, device: torch.device,
-                   autocast: Callable) -> Callable[[int, torch.Tensor], tuple[float, float, float, dict]]:
-    """One optimizer step: (step, batch) -> (loss, grad norm, lr, the objective's extra metrics)."""
+def _step_function(cfg: TrainConfig, step_module: nn.Module, params: list[nn.Parameter], opt: torch.optim.Optimizer,
+                   device: torch.device, autocast: Callable,
+                   par: Dist) -> Callable[[int, torch.Tensor], tuple[float, float, float, dict]]:
+    """One optimizer step: (step, global batch) -> (loss, grad norm, lr, the objective's extra metrics), each the
+    whole batch's: this process's micro-batches are summed here, the processes' sums added by one all-reduce."""
+    slices = par.micro_rows(cfg.batch_size, cfg.grad_accum)
+    parts = len(slices) * par.world  # equal slices of the global batch: its loss is their mean
 
     def step_fn(step: int, batch: torch.Tensor):
         lr = lr_at(cfg, step)
         for g in opt.param_groups:
             g["lr"] = lr
-        with autocast():
-            loss, extra = objective.loss(model, batch, step_generator(device, cfg.seed, step))
-        if not torch.isfinite(loss):
-            raise DlmError(f"loss became {float(loss.detach())} at step {step + 1}; lower --lr or check the data")
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0 else torch.tensor(0.0)
+        totals: dict[str, float] = {}
+        for k, rows in enumerate(slices):
+            with grad_sync(step_module, k == len(slices) - 1):
+                with autocast():  # every slice draws the whole batch's noise from the step's generator
+                    loss, extra = step_module(batch, step_generator(device, cfg.seed, step), rows)
+                (loss / len(slices)).backward()
+            for name, v in {"loss": float(loss.detach()), **extra}.items():
+                totals[name] = totals.get(name, 0.0) + float(v)
+        means = dict(zip(totals, (v / parts for v in par.sum(list(totals.values()), device))))
+        loss = means.pop("loss")
+        if not math.isfinite(loss):
+            raise DlmError(f"loss became {loss} at step {step + 1}; lower --lr or check the data")
+        gnorm = scalar(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)) if cfg.grad_clip > 0 else 0.0
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss.detach()), float(gnorm), lr, extra
+        return loss, gnorm, lr, means
 
     return step_fn

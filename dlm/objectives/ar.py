@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dlm.objectives.base import Objective
+from dlm.objectives.base import ALL, Objective, share
 
 
 def next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
@@ -17,12 +17,16 @@ def next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
 class AR(Objective):
     name = "ar"
 
-    def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator) -> tuple[Tensor, dict[str, float]]:
-        x, y = batch[:, :-1], batch[:, 1:]  # (B, T)
+    def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator,
+             rows: slice = ALL) -> tuple[Tensor, dict[str, float]]:
+        x, y = batch[rows, :-1], batch[rows, 1:]  # (b, T)
         ans = self.answers(batch)
-        if ans is not None:  # supervised pairs: only the answer's tokens are targets
-            keep = ans[:, 1:]  # (B, T)
-            if not bool(keep.any()):
-                return model(x).logits.sum() * 0.0, {"answer_tokens": 0}
-            return next_token_loss(model(x).logits[keep][None], y[keep][None]), {"answer_tokens": int(keep.sum())}
+        if ans is not None:  # supervised pairs: only the answer's tokens are targets, averaged over the whole batch
+            n = int(ans[:, 1:].sum())
+            keep = ans[rows, 1:]  # (b, T)
+            logits = model(x).logits
+            if n == 0:
+                return logits.sum() * 0.0, {"answer_tokens": 0}
+            ce = F.cross_entropy(logits[keep].float(), y[keep], reduction="sum")
+            return ce / (n / share(batch, rows)), {"answer_tokens": n}
         return next_token_loss(model(x).logits, y), {}

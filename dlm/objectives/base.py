@@ -2,6 +2,13 @@
 
 An objective checks its own options, builds the model it trains and turns a batch of token windows
 (B, T + 1) into a loss. The training loop (dlm.train) is the same for all of them.
+
+Data parallelism and gradient accumulation split a step's batch into equal slices of rows, one
+forward each. So that the slices add up to the whole batch exactly, a loss takes the whole batch and
+the rows it computes (`rows`): every random draw is made for the whole batch and then sliced (the
+same generator gives every slice the noise it would get in one pass), and the loss is normalised
+over the whole batch, scaled by its share (B / rows), so that the mean of the losses of equal slices
+that partition the batch is the whole batch's loss.
 """
 
 from __future__ import annotations
@@ -29,11 +36,20 @@ def answer_positions(x: Tensor, sep_id: int, eos_id: int) -> Tensor:
     return (last_sep > last_eos) & (x != sep_id)
 
 
+ALL = slice(None)  # every row of the batch
+
+
+def share(batch: Tensor, rows: slice) -> float:
+    """B / (rows in the slice): the factor that turns a slice's part of the batch loss into a loss of its own."""
+    return batch.shape[0] / len(range(*rows.indices(batch.shape[0])))
+
+
 class Objective(ABC):
     """Base class: builds a Transformer from a preset (or from --init-from); subclasses define the loss."""
 
     name = "base"
     self_cond = False  # the model carries a self-conditioning module (usdm)
+    uses_every_param = True  # every trainable parameter gets a gradient at every step (DDP: no unused-param search)
 
     def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer):
         self.cfg = cfg
@@ -79,8 +95,10 @@ class Objective(ABC):
         return [p for p in model.parameters() if p.requires_grad]
 
     @abstractmethod
-    def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator) -> tuple[Tensor, dict[str, float]]:
-        """(loss, extra metrics for metrics.jsonl) of a batch of windows (B, T + 1)."""
+    def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator,
+             rows: slice = ALL) -> tuple[Tensor, dict[str, float]]:
+        """(loss, extra metrics for metrics.jsonl) of the rows `rows` of a batch of windows (B, T + 1): the
+        random draws are the whole batch's, the loss is normalised as the module docstring says."""
 
     def meta(self) -> dict[str, Any]:
         """Extra entries for config.json."""

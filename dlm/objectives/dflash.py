@@ -24,7 +24,7 @@ from dlm.drafter import (
 )
 from dlm.errors import DlmError, check
 from dlm.model import run_blocks
-from dlm.objectives.base import Objective
+from dlm.objectives.base import ALL, Objective
 
 GAMMA_W = {16: 7.0, 10: 5.0, 8: 4.0}  # loss decay of the paper, per block size
 
@@ -139,23 +139,26 @@ class DFlash(Objective):
         n_pos = T1 - self.block_size + 1
         return max(1, min(n_pos, self.cfg.anchors or round(T1 * 8 / (3 * self.block_size))))
 
-    def loss(self, model: DFlashDrafter, batch: Tensor, gen: torch.Generator) -> tuple[Tensor, dict[str, float]]:
+    def loss(self, model: DFlashDrafter, batch: Tensor, gen: torch.Generator,
+             rows: slice = ALL) -> tuple[Tensor, dict[str, float]]:
         tgt = self.target
         if tgt.device != batch.device:
             tgt.to(batch.device)
         B, T1 = batch.shape
         g = self.block_size
         dev = batch.device
-        with torch.no_grad():
+        A = self.anchors_per_window(T1)
+        n_pos = T1 - g + 1
+        anchors = torch.rand(B, n_pos, generator=gen, device=dev).argsort(dim=1)[:, :A].sort(dim=1).values  # (B, A)
+        batch, anchors = batch[rows], anchors[rows]  # this slice's rows: the target runs over them only
+        B = batch.shape[0]
+        with torch.no_grad():  # the frozen target's features, once per batch, without gradient
             taps: dict[int, Tensor] = {}
             if model.target_features:  # only as deep as the deepest tap
                 x = tgt.embed_tokens(batch)
                 _, taps = run_blocks(tgt.layers[:max(model.layer_ids) + 1], tgt.inv_freq, x, taps=model.layer_ids)
             feats = model.features(tgt, batch, taps)  # (B, T1, F)
         ctx = model.context(feats)  # (B, T1, D)
-        A = self.anchors_per_window(T1)
-        n_pos = T1 - g + 1
-        anchors = torch.rand(B, n_pos, generator=gen, device=dev).argsort(dim=1)[:, :A].sort(dim=1).values  # (B, A)
         idx = anchors[:, :, None] + torch.arange(g, device=dev)  # (B, A, g) positions of each block
         block = torch.full((B, A, g), model.mask_id, dtype=torch.long, device=dev)
         block[:, :, 0] = batch.gather(1, anchors)

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from dlm.config import TrainConfig
 from dlm.errors import DlmError, check
 from dlm.noise import mask_corrupt
-from dlm.objectives.base import Objective
+from dlm.objectives.base import ALL, Objective
 from dlm.objectives.mdlm import block_ids, masked_logits, stratified_t
 
 DEFAULT_BLOCK_SIZE = 16  # the public recipe trains with 64 and decodes with 32 or 16; small models use 16
@@ -75,14 +75,17 @@ class Joint(Objective):
         check(cfg.dlm_weight >= 0, f"--dlm-weight must be >= 0, got {cfg.dlm_weight}")
         check(cfg.ar_weight + cfg.dlm_weight > 0, "--ar-weight and --dlm-weight cannot both be 0")
 
-    def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator) -> tuple[Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator,
+             rows: slice = ALL) -> tuple[Tensor, dict[str, float]]:
         x0, y = batch[:, :-1], batch[:, 1:]  # (B, T)
         B, T = x0.shape
         L = self.block_size
         nb = T // L
-        t = stratified_t(B * nb, gen, x0.device).view(B, nb)  # one time per block
+        t = stratified_t(B * nb, gen, x0.device).view(B, nb)  # one time per block, stratified over the batch
         t_tok = t.repeat_interleave(L, dim=1)  # (B, T)
         xt, masked = mask_corrupt(x0, t_tok, self.mask_id, gen)
+        x0, y, xt, masked, t_tok = x0[rows], y[rows], xt[rows], masked[rows], t_tok[rows]  # (b, T): this slice
+        B = x0.shape[0]
         pos = torch.arange(T, device=x0.device).repeat(2)  # (2T,) both halves at positions 0..T-1
         out = model(torch.cat([xt, x0], dim=1), pos=pos, mask=joint_mask(T, L, x0.device), head=False)
         h_noisy, h_clean = out.last[:, :T], out.last[:, T:]

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from dlm.config import TrainConfig
 from dlm.errors import DlmError, check
 from dlm.noise import EPS, mask_corrupt
-from dlm.objectives.base import Objective
+from dlm.objectives.base import ALL, Objective, share
 
 
 def block_ids(T: int, L: int, device: torch.device | str = "cpu") -> Tensor:
@@ -100,21 +100,24 @@ class MDLM(Objective):
         B = self.cfg.block_size or 0
         return B if 0 < B < self.cfg.seq_len else 0
 
-    def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator) -> tuple[Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator,
+             rows: slice = ALL) -> tuple[Tensor, dict[str, float]]:
         x0 = batch[:, :-1]  # (B, T)
         B, T = x0.shape
         L = self.block_size or T
         nb = T // L
-        t = stratified_t(B * nb, gen, x0.device).view(B, nb)  # one time per block
+        t = stratified_t(B * nb, gen, x0.device).view(B, nb)  # one time per block, stratified over the batch
         t_tok = t.repeat_interleave(L, dim=1)  # (B, T)
         ans = self.answers(x0)  # supervised pairs: only the answer is noised, the prompt is the condition
         xt, masked = mask_corrupt(x0, t_tok, self.mask_id, gen, corruptible=ans)
-        h = noisy_hidden(model, xt, x0 if self.block_size else None, L)  # (B, T, D)
+        denom = (B * T if ans is None else max(1, int(ans.sum()))) / share(batch, rows)
+        x0, xt, masked, t_tok = x0[rows], xt[rows], masked[rows], t_tok[rows]  # (b, T): this slice's rows
+        h = noisy_hidden(model, xt, x0 if self.block_size else None, L)  # (b, T, D)
         logits = masked_logits(model, h[masked], self.mask_id)  # (N, V)
         ce = F.cross_entropy(logits, x0[masked], reduction="none")  # (N,)
-        loss = (ce / t_tok[masked]).sum() / (B * T if ans is None else max(1, int(ans.sum())))
+        loss = (ce / t_tok[masked]).sum() / denom
         n = int(masked.sum())
-        return loss, {"ce_masked": float(ce.detach().mean()) if n else 0.0, "mask_rate": n / (B * T)}
+        return loss, {"ce_masked": float(ce.detach().mean()) if n else 0.0, "mask_rate": n / masked.numel()}
 
     def meta(self) -> dict[str, Any]:
         return {"block_size": self.block_size, "mask_id": self.mask_id}

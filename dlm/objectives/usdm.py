@@ -45,7 +45,7 @@ from dlm.config import TrainConfig
 from dlm.errors import check
 from dlm.model import canvas_embeds
 from dlm.noise import sample_t, uniform_corrupt
-from dlm.objectives.base import Objective
+from dlm.objectives.base import ALL, Objective
 
 
 def joint_mask(T: int, L: int, start: Tensor) -> Tensor:
@@ -98,25 +98,32 @@ class USDM(Objective):
               f"--loss-weight must be constant or inverse, got {cfg.loss_weight!r}")
         check(0 <= cfg.self_cond_prob <= 1, f"--self-cond-prob must be in [0, 1], got {cfg.self_cond_prob}")
 
-    def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator) -> tuple[Tensor, dict[str, float]]:
+    uses_every_param = False  # a step where no row self-conditions leaves the self-conditioning MLP without gradient
+
+    def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator,
+             rows: slice = ALL) -> tuple[Tensor, dict[str, float]]:
         cfg, dev = self.cfg, batch.device
-        x, y = batch[:, :-1], batch[:, 1:]  # (B, T)
-        B, T = x.shape
+        B = batch.shape[0]
         L = cfg.canvas_length
         t = sample_t(B, gen, dev)  # (B,)
         start, canvas = choose_canvas(batch, L, gen)
         canvas = fill_after_eos(canvas, self.tok.eos_id)  # (B, L) targets
         zt, _ = uniform_corrupt(canvas, t, self.tok.vocab_size, gen)
         sel = torch.rand(B, generator=gen, device=dev) < cfg.self_cond_prob  # (B,) rows that self-condition
+        any_sel = bool(sel.any())  # over the whole batch: every slice runs the same modules
+        batch, t, start, canvas, zt, sel = batch[rows], t[rows], start[rows], canvas[rows], zt[rows], sel[rows]
+        x, y = batch[:, :-1], batch[:, 1:]  # (b, T): this slice's rows
+        B, T = x.shape
 
         probs = None
-        if bool(sel.any()):  # first pass (no gradient) for the self-conditioned rows only
-            with torch.no_grad():
-                rows = sel.nonzero().squeeze(1)
-                keep = int(start[rows].max())  # the canvas reads clean keys < start only
-                first = joint_forward(model, x[rows, :keep], canvas_embeds(model, zt[rows], None), start[rows])
-                probs = torch.zeros(B, L, first.shape[-1], device=dev, dtype=torch.float32)
-                probs[rows] = torch.softmax(first[:, keep:].float(), -1)
+        if any_sel:  # first pass (no gradient) for the self-conditioned rows only; zero signal for the others
+            probs = torch.zeros(B, L, model.cfg.vocab_size, device=dev, dtype=torch.float32)
+            if bool(sel.any()):
+                with torch.no_grad():
+                    rs = sel.nonzero().squeeze(1)
+                    keep = int(start[rs].max())  # the canvas reads clean keys < start only
+                    first = joint_forward(model, x[rs, :keep], canvas_embeds(model, zt[rs], None), start[rs])
+                    probs[rs] = torch.softmax(first[:, keep:].float(), -1)
         logits = joint_forward(model, x, canvas_embeds(model, zt, probs), start)  # (B, T + L, V)
 
         ar = F.cross_entropy(logits[:, :T].flatten(0, 1).float(), y.flatten())
