@@ -126,7 +126,7 @@ def train_cmd(cfg, out: str, resume: bool = False, quiet: bool = False) -> None:
 
 def generate_cmd(
     scfg, model: str, prompt: str = "", prompt_file: str | None = None, json: bool = False, show: bool = False,
-    device: str = "cpu", dtype: Literal["stored", "fp32", "bf16"] = "stored",
+    device: str = "cpu", dtype: Literal["auto", "stored", "fp32", "bf16"] = "auto",
 ) -> None:
     """Generate text with a checkpoint (its paradigm's sampler).
 
@@ -138,7 +138,8 @@ def generate_cmd(
         show: live view: redraw the canvas at every denoising step (or stream tokens as they commit)
         device: cpu, cuda or auto
         dtype: the weights' precision: stored (as the checkpoint holds them, memory-mapped: no copy of a large
-            imported model; fp32 for what dlm trains), fp32 or bf16
+            imported model; fp32 for what dlm trains), fp32 or bf16; auto = stored, but float16 weights
+            (the shipped checkpoints) run in fp32 on a CPU, as eval and bench run them
     """
     import torch
 
@@ -150,6 +151,12 @@ def generate_cmd(
     prompt = _text(prompt, "--prompt-file" if prompt_file else "--prompt")
     if scfg.suffix is not None:
         _text(scfg.suffix, "--suffix")
+    if dtype == "auto":
+        from dlm.checkpoint import open_checkpoint
+
+        dev = _device(device)
+        half_on_cpu = open_checkpoint(model).config.get("dtype") == "float16" and dev.type == "cpu"
+        dtype = "fp32" if half_on_cpu else "stored"
     net, ck = load_model(model, device=_device(device),
                          dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "stored": None}[dtype])
     for warning in unused_options(scfg, ck.objective, prompt):
