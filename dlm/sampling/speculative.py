@@ -181,7 +181,8 @@ class DFlashDraft:
         return sample_from(q, self.sampling.gen), q
 
     def logits(self, seq: Tensor, k: int) -> Tensor:
-        """The draft's logits for the k slots after seq's last token (k >= 1); the cache takes the new context. (k, V)"""
+        """The draft's logits for the k slots after seq's last token (k >= 1); the cache takes the new
+        context. (k, V)"""
         start = seq.shape[0] - 1  # position of the last committed token (the block's anchor)
         dev = seq.device
         C = self.pending.shape[1]
