@@ -369,7 +369,7 @@ SECTION_SCHEMAS = {
     "train": {"seq_len": "int", "canvas_length": "int", "init_from": "str?", "data": "str"},
     "tokenizer": {"sha256": "str", "vocab_size": "int"},
     "dflash": {"target_layer_ids": "ints", "block_size": "int", "mask_token_id": "int", "injection": "str",
-               "target_features": "bool", "target": "dict"},
+               "target_features": "bool", "last_layer": "str", "target": "dict"},
 }
 _KINDS = {
     "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),

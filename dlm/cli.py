@@ -286,7 +286,7 @@ def export_cmd(model: str, out: str, format: str = "hf", dtype: str = "float32",
     import torch
 
     from dlm.checkpoint import export_dlm, load_model
-    from dlm.hf import export_drafter, export_hf
+    from dlm.hf import export_drafter, export_hf, prenorm_warning
 
     dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     if dtype not in dtypes:
@@ -300,6 +300,8 @@ def export_cmd(model: str, out: str, format: str = "hf", dtype: str = "float32",
         path = export_hf(net, ck.tokenizer, out, dtypes[dtype], overwrite, inputs=(ck.path,))
     elif ck.objective == "dflash":  # the layout of the public DFlash drafters (vLLM, SGLang)
         path = export_drafter(net, ck, out, dtypes[dtype], overwrite)
+        if warning := prenorm_warning(net, ck):  # a warning, not a refusal: the shipped dflash-small is one
+            sys.stderr.write(f"dlm: warning: {warning}\n")
     else:
         raise DlmError(f"--format hf: objective {ck.objective!r} has no transformers layout (ar has)")
     print(f"exported: {path}")

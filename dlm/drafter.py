@@ -4,7 +4,10 @@ The drafter is a short stack of the backbone's own decoder layers at the target'
 `fc` (concatenated target features -> D, bias-free) and `hidden_norm`, and a final `norm`. It has
 no embedding or LM head: it reads the target's, frozen.
 
-    target features  outputs of L target layers, concatenated (C, L*D) -> fc -> hidden_norm = ctx (C, D)
+    target features  outputs of L target layers, concatenated (C, L*D) -> fc -> hidden_norm = ctx (C, D);
+                     the target's last layer is read after its final norm (last_layer "normed", what
+                     the public engines feed: transformers' hidden_states[id + 1]; "prenorm" in drafters
+                     trained before, dflash-small among them)
     block            [last committed token, <mask> x (B-1)] at positions start .. start+B-1,
                      embedded by the target's embedding
     every layer      queries from the block only; keys/values = [ctx K/V ; block K/V], each layer
@@ -37,6 +40,7 @@ from dlm.model import (
 )
 
 INJECTIONS = ("kv", "input")
+LAST_LAYER = ("normed", "prenorm")  # how the target's last layer is read: after its final norm, or before
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -78,9 +82,10 @@ class DFlashDrafter(nn.Module):
     """Decoder layers + fc + hidden_norm + norm; embedding and LM head come from the target."""
 
     def __init__(self, cfg: ModelConfig, layer_ids: list[int], block_size: int, mask_id: int,
-                 injection: str = "kv", target_features: bool = True):
+                 injection: str = "kv", target_features: bool = True, last_layer: str = "normed"):
         super().__init__()
         check(injection in INJECTIONS, f"--injection must be one of {list(INJECTIONS)}, got {injection!r}")
+        check(last_layer in LAST_LAYER, f"dflash last_layer must be one of {list(LAST_LAYER)}, got {last_layer!r}")
         check(block_size >= 2, f"--block-size must be >= 2, got {block_size}")
         self.cfg = cfg
         self.layer_ids = list(layer_ids)
@@ -88,6 +93,7 @@ class DFlashDrafter(nn.Module):
         self.mask_id = mask_id
         self.injection = injection
         self.target_features = target_features
+        self.last_layer = last_layer
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         n_in = len(self.layer_ids) if target_features else 1
         self.fc = nn.Linear(n_in * cfg.dim, cfg.dim, bias=False)
@@ -102,10 +108,22 @@ class DFlashDrafter(nn.Module):
         return tuple(self.layer_ids) if self.target_features else ()
 
     def features(self, target: Transformer, tokens: Tensor, taps: dict[int, Tensor] | None) -> Tensor:
-        """The raw context feature of each position: concatenated taps, or the token embedding. (B, T, F)"""
+        """The context feature of each position, before fc: concatenated taps (the last layer as this drafter
+        reads it, `norm_last`), or the token embedding. (B, T, F)"""
         if self.target_features:
-            return torch.cat([taps[i] for i in self.layer_ids], dim=-1)
+            return self.norm_last(target, torch.cat([taps[i] for i in self.layer_ids], dim=-1))
         return target.embed_tokens(tokens)
+
+    def norm_last(self, target: Transformer, feats: Tensor) -> Tensor:
+        """Concatenated taps (..., L*D) -> the features this drafter reads: the target's last layer through
+        the target's final norm (transformers' hidden_states[-1], what public DFlash engines feed), unless
+        the drafter was trained on the pre-norm tap."""
+        last = target.cfg.n_layers - 1
+        if self.last_layer == "prenorm" or last not in self.layer_ids:
+            return feats
+        D = target.cfg.dim
+        j = self.layer_ids.index(last) * D
+        return torch.cat((feats[..., :j], target.norm(feats[..., j:j + D]), feats[..., j + D:]), dim=-1)
 
     def context(self, feats: Tensor) -> Tensor:
         """fc + hidden_norm: one context feature per position. (B, C, F) -> (B, C, D)"""
@@ -156,7 +174,8 @@ def build_drafter(config: dict[str, Any]) -> DFlashDrafter:
         mc = ModelConfig.from_dict(config["model"])
         d = config["dflash"]
         return DFlashDrafter(mc, d["target_layer_ids"], d["block_size"], d["mask_token_id"],
-                             d.get("injection", "kv"), d.get("target_features", True))
+                             d.get("injection", "kv"), d.get("target_features", True),
+                             d.get("last_layer", "prenorm"))  # absent: trained before the public reading
     except KeyError as e:
         raise DlmError(f"dflash checkpoint config.json lacks {e}") from None
 

@@ -112,6 +112,18 @@ def drafter_config(drafter: DFlashDrafter, ck: Checkpoint, dtype: str) -> dict[s
     return out
 
 
+def prenorm_warning(drafter: DFlashDrafter, ck: Checkpoint) -> str | None:
+    """Why an exported drafter would be served other features than it was trained on, if it would.
+
+    Public engines read target layer i as transformers' hidden_states[i + 1], whose last entry is after the
+    target's final norm; drafters trained before dlm read the same (last_layer "normed") read it before."""
+    last = ck.config["dflash"]["target"]["model"]["n_layers"] - 1
+    if drafter.last_layer != "prenorm" or last not in drafter.layer_ids:
+        return None
+    return (f"{ck.path.name} was trained on target layer {last} (the last) before the final norm; vLLM and SGLang "
+            "feed it after the norm, so they will draft worse than dlm does: retrain it (new drafters read it normed)")
+
+
 def export_drafter(drafter: DFlashDrafter, ck: Checkpoint, out: str | os.PathLike,
                    dtype: torch.dtype = torch.float32, overwrite: bool = False) -> Path:
     """Write the drafter as a public-layout DFlash folder (config.json + model.safetensors)."""

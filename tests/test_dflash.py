@@ -14,7 +14,7 @@ from dlm.errors import DlmError
 from dlm.model import Transformer
 from dlm.drafter import DFlashDrafter, default_draft_layers, target_layer_ids
 from dlm.objectives.dflash import DFlash, gamma_w, multi_block_mask, slot_weights
-from dlm.sampling.speculative import DFlashDraft, Sampling, _taps, speculate, target_greedy
+from dlm.sampling.speculative import DFlashDraft, Sampling, SpecStats, Speculation, _taps, speculate, target_greedy
 from conftest import run_cli, tiny_train_config
 
 
@@ -221,57 +221,109 @@ def test_export_matches_the_public_dflash_layout(tiny_dflash, tiny_ar, tmp_path)
                      p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
                      p + "mlp.down_proj.weight": (D, F)})
     assert {k: tuple(v.shape) for k, v in w.items()} == want
-    # the exported weights, run by the public formula (written out here from the layout alone), give our drafts
-    _check_public_forward(cfg, w, drafter, load_model(tiny_ar)[0])
+    # what public engines compute from this folder: test_public_engines_draft_what_dlm_drafts
+
+
+def test_public_engines_draft_what_dlm_drafts(tiny_dflash, tiny_ar, tmp_path):
+    """Target and drafter exported, run the public way (transformers' hidden_states[id + 1] as features, the
+    published draft forward on the exported weights) = the logits of dlm's speculative loop. The drafter reads
+    the target's last layer, which transformers gives after the final norm."""
+    from safetensors.torch import load_file
+
+    transformers = pytest.importorskip("transformers")
+    for src, name in ((tiny_ar, "target"), (tiny_dflash, "drafter")):
+        run_cli("export", "--model", str(src), "--out", str(tmp_path / name), "--format", "hf", check=True)
+    cfg = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    w = load_file(str(tmp_path / "drafter" / "model.safetensors"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "target", dtype=torch.float32).eval()
+    target, ck = load_model(tiny_ar)
+    drafter, dck = load_model(tiny_dflash)
+    layer_ids = cfg["dflash_config"]["target_layer_ids"]
+    assert dck.config["dflash"]["last_layer"] == "normed" and target.cfg.n_layers - 1 in layer_ids
+    ids = ck.tokenizer.encode("def read_lines(path, encoding=None):\n    ")
+    P, B = len(ids), cfg["block_size"]
+
+    def dlm_logits():  # the prefill and the first draft of dlm's speculative loop
+        dd = DFlashDraft(drafter, target, Sampling(), capacity=256)
+        spec = Speculation(target, dd, ids, B, 16, Sampling(), SpecStats())
+        spec.prefill()
+        return dd.logits(spec.seq[:spec.S], B - 1), int(spec.seq[P])
+
+    with torch.no_grad():
+        ours, first = dlm_logits()
+        hs = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        feat = torch.cat([hs[i + 1] for i in layer_ids], -1)  # (1, P, L*D): the public engines' features
+        block = torch.full((1, B), cfg["dflash_config"]["mask_token_id"])
+        block[0, 0] = first
+        h = _public_forward(cfg, w, feat, hf.get_input_embeddings()(block))
+        theirs = hf.lm_head(h[0, 1:])  # (B-1, V)
+        assert (ours - theirs).abs().max() <= 1e-4
+        drafter.last_layer = "prenorm"  # the reading of drafters trained before: not what the engines feed
+        assert (dlm_logits()[0] - theirs).abs().max() > 1e-2
+
+
+def test_drafters_without_the_flag_keep_the_prenorm_reading_and_export_with_a_warning(tiny_dflash, tiny_ar, tmp_path):
+    """A drafter trained before last_layer existed (dflash-small) reads the last layer's pre-norm tap, as it was
+    trained; its export still works (the README's command) but warns that public engines feed it otherwise."""
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(tiny_dflash, old)
+    meta = json.loads((old / "config.json").read_text())
+    del meta["dflash"]["last_layer"]
+    (old / "config.json").write_text(json.dumps(meta))
+    drafter, _ = load_model(old)
+    target, _ = load_model(tiny_ar)
+    assert drafter.last_layer == "prenorm"
+    x = torch.randint(8, 500, (1, 12))
+    with torch.no_grad():
+        taps = target(x, taps=drafter.layer_ids).taps
+        assert torch.equal(drafter.features(target, x, taps), torch.cat([taps[i] for i in drafter.layer_ids], -1))
+        drafter.last_layer = "normed"
+        assert not torch.equal(drafter.features(target, x, taps), torch.cat([taps[i] for i in drafter.layer_ids], -1))
+    r = run_cli("export", "--model", str(old), "--out", str(tmp_path / "hf-old"), "--format", "hf", check=True)
+    assert "dlm: warning:" in r.stderr and "before the final norm" in r.stderr and (tmp_path / "hf-old").is_dir()
+    r = run_cli("export", "--model", str(tiny_dflash), "--out", str(tmp_path / "hf-new"), "--format", "hf", check=True)
+    assert r.stderr == ""
 
 
 def _rms(x, w, eps):
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def _check_public_forward(cfg, w, drafter, target):
-    """DFlash's published draft forward, from config.json + weights: q from the block; k/v from [ctx ; block]."""
+def _public_forward(cfg, w, feat, x):
+    """DFlash's published draft forward, from config.json + weights alone: ctx = hidden_norm(fc(features)) of C
+    positions; a block x (1, B, D) at positions C .. C+B-1; q from the block, k/v from [ctx ; block]."""
     eps, hd = cfg["rms_norm_eps"], cfg["head_dim"]
     H, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    torch.manual_seed(0)
-    ids = torch.randint(8, 500, (1, 20))
-    with torch.no_grad():
-        hs = target(ids, taps=cfg["dflash_config"]["target_layer_ids"]).taps
-        feat = torch.cat([hs[i] for i in cfg["dflash_config"]["target_layer_ids"]], -1)  # (1, 20, L*D)
-        ctx = _rms(feat @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
-        B = cfg["block_size"]
-        block = torch.full((1, B), cfg["dflash_config"]["mask_token_id"])
-        block[0, 0] = 77
-        x = target.embed_tokens(block)
-        pos = torch.arange(20 + B)
-        inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd))
-        ang = pos[:, None].float() * inv
-        cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    C, B = feat.shape[1], x.shape[1]
+    ctx = _rms(feat @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
+    pos = torch.arange(C + B)
+    inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd))
+    ang = pos[:, None].float() * inv
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
 
-        def rope(t, c, s):
-            t1, t2 = t.chunk(2, -1)
-            return t * c + torch.cat((-t2, t1), -1) * s
+    def rope(t, c, s):
+        t1, t2 = t.chunk(2, -1)
+        return t * c + torch.cat((-t2, t1), -1) * s
 
-        for i in range(cfg["num_hidden_layers"]):
-            p = f"layers.{i}."
-            hn = _rms(x, w[p + "input_layernorm.weight"], eps)
-            q = (hn @ w[p + "self_attn.q_proj.weight"].T).view(B, H, hd)
-            q = _rms(q, w[p + "self_attn.q_norm.weight"], eps).transpose(0, 1)
-            kv_in = torch.cat((ctx[0], hn[0]), 0)  # (20 + B, D)
-            k = (kv_in @ w[p + "self_attn.k_proj.weight"].T).view(-1, Hkv, hd)
-            k = _rms(k, w[p + "self_attn.k_norm.weight"], eps).transpose(0, 1)
-            v = (kv_in @ w[p + "self_attn.v_proj.weight"].T).view(-1, Hkv, hd).transpose(0, 1)
-            q, k = rope(q, cos[20:], sin[20:]), rope(k, cos, sin)
-            k, v = k.repeat_interleave(H // Hkv, 0), v.repeat_interleave(H // Hkv, 0)
-            att = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(hd), -1) @ v  # non-causal
-            x = x + (att.transpose(0, 1).reshape(1, B, H * hd) @ w[p + "self_attn.o_proj.weight"].T)
-            hn = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
-            g = hn @ w[p + "mlp.gate_proj.weight"].T
-            x = x + (torch.nn.functional.silu(g) * (hn @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
-        ref = _rms(x, w["norm.weight"], eps)
-        ours = drafter(target.embed_tokens(block), drafter.context(feat), pos=torch.arange(20, 20 + B),
-                       ctx_pos=torch.arange(20))
-        assert torch.allclose(ref, ours, atol=1e-4)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        hn = _rms(x, w[p + "input_layernorm.weight"], eps)
+        q = (hn @ w[p + "self_attn.q_proj.weight"].T).view(B, H, hd)
+        q = _rms(q, w[p + "self_attn.q_norm.weight"], eps).transpose(0, 1)
+        kv_in = torch.cat((ctx[0], hn[0]), 0)  # (C + B, D)
+        k = (kv_in @ w[p + "self_attn.k_proj.weight"].T).view(-1, Hkv, hd)
+        k = _rms(k, w[p + "self_attn.k_norm.weight"], eps).transpose(0, 1)
+        v = (kv_in @ w[p + "self_attn.v_proj.weight"].T).view(-1, Hkv, hd).transpose(0, 1)
+        q, k = rope(q, cos[C:], sin[C:]), rope(k, cos, sin)
+        k, v = k.repeat_interleave(H // Hkv, 0), v.repeat_interleave(H // Hkv, 0)
+        att = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(hd), -1) @ v  # non-causal
+        x = x + (att.transpose(0, 1).reshape(1, B, H * hd) @ w[p + "self_attn.o_proj.weight"].T)
+        hn = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
+        g = hn @ w[p + "mlp.gate_proj.weight"].T
+        x = x + (torch.nn.functional.silu(g) * (hn @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+    return _rms(x, w["norm.weight"], eps)
 
 
 def test_ablations_train_and_stay_lossless(tiny_ar, tiny_draft_data, corpus_dir, tokenizer_path, tmp_path):

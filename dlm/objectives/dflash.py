@@ -182,6 +182,7 @@ class DFlash(Objective):
         return {"dflash": {
             "target_layer_ids": self.layer_ids, "block_size": self.block_size, "mask_token_id": self.mask_id,
             "injection": self.cfg.injection, "target_features": self.cfg.target_features,
+            "last_layer": "normed",  # the target's last layer after its final norm, as public engines feed it
             "gamma_w": gamma_w(self.block_size),
             # the target by its folder's name: a checkpoint records no path of the machine it was trained on
             # (the target is given again at inference, and checked by its shapes, tokenizer and fingerprint)

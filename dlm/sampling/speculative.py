@@ -164,7 +164,7 @@ class DFlashDraft:
 
     def _feats(self, ids: Tensor, feats: Tensor | None) -> Tensor:
         if self.d.target_features:
-            return feats[None]  # (1, n, F)
+            return self.d.norm_last(self.target, feats[None])  # (1, n, F)
         return self.target.embed_tokens(ids[None])  # the ablation without target features
 
     def reset(self, prompt: Tensor, feats: Tensor | None) -> None:
@@ -174,6 +174,15 @@ class DFlashDraft:
     def propose(self, seq: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
         if k == 0:
             return seq[:0], None
+        logits = self.logits(seq, k)
+        if self.sampling.temperature == 0:
+            return logits.argmax(-1), None
+        q = self.sampling.probs(logits)  # (k, V): slots drawn independently
+        return sample_from(q, self.sampling.gen), q
+
+    def logits(self, seq: Tensor, k: int) -> Tensor:
+        """The draft's logits for the k slots after seq's last token (k >= 1); the cache takes the new
+        context. (k, V)"""
         start = seq.shape[0] - 1  # position of the last committed token (the block's anchor)
         dev = seq.device
         C = self.pending.shape[1]
@@ -197,10 +206,7 @@ class DFlashDraft:
             h = self.d(self.target.embed_tokens(block), None, pos, None, cache=self.cache, mask="full")
             self.forwards += 1
             logits = torch.where(keep[:, None], logits, self.target.lm_head(h[0, 1:]))
-        if self.sampling.temperature == 0:
-            return logits.argmax(-1), None
-        q = self.sampling.probs(logits)  # (k, V): slots drawn independently
-        return sample_from(q, self.sampling.gen), q
+        return logits
 
     def accept(self, ids: Tensor, feats: Tensor | None) -> None:
         self.pending = torch.cat((self.pending, self._feats(ids, feats)), dim=1)
