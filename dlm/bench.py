@@ -188,7 +188,7 @@ def print_table(summaries: list[dict[str, Any]], columns: list[tuple], title: st
         cells = [cell(s, col[0], col[2], len(col) > 3 and col[3]) for col in columns]
         marked = marked or "noisy*" in cells
         table.add_row(s["method"], *cells)
-    con = Console(width=max(120, Console().width))
+    con = Console(width=max(140, Console().width))
     con.print(table)
     if marked:
         con.print("[dim]noisy*: its min-max over the repetitions is wider than the figure itself, so it is not "
