@@ -45,11 +45,20 @@ def ar_eval(model: Transformer, ck: Checkpoint, corpus: Corpus, split: str, seq_
     return ar_loss(model, ck.tokenizer, corpus, split, seq_len, batch_size, max_batches)
 
 
+def joint_eval(model: Transformer, ck: Checkpoint, corpus: Corpus, split: str, seq_len: int, batch_size: int,
+               max_batches: int | None, seed: int, samples: int) -> dict[str, Any]:
+    """A joint checkpoint's AR mode (the clean half's causal loss): the perplexity that its self-speculation
+    reproduces, read beside the reference AR model's on the same windows (did the diffusion loss cost it?)."""
+    res = ar_loss(model, ck.tokenizer, corpus, split, seq_len, batch_size, max_batches)
+    return {"ar_mode_loss": res["loss"], "ar_mode_perplexity": res["perplexity"], "tokens": res["tokens"]}
+
+
 # objective -> its held-out evaluation (the likelihood bounds live beside their losses)
 EVALUATORS = {
     "ar": ar_eval,
     "mdlm": mdlm.mdlm_eval,
     "usdm": usdm.evaluate,
+    "joint": joint_eval,
 }
 
 

@@ -234,3 +234,22 @@ def test_bench_rows_for_self_speculation(tiny_joint, tiny_ar, corpus_dir, tmp_pa
     assert rows["joint self-spec-quadratic B=4"]["draft_forwards"] == 0
     assert rows["joint self-spec-linear B=8"]["draft_forwards"] > 0
     assert Path(report["blocks_plot"]).stat().st_size > 0
+
+
+def test_eval_reports_the_ar_mode_beside_its_reference(tiny_joint, tiny_ar, corpus_dir):
+    """`dlm eval` of a joint checkpoint: its AR mode's perplexity is the causal loss of the model itself, and the
+    AR model it was adapted from is scored on the same windows."""
+    proc = run_cli("eval", "--model", str(tiny_joint), "--data", str(corpus_dir), "--reference", str(tiny_ar),
+                   "--max-batches", "2", "--seq-len", "64", "--json")
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout)
+    from dlm.data.corpus import Corpus
+    from dlm.evaluate import ar_loss
+
+    model, ck = load_model(tiny_joint)
+    own = ar_loss(model, ck.tokenizer, Corpus(str(corpus_dir)), "test", 64, 8, 2)
+    assert res["ar_mode_loss"] == pytest.approx(own["loss"]) and res["tokens"] == own["tokens"]
+    ref, rck = load_model(tiny_ar)
+    assert res["reference_loss"] == pytest.approx(ar_loss(ref, rck.tokenizer, Corpus(str(corpus_dir)), "test", 64, 8,
+                                                          2)["loss"])
+    assert res["ar_mode_loss"] != pytest.approx(res["reference_loss"])  # training moved the AR mode
