@@ -140,7 +140,8 @@ def test_dflash_loss_by_hand(injection, features, every):
     hits = []
     with torch.no_grad():
         taps = target(batch, taps=[0, 1]).taps
-        feats = torch.cat([taps[0], taps[1]], -1) if features else target.embed_tokens(batch)  # (B, T1, F)
+        # layer 1 is the target's last: read after its final norm, as public engines feed it (last_layer "normed")
+        feats = torch.cat([taps[0], target.norm(taps[1])], -1) if features else target.embed_tokens(batch)  # (B, T1, F)
         for b in range(B):
             for a in anchors[b].tolist():
                 block = torch.tensor([[int(batch[b, a])] + [MASK] * (g - 1)])
