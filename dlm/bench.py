@@ -362,15 +362,32 @@ def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return sorted(set(front))
 
 
-def plot_pareto(summaries: list[dict[str, Any]], key: str, label: str, path: Path) -> str | None:
-    """Quality (`key`) against tokens per forward and against wall time per case: one line per sampler, the AR
-    rows as stars, the Pareto front of the diffusion rows dashed. None, or why there is no plot."""
+def pyplot():
+    """matplotlib's pyplot on the file-only backend, or None when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def save_figure(plt, fig, path: Path) -> None:
+    """Write a figure under a temporary name, then rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def plot_pareto(summaries: list[dict[str, Any]], key: str, label: str, path: Path) -> str | None:
+    """Quality (`key`) against tokens per forward and against wall time per case: one line per sampler, the AR
+    rows as stars, the Pareto front of the diffusion rows dashed. None, or why there is no plot."""
+    plt = pyplot()
+    if plt is None:
         return "matplotlib is not installed: no plot"
     rows = [s for s in summaries if s.get(key) is not None and s[key] == s[key]]
     if not rows:
@@ -399,12 +416,7 @@ def plot_pareto(summaries: list[dict[str, Any]], key: str, label: str, path: Pat
     axes[0].set_ylabel(label)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"{label} against parallelism and wall time (upper right / upper left is better)", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(plt, fig, path)
     return None
 
 
@@ -438,12 +450,8 @@ def joint_methods(path: str, ref_ck, max_new_tokens: int, blocks: tuple[int, ...
 
 def plot_blocks(summaries: list[dict[str, Any]], path: Path) -> str | None:
     """Tokens per forward and tau of each self-speculation mode against its block size."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return "matplotlib is not installed: no plot"
     modes: dict[str, list[dict[str, Any]]] = {}
     for s in summaries:
@@ -463,11 +471,7 @@ def plot_blocks(summaries: list[dict[str, Any]], path: Path) -> str | None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle("joint self-speculation against block size (greedy, held-out completion cases)", fontsize=10)
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(plt, fig, path)
     return None
 
 
@@ -616,7 +620,7 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
         check_out_file(out)  # before the run, not after it
     net, ck = load_model(model)
     if ck.objective != "ar":  # its rows would be labelled "ar (KV cache)" and it would judge the quality column
-        hint = f" (pass it as --{ck.objective})" if ck.objective in ("mdlm", "usdm") else ""
+        hint = f" (pass it as --{ck.objective})" if ck.objective in ("mdlm", "usdm", "joint") else ""
         raise DlmError(f"--model {model}: objective {ck.objective!r}; bench's --model is the ar baseline, speculation "
                        f"target and quality judge, an ar checkpoint{hint}")
     items, infill_items = bench_items(task, data, prompts, span)
