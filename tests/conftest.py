@@ -18,6 +18,30 @@ import torch
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # one core per worker
 
+
+def random_transformer(seed: int, std: float, **config):
+    """A Transformer of ModelConfig(**config) under torch.manual_seed(seed), its matrices redrawn from N(0, std): large
+    enough weights for peaked, context-dependent distributions (the exact-distribution tests need them)."""
+    from dlm.config import ModelConfig
+    from dlm.model import Transformer
+
+    torch.manual_seed(seed)
+    m = Transformer(ModelConfig(**config))
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, std)
+    return m
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one thread is fastest, and the CPU is shared (use: pytestmark = usefixtures("one_thread"))."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 # a fixed slice of the stdlib: enough for tokenizer training and a few hundred steps
 CORPUS_FILES = [
     "json/__init__.py", "json/decoder.py", "json/encoder.py", "json/scanner.py", "json/tool.py",

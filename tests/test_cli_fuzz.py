@@ -25,7 +25,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from test_reliability import as_paradigm, copy_checkpoint  # noqa: E402
+from test_reliability import as_paradigm, copy_checkpoint, user_files  # noqa: E402
 
 INTS = ["-1", "0", "1", "2", "3"]
 FLOATS = ["-1", "0", "0.5", "1", "2", "1e23", "nan", "inf", "-inf", "1e-9"]
@@ -116,14 +116,7 @@ def world(tiny_ar, tokenizer_path, tmp_path_factory) -> dict[str, str]:
     export_hf(model, ck.tokenizer, w / "hf")
     for o in ("mdlm", "usdm"):
         as_paradigm(tiny_ar, w / o, o)
-    (w / "user").mkdir()
-    (w / "user" / "notes.txt").write_text("mine\n")
-    (w / "afile").write_text("a file\n")
-    (w / "link").symlink_to("user")
-    (w / "d.jsonl").mkdir()
-    (w / "bad.txt").write_bytes(b"def f(\xff):\n")
-    (w / "bad.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
-    (w / "bad.yaml").write_bytes(b"max_steps: 2\nlr: \xff\n")
+    user_files(w, b'{"text": "caf\xe9"}\n', b"max_steps: 2\nlr: \xff\n")
     (w / "checkpoints").mkdir()  # DLM_CHECKPOINTS: no shipped models (demo and bench defaults stay fast)
     return {"w": str(w), "ck": str(w / "ck"), "hf": str(w / "hf"), "corpus": str(corpus),
             "tok": str(w / "tokenizer.json"), "mdlm": str(w / "mdlm"), "usdm": str(w / "usdm")}

@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 import torch
 
-from dlm.config import ModelConfig
+from conftest import random_transformer
 from dlm.model import Transformer
 from dlm.objectives.mdlm import elbo_nll
 from dlm.model import canvas_embeds
@@ -44,23 +44,14 @@ from dlm.objectives.usdm import evaluate as usdm_evaluate
 Z = 4.0  # standard errors allowed between a Monte-Carlo mean and its exact expectation
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def random_model(vocab: int, seed: int, self_cond: bool = False, std: float = 0.5) -> Transformer:
-    torch.manual_seed(seed)
-    m = Transformer(ModelConfig(vocab_size=vocab, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32,
-                                max_seq_len=32, self_cond=self_cond))
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, std)
-        if self_cond:
+    m = random_transformer(seed, std, vocab_size=vocab, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32,
+                           max_seq_len=32, self_cond=self_cond)
+    if self_cond:
+        with torch.no_grad():
             m.self_cond.norm.weight.normal_(1.0, 0.5)
     return m.double().eval()
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import run_cli, tiny_train_config
+from conftest import random_transformer, run_cli, tiny_train_config
 from dlm.checkpoint import load_model
 from dlm.config import ModelConfig
 from dlm.errors import DlmError
@@ -38,14 +38,8 @@ def tiny_joint(tiny_ar, corpus_dir, tokenizer_path, tmp_path_factory):
 
 
 def random_model(seed: int, vocab: int = 24, dim: int = 32, layers: int = 2) -> Transformer:
-    torch.manual_seed(seed)
-    m = Transformer(ModelConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=2 * dim,
-                                max_seq_len=256))
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.3)
-    return m.double().eval()
+    return random_transformer(seed, 0.3, vocab_size=vocab, dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2,
+                              ffn_dim=2 * dim, max_seq_len=256).double().eval()
 
 
 def test_the_mask_drawn_in_the_docs():

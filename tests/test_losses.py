@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import random_transformer
 from dlm.config import ModelConfig
 from dlm.model import Transformer
 from dlm.objectives.ar import AR
@@ -27,14 +28,8 @@ NOTHING_MASKED_SEED = 3  # with T = 2 this generator draws t = 0.005 and masks n
 
 
 def random_model(seed: int, vocab: int = V, layers: int = 1) -> Transformer:
-    torch.manual_seed(seed)
-    m = Transformer(ModelConfig(vocab_size=vocab, dim=16, n_layers=layers, n_heads=2, n_kv_heads=1, ffn_dim=32,
-                                max_seq_len=64))
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.4)
-    return m.double().eval()
+    return random_transformer(seed, 0.4, vocab_size=vocab, dim=16, n_layers=layers, n_heads=2, n_kv_heads=1,
+                              ffn_dim=32, max_seq_len=64).double().eval()
 
 
 def test_ar_loss_is_mean_next_token_cross_entropy():

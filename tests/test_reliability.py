@@ -128,6 +128,18 @@ def paradigms(tiny_ar, tmp_path_factory) -> dict[str, Path]:
     return {"ar": tiny_ar, **{o: as_paradigm(tiny_ar, root / o, o) for o in ("mdlm", "usdm")}}
 
 
+def user_files(w: Path, jsonl: bytes, yaml: bytes) -> None:
+    """A user's files that no command may touch, and the bad inputs (not UTF-8, a folder named like a file)."""
+    (w / "user").mkdir()
+    (w / "user" / "notes.txt").write_text("mine\n")
+    (w / "afile").write_text("a file\n")
+    (w / "link").symlink_to("user")
+    (w / "d.jsonl").mkdir()
+    (w / "bad.txt").write_bytes(b"def f(\xff):\n")
+    (w / "bad.jsonl").write_bytes(jsonl)
+    (w / "bad.yaml").write_bytes(yaml)
+
+
 @pytest.fixture
 def sandbox(tiny_ar, hf_export, corpus_dir, tokenizer_path, tmp_path, monkeypatch) -> dict[str, str]:
     """A working folder with a checkpoint, a transformers folder, a user's files and bad input files; the cwd."""
@@ -135,14 +147,7 @@ def sandbox(tiny_ar, hf_export, corpus_dir, tokenizer_path, tmp_path, monkeypatc
     w.mkdir()
     copy_checkpoint(tiny_ar, w / "ck")
     shutil.copytree(hf_export, w / "hf")
-    (w / "user").mkdir()
-    (w / "user" / "notes.txt").write_text("mine\n")
-    (w / "afile").write_text("a file\n")
-    (w / "link").symlink_to("user")
-    (w / "d.jsonl").mkdir()
-    (w / "bad.txt").write_bytes(b"def f(\xff):\n")
-    (w / "bad.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
-    (w / "bad.yaml").write_bytes(b"max_steps: 3\nlr: \xff\n")
+    user_files(w, b'{"text": "ok"}\n{"text": "caf\xe9"}\n', b"max_steps: 3\nlr: \xff\n")
     (w / "bool.yaml").write_text("max_steps: true\n")
     monkeypatch.chdir(w)
     return {"w": str(w), "ck": str(w / "ck"), "hf": str(w / "hf"), "corpus": str(corpus_dir),

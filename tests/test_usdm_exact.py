@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import random_transformer
 from dlm.checkpoint import open_checkpoint, save_checkpoint
 from dlm.config import ModelConfig
 from dlm.model import Transformer
@@ -162,13 +163,9 @@ def test_entropy_bound_accept_ignores_positions_that_are_not_free():
 # the loss, by hand ----------------------------------------------------------------------------
 
 def tiny_usdm_model(vocab: int = 16, seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    m = Transformer(ModelConfig(vocab_size=vocab, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32,
-                                max_seq_len=64, self_cond=True))
+    m = random_transformer(seed, 0.3, vocab_size=vocab, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32,
+                           max_seq_len=64, self_cond=True)
     with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.3)
         m.self_cond.norm.weight.normal_(1.0, 0.5)
     return m.double().eval()
 

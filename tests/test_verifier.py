@@ -24,6 +24,7 @@ import math
 import pytest
 import torch
 
+from conftest import random_transformer
 from dlm.config import ModelConfig
 from dlm.model import Transformer
 from dlm.sampling.common import Commit
@@ -252,14 +253,8 @@ def exact_marginals(target: Transformer, prompt: list[int], n: int, temperature:
 
 def tiny_model(seed: int, layers: int = 1, std: float = 0.5) -> Transformer:
     """A random 8-token model whose weights are large enough for peaked, context-dependent distributions."""
-    torch.manual_seed(seed)
-    m = Transformer(ModelConfig(vocab_size=V, dim=16, n_layers=layers, n_heads=2, n_kv_heads=1, ffn_dim=32,
-                                max_seq_len=64))
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, std)
-    return m.eval()
+    return random_transformer(seed, std, vocab_size=V, dim=16, n_layers=layers, n_heads=2, n_kv_heads=1, ffn_dim=32,
+                              max_seq_len=64).eval()
 
 
 def tiny_dflash(target: Transformer, seed: int, block: int) -> DFlashDrafter:
@@ -281,13 +276,7 @@ PROCESSING = {  # (temperature, top_k, top_p): each temperature plain, and with 
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one thread is fastest, and the CPU is shared."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
