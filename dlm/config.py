@@ -180,6 +180,7 @@ class TrainConfig:
         dlm_weight: joint: weight of the masked-diffusion (noisy half) loss
         fim_rate: ar: fraction of training documents rearranged for fill-in-the-middle (Bavarian et al. 2022: prefix, suffix, middle around the FIM markers; document level, cut at two random characters); default 0.5 for ar, 0 = off
         answer_sep: supervised pairs: documents are PROMPT + this text + ANSWER (one token); the loss reads only the answer and diffusion noises only the answer, the prompt is the condition (LLaDA's SFT); default '=' for a .csv task corpus, '' = off
+        keep_given: mdlm with --answer-sep, an answer that edits a prompt of its own length (sudoku): never noise the answer tokens the prompt already holds at the same place (the givens, pinned at solving), so the loss reads only the unknowns; default on for a .csv task corpus
     """
 
     objective: str = "ar"
@@ -228,6 +229,7 @@ class TrainConfig:
     # tasks
     fim_rate: float | None = None
     answer_sep: str | None = None
+    keep_given: bool | None = None
 
     def validate(self) -> None:
         """The checks every objective shares (each objective checks its own options)."""
@@ -260,6 +262,9 @@ class TrainConfig:
               f"--fim-rate applies to --objective ar (fill-in-the-middle for a causal model), got {self.objective}")
         check(not self.answer_sep or self.objective in ("ar", "mdlm"),
               f"--answer-sep applies to --objective ar or mdlm, got {self.objective}")
+        check(not self.keep_given or (self.objective == "mdlm" and self.answer_sep != ""),
+              f"--keep-given applies to --objective mdlm with an --answer-sep, got {self.objective}"
+              + (" without one" if self.objective == "mdlm" else ""))
 
     def resolved(self) -> TrainConfig:
         """The config with the defaults that depend on other options filled in (what a run saves)."""
@@ -267,7 +272,10 @@ class TrainConfig:
         sep = self.answer_sep
         if sep is None:
             sep = "=" if self.data.lower().endswith(".csv") and self.objective in ("ar", "mdlm") else ""
-        return dataclasses.replace(self, fim_rate=fim, answer_sep=sep)
+        keep = self.keep_given
+        if keep is None:
+            keep = bool(sep) and self.objective == "mdlm" and self.data.lower().endswith(".csv")
+        return dataclasses.replace(self, fim_rate=fim, answer_sep=sep, keep_given=keep)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -282,6 +290,7 @@ class TrainConfig:
                 d["block_size"] = old
         d.setdefault("fim_rate", 0.0)  # runs saved before fill-in-the-middle existed trained without it
         d.setdefault("answer_sep", "")
+        d.setdefault("keep_given", False)  # runs saved before --keep-given noised the givens too
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:

@@ -184,8 +184,38 @@ def test_answer_only_losses_ignore_the_prompt(tmp_path):
             ans = obj.answers(batch[:, :-1])
             _, masked = mask_corrupt(batch[:, :-1], torch.ones(1, 12), tok.mask_id, torch.Generator(), ans)
             assert masked.int().tolist()[0] == [0] * 5 + [1] * 4 + [0] * 3
+            assert obj.unknowns(batch[:, :-1]).equal(ans)  # a code corpus: --keep-given is off
     with pytest.raises(DlmError, match="one token"):
         make_objective(TrainConfig(objective="ar", answer_sep="=="), tok)
+
+
+def test_keep_given_noises_only_the_unknown_cells():
+    from dlm.config import TrainConfig
+    from dlm.noise import mask_corrupt
+    from dlm.objectives import make_objective
+    from dlm.objectives.base import given_positions
+    from dlm.tokenizer import Tokenizer
+
+    tok = Tokenizer.train_chars(["0123456789="])
+    e = [tok.eos_id]
+    # two puzzles of four cells: quiz 1020 -> 1324, quiz 0004 -> 3214; the givens are the quiz's non-zero cells
+    x = torch.tensor([tok.encode("1020=1324") + e + tok.encode("0004=3214") + e])
+    given = given_positions(x, tok.encode("=")[0], tok.eos_id)
+    assert given.int().tolist()[0] == [0] * 5 + [1, 0, 1, 0] + [0] + [0] * 5 + [0, 0, 0, 1] + [0]
+    cfg = TrainConfig(objective="mdlm", seq_len=x.shape[1], data="p.csv").resolved()
+    assert cfg.keep_given  # the default for a .csv task corpus
+    obj = make_objective(cfg, tok)
+    _, masked = mask_corrupt(x, torch.ones_like(x, dtype=torch.float), tok.mask_id, torch.Generator(), obj.unknowns(x))
+    assert masked.int().tolist()[0] == [0] * 5 + [0, 1, 0, 1] + [0] + [0] * 5 + [1, 1, 1, 0] + [0]
+    off = make_objective(TrainConfig(objective="mdlm", seq_len=x.shape[1], data="p.csv", keep_given=False).resolved(), tok)
+    assert off.unknowns(x).int().sum() == 8  # every answer cell, the givens too
+    # a window that starts inside a document pins nothing of a prompt and nothing past its prompt's length
+    assert not given_positions(x[:, 2:], tok.encode("=")[0], tok.eos_id)[0, :8].any()
+    assert TrainConfig(objective="ar", data="p.csv").resolved().keep_given is False
+    assert TrainConfig.from_dict({"objective": "mdlm"}).keep_given is False  # a run saved before the option
+    for bad in (dict(objective="ar", keep_given=True), dict(objective="mdlm", answer_sep="", keep_given=True)):
+        with pytest.raises(DlmError, match="--keep-given"):
+            TrainConfig(**bad).validate()
 
 
 def test_fim_documents_and_the_fim_rate(corpus_dir, tokenizer_path, tiny_ar):

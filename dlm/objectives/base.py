@@ -36,6 +36,24 @@ def answer_positions(x: Tensor, sep_id: int, eos_id: int) -> Tensor:
     return (last_sep > last_eos) & (x != sep_id)
 
 
+def given_positions(x: Tensor, sep_id: int, eos_id: int) -> Tensor:
+    """Bool (B, T): the answer positions of windows x (B, T) whose token equals the prompt's token at the same
+    offset from the document's start: for an answer that edits a prompt of its own length (a sudoku quiz and
+    its solution), the cells the prompt already gives. Exact when each window starts at a document's start
+    (a .csv task corpus with --seq-len equal to a document's length); a window that starts inside a document
+    may pin a few answer tokens by chance, never a prompt token."""
+    B, T = x.shape
+    idx = torch.arange(T, device=x.device).expand_as(x)
+    last_sep = torch.where(x == sep_id, idx, -1).cummax(1).values
+    last_eos = torch.where(x == eos_id, idx, -1).cummax(1).values
+    start = last_eos + 1  # the document's first position (0 when the window starts inside it)
+    offset = idx - last_sep - 1  # position inside the answer
+    src = start + offset  # the prompt's token at the same offset
+    inside = answer_positions(x, sep_id, eos_id) & (offset < last_sep - start)
+    same = x.gather(1, src.clamp(0, T - 1)) == x
+    return inside & same
+
+
 ALL = slice(None)  # every row of the batch
 
 
@@ -66,6 +84,14 @@ class Objective(ABC):
     def answers(self, x: Tensor) -> Tensor | None:
         """Bool (B, T) of the answer positions of windows x (B, T), or None without --answer-sep."""
         return None if self.sep_id is None else answer_positions(x, self.sep_id, self.tok.eos_id)
+
+    def unknowns(self, x: Tensor) -> Tensor | None:
+        """Bool (B, T) of the answer positions a diffusion objective may noise: every answer position, less the
+        givens with --keep-given (answer tokens the prompt already holds at the same place). None = all."""
+        ans = self.answers(x)
+        if ans is None or not getattr(self.cfg, "keep_given", False):
+            return ans
+        return ans & ~given_positions(x, self.sep_id, self.tok.eos_id)
 
     @classmethod
     def check_config(cls, cfg: TrainConfig) -> None:

@@ -108,7 +108,7 @@ class MDLM(Objective):
         nb = T // L
         t = stratified_t(B * nb, gen, x0.device).view(B, nb)  # one time per block, stratified over the batch
         t_tok = t.repeat_interleave(L, dim=1)  # (B, T)
-        ans = self.answers(x0)  # supervised pairs: only the answer is noised, the prompt is the condition
+        ans = self.unknowns(x0)  # supervised pairs: only the answer is noised (its givens too unless --keep-given)
         xt, masked = mask_corrupt(x0, t_tok, self.mask_id, gen, corruptible=ans)
         denom = (B * T if ans is None else max(1, int(ans.sum()))) / share(batch, rows)
         x0, xt, masked, t_tok = x0[rows], xt[rows], masked[rows], t_tok[rows]  # (b, T): this slice's rows
