@@ -407,7 +407,7 @@ def distill_cmd(target: str, out: str, data: str = "stdlib", prompts: int = 4096
     """Generate a drafter's training data: the target's own continuations of train-split prompts (.jsonl).
 
     Args:
-        target: the AR checkpoint whose outputs the drafter will learn
+        target: the AR checkpoint whose outputs the drafter will learn (a joint checkpoint: its AR mode, for its own diffusion half)
         out: the .jsonl file to write (one {"text", "prompt", "source"} object per line)
         data: corpus the prompts are cut from (its train split)
         prompts: number of prompts

@@ -34,6 +34,12 @@ class ModelConfig:
     # a learned absolute position embedding added to the token embeddings (GPT-2's), beside RoPE: puzzles whose
     # geometry is absolute (sudoku: a cell's row, column and box); Qwen3/Llama have none (no transformers export)
     learned_pos: bool = False
+    # grid positions (puzzles on a side x side grid whose boxes are sqrt(side) wide: sudoku 9): learned row, column
+    # and box embeddings of each position's cell added to the token embeddings, so a cell's constraints (the cells
+    # sharing its row, column or box) are a few embeddings to match, not 81 free vectors to discover. A layout
+    # repeats every side^2 + 1 positions (QUIZ, separator, SOLUTION: the separator and <eos> get embeddings of
+    # their own); 0 = off
+    grid_pos: int = 0
 
     def __post_init__(self) -> None:
         self.check_types()
@@ -66,6 +72,9 @@ class ModelConfig:
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             check(kind in ("default", "llama3"), f"model.rope_scaling type must be 'default' or 'llama3', got {kind!r}")
+        g = self.grid_pos
+        check(g == 0 or (4 <= g <= 64 and math.isqrt(g) ** 2 == g),
+              f"model.grid_pos must be 0 or a square side of 4..64 (sudoku: 9), got {g}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -88,6 +97,7 @@ class ModelConfig:
         per_layer = attn + mlp + 2 * d
         emb = self.vocab_size * d
         pos = self.max_seq_len * d if self.learned_pos else 0
+        pos += 3 * (self.grid_pos + 1) * d if self.grid_pos else 0
         return emb + pos + self.n_layers * per_layer + d + (0 if self.tie_embeddings else emb)
 
 
@@ -122,6 +132,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # 6M (3 layers, d 384), sized for CPU training in tens of minutes,
     # and learned absolute positions (a bidirectional RoPE model can hardly tell a cell's row and column: docs/sudoku.md)
     "puzzle": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=384, max_seq_len=256, learned_pos=True),
+    # the puzzle preset with sudoku's grid positions (row, column and box embeddings of each cell, ModelConfig.grid_pos)
+    "sudoku": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=384, max_seq_len=256, learned_pos=True,
+                   grid_pos=9),
     # for GPU runs: ~26M parameters with a 4k vocabulary
     "base": dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1408, max_seq_len=2048),
 }

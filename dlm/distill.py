@@ -85,8 +85,9 @@ def distill(target: str, out: str, data: str = "stdlib", prompts: int = 4096, ma
     dst = check_out_file(out)
     check(dst.suffix == ".jsonl", f"--out must be a .jsonl file, got {out!r}")
     model, ck = load_model(target, device=resolve_device(device), option="--target")
-    if ck.objective != "ar":
-        raise DlmError(f"--target {target}: distill needs an AR checkpoint, got objective {ck.objective!r}")
+    if ck.objective not in ("ar", "joint"):
+        raise DlmError(f"--target {target}: distill needs an AR checkpoint (or a joint one: its AR mode), "
+                       f"got objective {ck.objective!r}")
     tok = ck.tokenizer
     snippets = train_prompts(Corpus(data), prompts, min_chars, max_chars, seed)
     room = model.cfg.max_seq_len - max_new_tokens
@@ -105,7 +106,8 @@ def distill(target: str, out: str, data: str = "stdlib", prompts: int = 4096, ma
                 batch = snippets[b0:b0 + batch_size]
                 ids = [tok.encode(s.text)[-room:] for s in batch]
                 new: list[list[int]] = [[] for _ in batch]
-                cfg = SampleConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + b0)
+                cfg = SampleConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + b0,
+                                   sampler="ar")  # a joint target: its AR mode
                 for ev in stream(model, ck, ids, cfg):
                     if isinstance(ev, Commit):
                         new[ev.row].extend(ev.tokens)

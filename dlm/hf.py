@@ -73,7 +73,7 @@ def export_hf(model: Transformer, tok: Tokenizer, out: str | os.PathLike, dtype:
     """Write a transformers-loadable folder (config.json, model.safetensors, tokenizer files)."""
     if model.cfg.self_cond:
         raise DlmError("--format hf: this checkpoint has a self-conditioning module that Qwen3/Llama cannot hold")
-    if model.cfg.learned_pos:
+    if model.cfg.learned_pos or model.cfg.grid_pos:
         raise DlmError("--format hf: this checkpoint has learned absolute positions that Qwen3/Llama cannot hold")
     with write_folder(out, overwrite=overwrite, inputs=inputs) as tmp:
         _write_hf(model, tok, tmp, dtype)

@@ -331,7 +331,29 @@ def param_shapes(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str
                     "self_cond.mlp.up_proj.weight": (F, D), "self_cond.mlp.down_proj.weight": (D, F)})
     if cfg.learned_pos:
         out["pos_embed.weight"] = (cfg.max_seq_len, D)
+    if cfg.grid_pos:
+        out.update({f"grid_embed.{k}.weight": (cfg.grid_pos + 1, D) for k in ("row", "col", "box")})
     return out, aliases
+
+
+class GridEmbedding(nn.Module):
+    """Row, column and box embeddings of the cell at each position of a side x side grid (ModelConfig.grid_pos).
+
+    Position p is cell c = p mod (side^2 + 1) of its layout; c = side^2 (the separator after a quiz, the <eos>
+    after a solution) has index `side` in all three tables."""
+
+    def __init__(self, side: int, dim: int):
+        super().__init__()
+        self.side, self.width = side, math.isqrt(side)  # width: of a box
+        self.row, self.col, self.box = (nn.Embedding(side + 1, dim) for _ in range(3))
+
+    def forward(self, pos: Tensor) -> Tensor:
+        n, b = self.side, self.width
+        c = pos % (n * n + 1)
+        cell = c < n * n
+        r, k = torch.where(cell, c // n, n), torch.where(cell, c % n, n)
+        bx = torch.where(cell, (r // b) * b + k // b, n)
+        return self.row(r) + self.col(k) + self.box(bx)
 
 
 class Transformer(nn.Module):
@@ -346,6 +368,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.self_cond = SelfConditioning(cfg) if cfg.self_cond else None
         self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.learned_pos else None  # GPT-2's, beside RoPE
+        self.grid_embed = GridEmbedding(cfg.grid_pos, cfg.dim) if cfg.grid_pos else None
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         init_weights(self, cfg.n_layers)
 
@@ -370,11 +393,14 @@ class Transformer(nn.Module):
         head: bool = True,  # compute logits
     ) -> Output:
         x = self.embed_tokens(tokens) if embeds is None else embeds  # (B, T, D)
-        if self.pos_embed is not None:  # learned absolute positions (ModelConfig.learned_pos)
+        if self.pos_embed is not None or self.grid_embed is not None:  # absolute positions (learned_pos, grid_pos)
             if pos is None:
                 start = (cache.length if cache is not None else 0) + (ctx.shape[1] if ctx is not None else 0)
                 pos = torch.arange(start, start + x.shape[1], device=x.device)
-            x = x + self.pos_embed(pos)  # (T, D) or (B, T, D)
+            if self.pos_embed is not None:
+                x = x + self.pos_embed(pos)  # (T, D) or (B, T, D)
+            if self.grid_embed is not None:
+                x = x + self.grid_embed(pos)
         x, out_taps = run_blocks(self.layers, self.inv_freq, x, pos=pos, cache=cache, mask=mask, write=write,
                                  ctx=ctx, ctx_pos=ctx_pos, taps=taps)
         last = self.norm(x)

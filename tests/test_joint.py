@@ -247,3 +247,17 @@ def test_eval_reports_the_ar_mode_beside_its_reference(tiny_joint, tiny_ar, corp
     assert res["reference_loss"] == pytest.approx(ar_loss(ref, rck.tokenizer, Corpus(str(corpus_dir)), "test", 64, 8,
                                                           2)["loss"])
     assert res["ar_mode_loss"] != pytest.approx(res["reference_loss"])  # training moved the AR mode
+
+
+def test_distill_from_a_joint_model_writes_its_ar_modes_continuations(tiny_joint, corpus_dir, tmp_path):
+    """`dlm distill --target JOINT`: training data for the model's own diffusion half, from its AR mode."""
+    out = tmp_path / "self.jsonl"
+    run_cli("distill", "--target", str(tiny_joint), "--data", str(corpus_dir), "--out", str(out), "--prompts", "3",
+            "--max-new-tokens", "12", "--quiet", check=True)
+    model, ck = load_model(tiny_joint)
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 3
+    for r in rows:
+        ref = target_greedy(model, ck.tokenizer.encode(r["prompt"]), 12, ck.tokenizer.eos_id)
+        cut = ref.index(ck.tokenizer.eos_id) if ck.tokenizer.eos_id in ref else len(ref)
+        assert r["text"] == r["prompt"] + ck.tokenizer.decode(ref[:cut])

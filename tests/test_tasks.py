@@ -477,3 +477,32 @@ def test_learned_positions_the_puzzle_preset_adds(tmp_path):
     assert not torch.allclose(full, shifted, atol=1e-3)  # absolute positions matter (RoPE alone would not see it)
     with pytest.raises(DlmError, match="learned absolute positions"):
         export_hf(model, Tokenizer.train_chars(["0123456789="]), tmp_path / "hf")
+
+
+def test_grid_positions_give_a_cells_row_column_and_box(tmp_path):
+    from dlm.config import ModelConfig, preset
+    from dlm.model import Transformer, param_shapes
+
+    cfg = preset("sudoku", vocab_size=28)
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    assert cfg.grid_pos == 9 and model.num_params() == cfg.num_params()
+    shapes, aliases = param_shapes(cfg)
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in aliases} == shapes
+    g = model.grid_embed
+    for table in (g.row, g.col, g.box):
+        torch.nn.init.eye_(table.weight[:, :10])  # one-hot: row r -> dim r, and so on
+    pos = torch.arange(164)  # QUIZ (0..80) = (81) SOLUTION (82..162) <eos> (163)
+    e = g(pos)  # (164, D): the sum of three one-hot rows
+    which = lambda p: sorted(int(i) for i in torch.nonzero(e[p, :10]))  # noqa: E731
+    cell = lambda r, c: r * 9 + c  # noqa: E731
+    assert which(cell(4, 7)) == [4, 5, 7]  # row 4, column 7, box 5
+    assert which(cell(0, 0)) == [0]  # row 0, column 0, box 0: one dim, three times
+    assert torch.equal(e[cell(4, 7)], e[82 + cell(4, 7)])  # the solution's cell is the quiz's cell
+    assert torch.equal(e[81], e[163]) and which(81) == [9]  # separator and <eos>: index 9 in every table
+    for p in range(81):  # the boxes: cells (r, c) of box (r // 3) * 3 + c // 3
+        box = e[p] - g.row.weight[p // 9] - g.col.weight[p % 9]
+        assert torch.allclose(g.box.weight[(p // 9 // 3) * 3 + p % 9 // 3], box, atol=1e-6)
+    for bad in (8, 3, 81):
+        with pytest.raises(DlmError, match="grid_pos"):
+            ModelConfig(vocab_size=28, grid_pos=bad)
