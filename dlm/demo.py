@@ -62,4 +62,33 @@ def run_demo(prompts: int = 3, max_new_tokens: int = 48, bench_prompts: int = 4,
     run_bench(str(ar), prompts=bench_prompts, max_new_tokens=bench_tokens, out=None, naive=False,
               mdlm=str(mdlm) if mdlm else None, usdm=str(usdm) if usdm else None,
               draft=drafts, temperatures=(0.0,), repeat=repeat)
+    sudoku(con)
     con.print(f"[dim]demo took {time.perf_counter() - t0:.1f} s[/]")
+
+
+def sudoku(con, n: int = 20, threshold: float = 0.999) -> None:
+    """The shipped sudoku references on n fresh held-out puzzles: masked diffusion against AR of its size."""
+    from rich.table import Table
+
+    from dlm.checkpoint import load_model
+    from dlm.sampling import SampleConfig
+    from dlm.tasks import run_task
+    from dlm.tasks import sudoku as task
+
+    rows = [(name, sampler) for name, sampler in (("sudoku-mdlm", "threshold"), ("sudoku-ar", "auto"))
+            if shipped(name)]
+    if not rows:
+        return
+    cases = task.cases(None, n, 0)
+    con.print(f"\n[bold]Sudoku[/] ({n} fresh 40-50-clue puzzles, never seen in training; "
+              f"`dlm eval --model checkpoints/MODEL --task sudoku --n {n}`, mdlm with `--sampler threshold "
+              f"--threshold {threshold:g}`)")
+    table = Table("model", "decoding", "grids solved", "cells right", "cells per forward")
+    for name, sampler in rows:
+        model, ck = load_model(shipped(name))
+        cfg = SampleConfig(max_new_tokens=81, sampler=sampler, threshold=threshold)
+        r = run_task("sudoku", model, ck, cfg, cases=cases)
+        how = f"confident cells in parallel (>= {threshold:g})" if sampler == "threshold" else "left to right"
+        table.add_row(name, how, f"{round(r['accuracy'] * n)}/{n}", f"{r['cell_accuracy']:.3f}",
+                      f"{r['tokens_per_forward']:.2f}")
+    con.print(table)
