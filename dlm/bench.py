@@ -301,16 +301,17 @@ def mdlm_settings(block: int, sweep: bool) -> list[dict[str, Any]]:
 
     Without sweep: LLaDA confidence at one token per step (the quality reference), and a parallel setting: the
     entropy bound 1.0 with a budget of block/4 steps (so at least 4 tokens per forward in a block of 32).
-    With sweep: confidence at block/1, /2, /3, /4, /6, /8 steps; entropy bounds 0.1 .. 12; thresholds 0.9 .. 0.1;
-    the entropy-bound sampler at half and twice the block length.
+    With sweep: confidence at block/1, /2, /3, /4, /6, /8 steps; entropy bounds 0.01 .. 12; thresholds 0.999 .. 0.1
+    (the near-certain end decides sudoku, where two cells committed together can clash); the entropy-bound sampler
+    at half and twice the block length.
     """
     rows: list[dict[str, Any]] = [dict(sampler="confidence"),
                                   dict(sampler="entropy_bound", entropy_bound=1.0, steps=max(1, block // 4))]
     if sweep:  # small models are unsure (entropies of several nats): the useful bounds reach far above 0.1
         steps = sorted({max(1, round(block / d)) for d in (1, 2, 3, 4, 6, 8)}, reverse=True)
         rows = [dict(sampler="confidence", steps=s) for s in steps]
-        rows += [dict(sampler="entropy_bound", entropy_bound=b) for b in (0.1, 1.0, 3.0, 5.0, 8.0, 12.0)]
-        rows += [dict(sampler="threshold", threshold=t) for t in (0.9, 0.5, 0.3, 0.1)]
+        rows += [dict(sampler="entropy_bound", entropy_bound=b) for b in (0.01, 0.1, 1.0, 3.0, 5.0, 8.0, 12.0)]
+        rows += [dict(sampler="threshold", threshold=t) for t in (0.999, 0.99, 0.9, 0.5, 0.3, 0.1)]
         rows += [dict(sampler="entropy_bound", entropy_bound=5.0, block_size=b)
                  for b in (max(1, block // 2), 2 * block)]
     return rows
