@@ -66,7 +66,7 @@ def run_demo(prompts: int = 3, max_new_tokens: int = 48, bench_prompts: int = 4,
     con.print(f"[dim]demo took {time.perf_counter() - t0:.1f} s[/]")
 
 
-def sudoku(con, n: int = 20, threshold: float = 0.999) -> None:
+def sudoku(con, n: int = 10, threshold: float = 0.999) -> None:
     """The shipped sudoku references on n fresh held-out puzzles: masked diffusion against AR of its size."""
     from rich.table import Table
 
@@ -88,7 +88,7 @@ def sudoku(con, n: int = 20, threshold: float = 0.999) -> None:
         model, ck = load_model(shipped(name))
         cfg = SampleConfig(max_new_tokens=81, sampler=sampler, threshold=threshold)
         r = run_task("sudoku", model, ck, cfg, cases=cases)
-        how = f"confident cells in parallel (>= {threshold:g})" if sampler == "threshold" else "left to right"
+        how = f"parallel, confidence >= {threshold:g}" if sampler == "threshold" else "left to right"
         table.add_row(name, how, f"{round(r['accuracy'] * n)}/{n}", f"{r['cell_accuracy']:.3f}",
                       f"{r['tokens_per_forward']:.2f}")
     con.print(table)
