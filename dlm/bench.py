@@ -376,7 +376,8 @@ def pyplot():
 
 
 def save_figure(plt, fig, path: Path) -> None:
-    """Write a figure under a temporary name, then rename it into place."""
+    """Lay a figure out, write it under a temporary name, then rename it into place."""
+    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.png")
     fig.savefig(tmp, dpi=110)
