@@ -276,8 +276,8 @@ class TrainConfig:
         check(not self.answer_sep or self.objective in ("ar", "mdlm"),
               f"--answer-sep applies to --objective ar or mdlm, got {self.objective}")
         check(not self.keep_given or (self.objective == "mdlm" and self.answer_sep != ""),
-              f"--keep-given applies to --objective mdlm with an --answer-sep, got {self.objective}"
-              + (" without one" if self.objective == "mdlm" else ""))
+              f"--keep-given applies to --objective mdlm with an --answer-sep, got --objective {self.objective} "
+              f"--answer-sep {self.answer_sep!r}")
 
     def resolved(self) -> TrainConfig:
         """The config with the defaults that depend on other options filled in (what a run saves)."""

@@ -34,6 +34,16 @@ def random_transformer(seed: int, std: float, **config):
     return m
 
 
+def assert_greedy_continuation(model, ck, row: dict, max_new_tokens: int) -> None:
+    """A `dlm distill` row is its prompt followed by the model's greedy continuation, cut at <eos>."""
+    from dlm.sampling.speculative import target_greedy
+
+    eos = ck.tokenizer.eos_id
+    ref = target_greedy(model, ck.tokenizer.encode(row["prompt"]), max_new_tokens, eos)
+    cut = ref.index(eos) if eos in ref else len(ref)
+    assert row["text"] == row["prompt"] + ck.tokenizer.decode(ref[:cut])
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models: one thread is fastest, and the CPU is shared (use: pytestmark = usefixtures("one_thread"))."""

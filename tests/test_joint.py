@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import random_transformer, run_cli, tiny_train_config
+from conftest import assert_greedy_continuation, random_transformer, run_cli, tiny_train_config
 from dlm.checkpoint import load_model
 from dlm.config import ModelConfig
 from dlm.errors import DlmError
@@ -258,6 +258,4 @@ def test_distill_from_a_joint_model_writes_its_ar_modes_continuations(tiny_joint
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(rows) == 3
     for r in rows:
-        ref = target_greedy(model, ck.tokenizer.encode(r["prompt"]), 12, ck.tokenizer.eos_id)
-        cut = ref.index(ck.tokenizer.eos_id) if ck.tokenizer.eos_id in ref else len(ref)
-        assert r["text"] == r["prompt"] + ck.tokenizer.decode(ref[:cut])
+        assert_greedy_continuation(model, ck, r, 12)

@@ -26,13 +26,19 @@ from dlm.model import Transformer
 from dlm.tokenizer import Tokenizer
 
 
+def _last_marks(x: Tensor, sep_id: int, eos_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(positions, last separator at or before each position, last <eos> at or before it), each (B, T); -1 = none."""
+    idx = torch.arange(x.shape[1], device=x.device).expand_as(x)
+    last_sep = torch.where(x == sep_id, idx, -1).cummax(1).values
+    last_eos = torch.where(x == eos_id, idx, -1).cummax(1).values
+    return idx, last_sep, last_eos
+
+
 def answer_positions(x: Tensor, sep_id: int, eos_id: int) -> Tensor:
     """Bool (B, T): the positions of windows x (B, T) that belong to an answer, i.e. that follow a separator
     token of their document (no <eos> in between). A window that starts inside an answer marks nothing
     until its next separator."""
-    idx = torch.arange(x.shape[1], device=x.device).expand_as(x)
-    last_sep = torch.where(x == sep_id, idx, -1).cummax(1).values
-    last_eos = torch.where(x == eos_id, idx, -1).cummax(1).values
+    _, last_sep, last_eos = _last_marks(x, sep_id, eos_id)
     return (last_sep > last_eos) & (x != sep_id)
 
 
@@ -42,15 +48,11 @@ def given_positions(x: Tensor, sep_id: int, eos_id: int) -> Tensor:
     its solution), the cells the prompt already gives. Exact when each window starts at a document's start
     (a .csv task corpus with --seq-len equal to a document's length); a window that starts inside a document
     may pin a few answer tokens by chance, never a prompt token."""
-    B, T = x.shape
-    idx = torch.arange(T, device=x.device).expand_as(x)
-    last_sep = torch.where(x == sep_id, idx, -1).cummax(1).values
-    last_eos = torch.where(x == eos_id, idx, -1).cummax(1).values
+    idx, last_sep, last_eos = _last_marks(x, sep_id, eos_id)
     start = last_eos + 1  # the document's first position (0 when the window starts inside it)
     offset = idx - last_sep - 1  # position inside the answer
-    src = start + offset  # the prompt's token at the same offset
-    inside = answer_positions(x, sep_id, eos_id) & (offset < last_sep - start)
-    same = x.gather(1, src.clamp(0, T - 1)) == x
+    inside = (last_sep > last_eos) & (x != sep_id) & (offset < last_sep - start)  # answer, within the prompt's length
+    same = x.gather(1, (start + offset).clamp(0, x.shape[1] - 1)) == x  # the prompt's token at the same offset
     return inside & same
 
 
