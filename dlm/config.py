@@ -193,6 +193,7 @@ class TrainConfig:
         dlm_weight: joint: weight of the masked-diffusion (noisy half) loss
         fim_rate: ar: fraction of training documents rearranged for fill-in-the-middle (Bavarian et al. 2022: prefix, suffix, middle around the FIM markers; document level, cut at two random characters); default 0.5 for ar, 0 = off
         answer_sep: supervised pairs: documents are PROMPT + this text + ANSWER (one token); the loss reads only the answer and diffusion noises only the answer, the prompt is the condition (LLaDA's SFT); default '=' for a .csv task corpus, '' = off
+        prompt_loss: data whose documents mark a prompt (a .jsonl from `dlm distill`): train on the prompt tokens too; default off: every loss reads the response tokens only (diffusion noises only them, DFlash anchors its blocks in them), as SpecForge trains drafters
         keep_given: mdlm with --answer-sep, an answer that edits a prompt of its own length (sudoku): never noise the answer tokens the prompt already holds at the same place (the givens, pinned at solving), so the loss reads only the unknowns; default on for a .csv task corpus
     """
 
@@ -243,6 +244,7 @@ class TrainConfig:
     fim_rate: float | None = None
     answer_sep: str | None = None
     keep_given: bool | None = None
+    prompt_loss: bool | None = None
 
     def validate(self) -> None:
         """The checks every objective shares (each objective checks its own options)."""
@@ -288,7 +290,8 @@ class TrainConfig:
         keep = self.keep_given
         if keep is None:
             keep = bool(sep) and self.objective == "mdlm" and self.data.lower().endswith(".csv")
-        return dataclasses.replace(self, fim_rate=fim, answer_sep=sep, keep_given=keep)
+        return dataclasses.replace(self, fim_rate=fim, answer_sep=sep, keep_given=keep,
+                                   prompt_loss=bool(self.prompt_loss))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -304,6 +307,7 @@ class TrainConfig:
         d.setdefault("fim_rate", 0.0)  # runs saved before fill-in-the-middle existed trained without it
         d.setdefault("answer_sep", "")
         d.setdefault("keep_given", False)  # runs saved before --keep-given noised the givens too
+        d.setdefault("prompt_loss", True)  # runs saved before response-only losses read every token
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:

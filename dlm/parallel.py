@@ -120,15 +120,17 @@ def check_world(batch_size: int, accum: int, world: int) -> None:
 
 class Step(nn.Module):
     """The objective's loss as one module: what DDP and FSDP wrap, so that their hooks see one forward per
-    micro-batch. forward(batch, gen, rows) -> (loss, extra metrics) of the rows `rows` of the global batch."""
+    micro-batch. forward(batch, gen, rows, sup) -> (loss, extra metrics) of the rows `rows` of the global batch
+    (sup: the batch's response flags, or None)."""
 
     def __init__(self, model: nn.Module, objective):
         super().__init__()
         self.model = model
         self.objective = objective  # not a module: the DFlash target stays outside the wrapped parameters
 
-    def forward(self, batch: Tensor, gen: torch.Generator, rows: slice) -> tuple[Tensor, dict[str, float]]:
-        return self.objective.loss(self.model, batch, gen, rows)
+    def forward(self, batch: Tensor, gen: torch.Generator, rows: slice,
+                sup: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+        return self.objective.loss(self.model, batch, gen, rows, sup)
 
 
 def wrap(model: nn.Module, objective, par: Dist, device: torch.device, fsdp: bool, compile: bool) -> nn.Module:

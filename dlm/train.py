@@ -32,7 +32,7 @@ from dlm.checkpoint import (
 )
 from dlm.config import TrainConfig
 from dlm.data.corpus import Corpus
-from dlm.data.tokens import Batches, load_tokens
+from dlm.data.tokens import Batches, load_flags, load_tokens
 from dlm.errors import DlmError, check
 from dlm.objectives import Objective, make_objective, objective_class
 from dlm.parallel import (
@@ -100,14 +100,15 @@ def validate(step_module: nn.Module, val: Batches, cfg: TrainConfig, device: tor
     """Mean loss of the first eval_batches validation batches; each process computes its share of a batch."""
     step_module.eval()
     losses = []
-    for i, batch in enumerate(val.sequential(cfg.eval_batches)):
+    for i, (batch, sup) in enumerate(val.sequential(cfg.eval_batches, sup=True)):
         n = batch.shape[0]
         rows = par.even_rows(n)
         weight = (rows.stop - rows.start) / n  # this process's part of the batch loss
         if weight == 0:  # fewer rows than processes: compute row 0 for nothing, to keep FSDP's gathers in step
             rows = slice(0, 1)
         with autocast():
-            loss, _ = step_module(batch.to(device), step_generator(device, cfg.seed + 1, i), rows)
+            loss, _ = step_module(batch.to(device), step_generator(device, cfg.seed + 1, i), rows,
+                                  None if sup is None else sup.to(device))
         losses.append(scalar(loss.detach()) * weight)
     step_module.train()
     return sum(par.sum(losses, device)) / len(losses)
@@ -258,9 +259,14 @@ def prepare(cfg: TrainConfig, out: Path, resume: bool, explicit: set[str] | None
     tok = resolve_tokenizer(cfg, corpus, out, resuming=state_dir is not None)
     objective = make_objective(cfg, tok)
     model = objective.build_model().to(device)
-    train_batches = Batches(load_tokens(corpus, tok, "train", cfg.fim_rate or 0.0, cfg.seed), cfg.seq_len,
-                            cfg.batch_size, cfg.seed)
-    val_batches = Batches(load_tokens(corpus, tok, "val"), cfg.seq_len, cfg.batch_size, cfg.seed)
+    fim = cfg.fim_rate or 0.0
+
+    def flags(split: str, fim: float = 0.0):  # a prompted corpus: the losses read responses only
+        return None if cfg.prompt_loss else load_flags(corpus, tok, split, fim, cfg.seed)
+
+    train_batches = Batches(load_tokens(corpus, tok, "train", fim, cfg.seed), cfg.seq_len, cfg.batch_size, cfg.seed,
+                            flags("train", fim))
+    val_batches = Batches(load_tokens(corpus, tok, "val"), cfg.seq_len, cfg.batch_size, cfg.seed, flags("val"))
     return Run(cfg, out, state_dir, start_step, device, tok, objective, model, train_batches, val_batches)
 
 
@@ -375,7 +381,9 @@ def _loop(run: Run, quiet: bool, par: Dist = Dist()) -> None:
         task = progress.add_task("train", total=cfg.max_steps, completed=run.start_step, loss=float("nan"),
                                  val=float("nan"), tps=0.0)
         for step in range(run.start_step, cfg.max_steps):
-            loss, gnorm, lr, extra = step_fn(step, run.train_batches.batch(step).to(device, non_blocking=True))
+            batch, sup = run.train_batches.batch_sup(step)
+            loss, gnorm, lr, extra = step_fn(step, batch.to(device, non_blocking=True),
+                                             None if sup is None else sup.to(device, non_blocking=True))
             loss_acc += loss
             steps_since += 1
             done = step + 1
@@ -404,13 +412,14 @@ def _loop(run: Run, quiet: bool, par: Dist = Dist()) -> None:
 
 def _step_function(cfg: TrainConfig, step_module: nn.Module, params: list[nn.Parameter], opt: torch.optim.Optimizer,
                    device: torch.device, autocast: Callable,
-                   par: Dist) -> Callable[[int, torch.Tensor], tuple[float, float, float, dict]]:
-    """One optimizer step: (step, global batch) -> (loss, grad norm, lr, the objective's extra metrics), each the
-    whole batch's: this process's micro-batches are summed here, the processes' sums added by one all-reduce."""
+                   par: Dist) -> Callable[..., tuple[float, float, float, dict]]:
+    """One optimizer step: (step, global batch, its response flags or None) -> (loss, grad norm, lr, the
+    objective's extra metrics), each the whole batch's: this process's micro-batches are summed here, the
+    processes' sums added by one all-reduce."""
     slices = par.micro_rows(cfg.batch_size, cfg.grad_accum)
     parts = len(slices) * par.world  # equal slices of the global batch: its loss is their mean
 
-    def step_fn(step: int, batch: torch.Tensor):
+    def step_fn(step: int, batch: torch.Tensor, sup: torch.Tensor | None = None):
         lr = lr_at(cfg, step)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -418,7 +427,7 @@ def _step_function(cfg: TrainConfig, step_module: nn.Module, params: list[nn.Par
         for k, rows in enumerate(slices):
             with grad_sync(step_module, k == len(slices) - 1):
                 with autocast():  # every slice draws the whole batch's noise from the step's generator
-                    loss, extra = step_module(batch, step_generator(device, cfg.seed, step), rows)
+                    loss, extra = step_module(batch, step_generator(device, cfg.seed, step), rows, sup)
                 (loss / len(slices)).backward()
             for name, v in {"loss": float(loss.detach()), **extra}.items():
                 totals[name] = totals.get(name, 0.0) + float(v)

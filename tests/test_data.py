@@ -4,9 +4,10 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from dlm.data.corpus import Corpus, split_of
-from dlm.data.tokens import Batches, heldout_prompts, load_tokens, token_file
+from dlm.data.tokens import Batches, heldout_prompts, load_flags, load_tokens, token_file
 from dlm.errors import DlmError
 from dlm.tokenizer import SPECIALS, Tokenizer
 
@@ -111,6 +112,39 @@ def test_bad_corpora(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"txt": "no"}\n')
     with pytest.raises(DlmError, match="line 2"):
         Corpus(str(tmp_path / "bad.jsonl"))
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok", "prompt": "o"}\n{"text": "ok", "prompt": "no"}\n')
+    with pytest.raises(DlmError, match="line 2: its 'prompt' must be a string that starts its 'text'"):
+        Corpus(str(tmp_path / "bad.jsonl"))
+
+
+def test_prompted_jsonl_flags_mark_the_response_tokens(tmp_path, tok):
+    """A .jsonl with prompts (as `dlm distill` writes): prompt and response tokenized apart, and beside the
+    tokens a flag per token, 1 on the response and its <eos>, 0 on the prompt; a row without a prompt is all
+    response. The batches carry the flags of their own windows."""
+    rows = [{"prompt": f"def f{i}(x):\n    y", "text": f"def f{i}(x):\n    y = x + {i}\n    return y\n"}
+            for i in range(60)] + [{"text": "no prompt here\n"}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    c = Corpus(str(tmp_path / "d.jsonl"))
+    assert c.prompted and c.kind == "jsonl"
+    toks, flags = load_tokens(c, tok, "train"), load_flags(c, tok, "train")
+    assert flags.dtype == np.uint8 and flags.shape == toks.shape
+    pos = 0
+    for d in c.docs("train"):
+        pre, resp = tok.encode(d.text[:d.prompt_chars]) if d.prompt_chars else [], tok.encode(d.text[d.prompt_chars:])
+        n = len(pre) + len(resp) + 1
+        assert toks[pos:pos + n].tolist() == pre + resp + [tok.eos_id]
+        assert flags[pos:pos + n].tolist() == [0] * len(pre) + [1] * (len(resp) + 1)
+        pos += n
+    assert pos == len(toks) and 0 < flags.mean() < 1
+    b = Batches(toks, 16, 4, flags=flags)
+    x, sup = b.batch_sup(3)
+    assert sup.dtype == torch.bool and sup.shape == x.shape
+    for row, f in zip(x, sup):  # each window's flags are its own tokens' (found by its position in the stream)
+        i = next(i for i in range(b.n) if (b.window(i) == row.numpy()).all())
+        assert f.tolist() == b.window(i, flags).astype(bool).tolist()
+    assert load_flags(Corpus(str(tmp_path / "d.jsonl")), tok, "val") is not None
+    (tmp_path / "plain.jsonl").write_text("".join(json.dumps({"text": r["text"]}) + "\n" for r in rows))
+    assert load_flags(Corpus(str(tmp_path / "plain.jsonl")), tok, "train") is None
 
 
 def test_token_cache_is_reused_and_documents_end_with_eos(corpus_dir, tok):

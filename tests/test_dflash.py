@@ -432,17 +432,17 @@ def test_dflash_training_resumes_exactly(tiny_ar, tiny_draft_data, corpus_dir, t
                                  log_every=1, eval_every=100, save_every=3)
 
     train(cfg(6), tmp_path / "straight", quiet=True)
-    batch = Batches.batch
+    batch = Batches.batch_sup  # what the training loop reads (a distilled corpus: with its response flags)
 
     def interrupted(self, step):
         if step == 4:
             raise KeyboardInterrupt
         return batch(self, step)
 
-    monkeypatch.setattr(Batches, "batch", interrupted)
+    monkeypatch.setattr(Batches, "batch_sup", interrupted)
     with pytest.raises(KeyboardInterrupt):  # killed after the state of step 3 was saved
         train(cfg(6), tmp_path / "resumed", quiet=True)
-    monkeypatch.setattr(Batches, "batch", batch)
+    monkeypatch.setattr(Batches, "batch_sup", batch)
     train(cfg(6), tmp_path / "resumed", resume=True, quiet=True)
 
     def losses(p):

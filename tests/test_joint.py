@@ -87,6 +87,30 @@ def test_loss_is_the_weighted_sum_of_its_parts(corpus_dir, tokenizer_path):
     assert float(losses[(0.0, 1.0)].detach()) > 0
 
 
+def test_loss_reads_responses_only(corpus_dir, tokenizer_path):
+    """With response flags: the AR part is the cross-entropy of the response targets only, and the noisy half
+    holds <mask> only at response positions."""
+    from dlm.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer_path)
+    cfg = tiny_train_config(corpus_dir, tokenizer_path, objective="joint", block_size=4, seq_len=16)
+    m = Transformer(ModelConfig(vocab_size=tok.vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                ffn_dim=64)).double()
+    batch = torch.randint(10, 200, (2, 17), generator=torch.Generator().manual_seed(0))
+    sup = torch.zeros(2, 17, dtype=torch.bool)
+    sup[0, 6:], sup[1, 2:9] = True, True
+    seen = []
+    hook = m.embed_tokens.register_forward_hook(lambda mod, args, out: seen.append(args[0].clone()))
+    obj = Joint(cfg.__class__(**{**cfg.to_dict(), "ar_weight": 1.0, "dlm_weight": 0.0}), tok)
+    for seed in range(6):
+        loss, _ = obj.loss(m, batch, torch.Generator().manual_seed(seed), sup=sup)
+    hook.remove()
+    noisy = torch.stack([x[:, :16] for x in seen])  # (6, 2, 16)
+    assert not (noisy == tok.mask_id)[:, ~sup[:, :16]].any() and (noisy == tok.mask_id)[:, sup[:, :16]].any()
+    ce = F.cross_entropy(m(batch[:, :-1]).logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="none").view(2, 16)
+    assert torch.allclose(loss, ce[sup[:, 1:]].mean())
+
+
 def test_quadratic_rows_are_the_ar_logits_and_linear_drafts():
     """One quadratic pass = the AR logits after d_0..d_i and, per row, a draft of L masks over a cache that
     holds the prefix and d_0..d_i (as if they were accepted) (same numbers, float64)."""

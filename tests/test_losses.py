@@ -155,3 +155,75 @@ def test_dflash_loss_by_hand(injection, features, every):
         assert anchors.tolist() == [list(range(A))] * B
     assert extra["acc_slot1"] == pytest.approx(float(hits[:, 0].double().mean()))
     assert extra["tau_train"] == pytest.approx(1 + float(hits.cumprod(1).sum(1).double().mean()))
+
+
+# response-only losses (a prompted corpus: `dlm distill` data) -------------------------------------
+
+def test_ar_loss_reads_response_targets_only():
+    """With response flags, the mean cross-entropy over the targets that are response tokens."""
+    model = random_model(0)
+    batch = torch.randint(4, V, (2, 11), generator=torch.Generator().manual_seed(0))
+    sup = torch.zeros(2, 11, dtype=torch.bool)
+    sup[0, 4:] = True  # row 0: prompt 0..3, response 4..10
+    sup[1, 2:6] = True  # row 1: a response 2..5, then the next document's prompt
+    with torch.no_grad():
+        loss, extra = AR(SimpleNamespace(), SimpleNamespace()).loss(model, batch, torch.Generator(), sup=sup)
+        ce = torch.stack([F.cross_entropy(model(batch[b:b + 1, :-1]).logits[0], batch[b, 1:], reduction="none")
+                          for b in range(2)])  # (2, 10)
+    want = ce[sup[:, 1:]].sum() / sup[:, 1:].sum()
+    assert float(loss) == pytest.approx(float(want), rel=1e-6) and extra["answer_tokens"] == 11
+
+
+def test_mdlm_noises_response_tokens_only():
+    """The noisy input holds <mask> only where the flags mark a response; the loss is normalised by their count."""
+    B, T = 4, 24
+    model = random_model(1)
+    obj = MDLM(SimpleNamespace(block_size=0, seq_len=T), SimpleNamespace(mask_id=MASK, source="test"))
+    batch = torch.randint(4, V, (B, T + 1), generator=torch.Generator().manual_seed(2))
+    sup = torch.arange(T + 1)[None, :].expand(B, -1) >= torch.tensor([[3], [10], [0], [20]])
+    seen = []
+    hook = model.embed_tokens.register_forward_hook(lambda m, args, out: seen.append(args[0].clone()))
+    with torch.no_grad():
+        for seed in range(5):
+            obj.loss(model, batch, torch.Generator().manual_seed(seed), sup=sup)
+    hook.remove()
+    xt = torch.stack(seen)  # (5, B, T)
+    assert not (xt == MASK)[:, ~sup[:, :T]].any()  # a prompt token is never noised
+    assert (xt == MASK)[:, sup[:, :T]].float().mean() > 0.2  # responses are
+
+
+@pytest.mark.parametrize("gap", [False, True], ids=["one-document", "next-prompt-inside"])
+def test_dflash_loss_reads_responses_only(gap):
+    """Every position whose first label is a response token an anchor (A = their count), no other; a block's
+    slots count up to its first label that is not a response (the next document's prompt); the mean over
+    the blocks that count."""
+    g, B, T1 = 4, 2, 16
+    target = random_model(3, layers=2)
+    torch.manual_seed(4)
+    d = DFlashDrafter(ModelConfig(**{**target.cfg.to_dict(), "n_layers": 1}), [0, 1], g, mask_id=MASK).double()
+    batch = torch.randint(4, V, (B, T1), generator=torch.Generator().manual_seed(6))
+    sup = torch.zeros(B, T1, dtype=torch.bool)
+    sup[0, 5:] = True  # prompt 0..4, response 5..15
+    sup[1, 3:] = True
+    if gap:
+        sup[1, 9:12] = False  # row 1: response 3..8, the next document's prompt 9..11, its response 12..15
+    valid = [[a for a in range(T1 - g + 1) if sup[b, a + 1]] for b in range(B)]
+    A = max(map(len, valid))
+    obj = dflash_objective(target, g, A)
+    with torch.no_grad():
+        loss, extra = obj.loss(d, batch, torch.Generator().manual_seed(8), sup=sup)
+    w = slot_weights(g)
+    blocks = []
+    with torch.no_grad():
+        taps = target(batch, taps=[0, 1]).taps
+        feats = torch.cat([taps[0], target.norm(taps[1])], -1)
+        for b in range(B):
+            for a in valid[b]:
+                block = torch.tensor([[int(batch[b, a])] + [MASK] * (g - 1)])
+                h = d(target.embed_tokens(block), d.context(feats[b:b + 1, :a]) if a else None,
+                      torch.arange(a, a + g), torch.arange(a), mask=d.draft_mask(0, a, g))
+                ce = F.cross_entropy(target.lm_head(h[0, 1:]).double(), batch[b, a + 1:a + g], reduction="none")
+                keep = sup[b, a + 1:a + g].int().cumprod(0).double()
+                blocks.append((ce * w.double() * keep).sum())
+    assert len(blocks) < B * (T1 - g + 1)  # some positions were not anchors
+    assert float(loss) == pytest.approx(float(torch.stack(blocks).mean()), rel=1e-6)

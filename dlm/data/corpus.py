@@ -2,7 +2,9 @@
 
 A corpus is a list of named documents:
   stdlib          the running interpreter's standard library (.py files; tests and site-packages left out)
-  FILE.jsonl      one document per line, from its "text" field
+  FILE.jsonl      one document per line, from its "text" field; a "prompt" field that starts the text
+                  marks the rest as the response (`dlm distill` writes both): training then reads the
+                  response tokens only (TrainConfig.prompt_loss)
   FILE.csv        sudoku puzzles in the public layout (`quizzes,solutions`): one document per puzzle,
                   QUIZ=SOLUTION (dlm.data.csvtask)
   FILE (other)    a text file, cut into documents of CHUNK_LINES lines
@@ -39,6 +41,7 @@ class Document:
     path: Path | None = None  # read lazily from here ...
     text_: str | None = None  # ... or held in memory
     line: int = 0  # first line of a chunk of a text file
+    prompt_chars: int = 0  # a prompted document (.jsonl "prompt"): text[:prompt_chars] is the prompt
 
     @property
     def text(self) -> str:
@@ -142,8 +145,13 @@ class Corpus:
                     raise DlmError(f"--data {self.spec}: line {i} is not valid JSON ({e.msg})") from None
                 if not isinstance(row, dict) or not isinstance(row.get("text"), str):
                     raise DlmError(f"--data {self.spec}: line {i} has no string field 'text'")
+                prompt = row.get("prompt", "")
+                if not isinstance(prompt, str) or not row["text"].startswith(prompt):
+                    raise DlmError(f"--data {self.spec}: line {i}: its 'prompt' must be a string that starts "
+                                   "its 'text' (the rest is the response)")
                 if row["text"].strip():
-                    docs.append(Document(f"{self.root.name}:{i}", text_=row["text"], line=i))
+                    docs.append(Document(f"{self.root.name}:{i}", text_=row["text"], line=i,
+                                         prompt_chars=len(prompt)))
         return docs
 
     def _text_chunks(self) -> list[Document]:
@@ -167,6 +175,11 @@ class Corpus:
             st = self.root.stat()
             h.update(f"{st.st_size}\0{st.st_mtime_ns}".encode())
         return h.hexdigest()[:16]
+
+    @cached_property
+    def prompted(self) -> bool:
+        """Whether documents mark a prompt (.jsonl rows with a non-empty "prompt"): losses may read responses only."""
+        return self.kind == "jsonl" and any(d.prompt_chars for d in self.documents)
 
     def split(self, split: str) -> list[Document]:
         if split not in SPLITS:

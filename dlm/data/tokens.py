@@ -3,8 +3,10 @@
 The cache lives in $DLM_CACHE (default ~/.cache/dlm), one folder per (corpus, tokenizer) pair,
 one .npy per split: every document's tokens followed by <eos>. With a FIM rate (AR training,
 `fim_document`), that fraction of the documents is stored in fill-in-the-middle order instead, in
-a file of its own per (rate, seed). Files are written under a
-temporary name and renamed, so a killed run never leaves a half-written cache behind.
+a file of its own per (rate, seed). A prompted corpus (`Corpus.prompted`: a `dlm distill` .jsonl)
+stores its prompts and responses tokenized apart, and beside the tokens a .resp.npy of flags: 1 where a
+token is response (its <eos> included), 0 where it is prompt. Files are written under a temporary name
+and renamed, so a killed run never leaves a half-written cache behind.
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ def cache_dir() -> Path:
 def token_file(corpus: Corpus, tok: Tokenizer, split: str, fim_rate: float = 0.0, seed: int = 0) -> Path:
     key = hashlib.sha256(f"{corpus.key}:{tok.sha256}".encode()).hexdigest()[:20]
     name = f"{split}.fim{fim_rate:g}-{seed}" if fim_rate > 0 else split
+    if corpus.prompted:  # prompt and response tokenized apart: not the tokens of a plain corpus
+        name += ".pr"
     return cache_dir() / key / f"{name}.npy"
+
+
+def flag_file(tokens: Path) -> Path:
+    return tokens.with_name(f"{tokens.stem}.resp.npy")
 
 
 def fim_markers(tok: Tokenizer) -> tuple[int, int, int]:
@@ -60,23 +68,35 @@ def load_tokens(corpus: Corpus, tok: Tokenizer, split: str, fim_rate: float = 0.
 
     fim_rate > 0: each document, with that probability (seeded by (seed, its name)), in FIM order."""
     path = token_file(corpus, tok, split, fim_rate, seed)
-    if path.exists() and not _readable(path):  # damaged (cut short by a full disk, say): rebuilt from the corpus
-        path.unlink()
+    if path.exists() and not (_readable(path) and (not corpus.prompted or _readable_flags(path))):
+        path.unlink()  # damaged (cut short by a full disk, say): rebuilt from the corpus
     if not path.exists():
         docs = corpus.docs(split)
         dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
         if fim_rate > 0:
             fim_markers(tok)
-        chunks = []
+        chunks, flags = [], []
         for i in range(0, len(docs), 256):
-            for d, ids in zip(docs[i:i + 256], tok.encode_batch([d.text for d in docs[i:i + 256]])):
+            part = docs[i:i + 256]
+            texts = [d.text for d in part]  # (a stdlib document is read from disk at each .text)
+            prompts = tok.encode_batch([t[:d.prompt_chars] for d, t in zip(part, texts)]) if corpus.prompted \
+                else [[] for _ in part]
+            for d, text, pre, ids in zip(part, texts, prompts,
+                                         tok.encode_batch([t[d.prompt_chars:] for d, t in zip(part, texts)])):
+                n_prompt = len(pre)
+                ids = pre + ids
                 if fim_rate > 0:
                     rng = np.random.default_rng([seed, int.from_bytes(hashlib.sha1(d.name.encode()).digest()[:8], "big")])
                     if rng.random() < fim_rate:
-                        ids = fim_document(tok, d.text, rng)
+                        ids, n_prompt = fim_document(tok, text, rng), 0  # no prompt left to tell apart
                 chunks.append(np.asarray(ids + [tok.eos_id], dtype=dtype))
+                flags.append(np.arange(len(ids) + 1) >= n_prompt)
         arr = np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
         path.parent.mkdir(parents=True, exist_ok=True)
+        if corpus.prompted:  # the flags first: tokens on disk imply their flags are there
+            tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.resp.npy")
+            np.save(tmp, np.concatenate(flags).astype(np.uint8) if flags else np.zeros(0, dtype=np.uint8))
+            os.replace(tmp, flag_file(path))
         tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npy")
         np.save(tmp, arr)
         os.replace(tmp, path)
@@ -86,6 +106,22 @@ def load_tokens(corpus: Corpus, tok: Tokenizer, split: str, fim_rate: float = 0.
         tmp.write_text(json.dumps(meta, indent=1))
         os.replace(tmp, path.with_name(f"{path.stem}.json"))
     return np.load(path, mmap_mode="r", allow_pickle=False)
+
+
+def load_flags(corpus: Corpus, tok: Tokenizer, split: str, fim_rate: float = 0.0, seed: int = 0) -> np.ndarray | None:
+    """The response flags of a prompted corpus' split (uint8, aligned with load_tokens'), or None."""
+    if not corpus.prompted:
+        return None
+    load_tokens(corpus, tok, split, fim_rate, seed)
+    return np.load(flag_file(token_file(corpus, tok, split, fim_rate, seed)), mmap_mode="r", allow_pickle=False)
+
+
+def _readable_flags(path: Path) -> bool:
+    try:
+        flags = np.load(flag_file(path), mmap_mode="r", allow_pickle=False)
+        return flags.ndim == 1 and flags.dtype == np.uint8 and flags.size == np.load(path, mmap_mode="r").size
+    except (OSError, ValueError, EOFError):
+        return False
 
 
 def _readable(path: Path) -> bool:
@@ -110,6 +146,7 @@ class Batches:
     seq_len: int
     batch_size: int
     seed: int = 0
+    flags: np.ndarray | None = None  # a prompted corpus' response flags (load_flags), aligned with tokens
 
     def __post_init__(self) -> None:
         self.n = (len(self.tokens) - 1) // self.seq_len
@@ -122,23 +159,33 @@ class Batches:
             self._perms = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.n)}
         return self._perms[epoch]
 
-    def window(self, i: int) -> np.ndarray:
+    def window(self, i: int, of: np.ndarray | None = None) -> np.ndarray:
         s = i * self.seq_len
-        return np.asarray(self.tokens[s:s + self.seq_len + 1], dtype=np.int64)
+        return np.asarray((self.tokens if of is None else of)[s:s + self.seq_len + 1], dtype=np.int64)
+
+    def _indices(self, step: int) -> list[int]:
+        return [int(self._perm(g // self.n)[g % self.n]) for g in range(step * self.batch_size, (step + 1) * self.batch_size)]
+
+    def _rows(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = torch.from_numpy(np.stack([self.window(i) for i in idx]))  # (B, seq_len + 1)
+        if self.flags is None:
+            return x, None
+        return x, torch.from_numpy(np.stack([self.window(i, self.flags) for i in idx])).bool()
 
     def batch(self, step: int) -> torch.Tensor:
-        rows = []
-        for g in range(step * self.batch_size, (step + 1) * self.batch_size):
-            rows.append(self.window(int(self._perm(g // self.n)[g % self.n])))
-        return torch.from_numpy(np.stack(rows))  # (B, seq_len + 1)
+        return self._rows(self._indices(step))[0]
 
-    def sequential(self, max_batches: int | None = None):
-        """Every window once, in order (evaluation)."""
-        idx = list(range(self.n))
+    def batch_sup(self, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Batch `step` and its response flags (bool, same shape; None for a corpus without prompts)."""
+        return self._rows(self._indices(step))
+
+    def sequential(self, max_batches: int | None = None, sup: bool = False):
+        """Every window once, in order (evaluation); with sup, (windows, response flags or None) pairs."""
         for k, i in enumerate(range(0, self.n, self.batch_size)):
             if max_batches is not None and k >= max_batches:
                 return
-            yield torch.from_numpy(np.stack([self.window(j) for j in idx[i:i + self.batch_size]]))
+            rows = self._rows(list(range(i, min(i + self.batch_size, self.n))))
+            yield rows if sup else rows[0]
 
 
 @dataclass

@@ -17,11 +17,11 @@ def next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
 class AR(Objective):
     name = "ar"
 
-    def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator,
-             rows: slice = ALL) -> tuple[Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator, rows: slice = ALL,
+             sup: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
         x, y = batch[rows, :-1], batch[rows, 1:]  # (b, T)
-        ans = self.answers(batch)
-        if ans is not None:  # supervised pairs: only the answer's tokens are targets, averaged over the whole batch
+        ans = self.answers(batch, sup)
+        if ans is not None:  # supervised pairs, responses: only their tokens are targets, averaged over the whole batch
             n = int(ans[:, 1:].sum())
             keep = ans[rows, 1:]  # (b, T)
             logits = model(x).logits

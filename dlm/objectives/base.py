@@ -83,15 +83,20 @@ class Objective(ABC):
                                f"it is {len(ids)}")
             self.sep_id = ids[0]
 
-    def answers(self, x: Tensor) -> Tensor | None:
-        """Bool (B, T) of the answer positions of windows x (B, T), or None without --answer-sep."""
-        return None if self.sep_id is None else answer_positions(x, self.sep_id, self.tok.eos_id)
+    def answers(self, x: Tensor, sup: Tensor | None = None) -> Tensor | None:
+        """Bool (B, T) of the answer positions of windows x (B, T), or None (every position): the answers after
+        --answer-sep, and the response tokens of a prompted corpus (sup: its flags (B, >= T), from position 0)."""
+        ans = None if self.sep_id is None else answer_positions(x, self.sep_id, self.tok.eos_id)
+        if sup is not None:
+            sup = sup[:, :x.shape[1]]
+            ans = sup if ans is None else ans & sup
+        return ans
 
-    def unknowns(self, x: Tensor) -> Tensor | None:
+    def unknowns(self, x: Tensor, sup: Tensor | None = None) -> Tensor | None:
         """Bool (B, T) of the answer positions a diffusion objective may noise: every answer position, less the
         givens with --keep-given (answer tokens the prompt already holds at the same place). None = all."""
-        ans = self.answers(x)
-        if ans is None or not getattr(self.cfg, "keep_given", False):
+        ans = self.answers(x, sup)
+        if ans is None or self.sep_id is None or not getattr(self.cfg, "keep_given", False):
             return ans
         return ans & ~given_positions(x, self.sep_id, self.tok.eos_id)
 
@@ -123,10 +128,11 @@ class Objective(ABC):
         return [p for p in model.parameters() if p.requires_grad]
 
     @abstractmethod
-    def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator,
-             rows: slice = ALL) -> tuple[Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator, rows: slice = ALL,
+             sup: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
         """(loss, extra metrics for metrics.jsonl) of the rows `rows` of a batch of windows (B, T + 1): the
-        random draws are the whole batch's, the loss is normalised as the module docstring says."""
+        random draws are the whole batch's, the loss is normalised as the module docstring says. sup (B, T + 1):
+        the response flags of a prompted corpus (the loss reads response tokens only), or None."""
 
     def meta(self) -> dict[str, Any]:
         """Extra entries for config.json."""

@@ -24,7 +24,7 @@ from dlm.drafter import (
 )
 from dlm.errors import DlmError, check
 from dlm.model import run_blocks
-from dlm.objectives.base import ALL, Objective
+from dlm.objectives.base import ALL, Objective, share
 
 GAMMA_W = {16: 7.0, 10: 5.0, 8: 4.0}  # loss decay of the paper, per block size
 
@@ -139,8 +139,8 @@ class DFlash(Objective):
         n_pos = T1 - self.block_size + 1
         return max(1, min(n_pos, self.cfg.anchors or round(T1 * 8 / (3 * self.block_size))))
 
-    def loss(self, model: DFlashDrafter, batch: Tensor, gen: torch.Generator,
-             rows: slice = ALL) -> tuple[Tensor, dict[str, float]]:
+    def loss(self, model: DFlashDrafter, batch: Tensor, gen: torch.Generator, rows: slice = ALL,
+             sup: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
         tgt = self.target
         if tgt.device != batch.device:
             tgt.to(batch.device)
@@ -149,8 +149,17 @@ class DFlash(Objective):
         dev = batch.device
         A = self.anchors_per_window(T1)
         n_pos = T1 - g + 1
-        anchors = torch.rand(B, n_pos, generator=gen, device=dev).argsort(dim=1)[:, :A].sort(dim=1).values  # (B, A)
-        batch, anchors = batch[rows], anchors[rows]  # this slice's rows: the target runs over them only
+        score = torch.rand(B, n_pos, generator=gen, device=dev)
+        if sup is not None:  # responses only (SpecForge): a block's first label is a response token
+            score = score.masked_fill(~sup[:, 1:n_pos + 1], 2.0)  # other anchors are drawn last, and dropped
+        anchors = score.argsort(dim=1)[:, :A].sort(dim=1).values  # (B, A)
+        if sup is None:
+            keep = torch.ones(B, A, g - 1, dtype=torch.bool, device=dev)
+        else:  # a block's slots up to its first label that is not a response (the next document's prompt)
+            lab = sup.gather(1, (anchors[:, :, None] + torch.arange(1, g, device=dev)).view(B, -1)).view(B, A, g - 1)
+            keep = lab.int().cumprod(-1).bool()
+        n_blocks = max(1, int(keep[:, :, 0].sum())) / share(batch, rows)  # the batch's blocks, as this slice's share
+        batch, anchors, keep = batch[rows], anchors[rows], keep[rows]  # this slice's rows: the target runs over them
         B = batch.shape[0]
         with torch.no_grad():  # the frozen target's features, once per batch, without gradient
             taps: dict[int, Tensor] = {}
@@ -171,11 +180,13 @@ class DFlash(Objective):
         logits = tgt.lm_head(h).float()  # (B, A, g-1, V)
         ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(B, A, g - 1)
         w = slot_weights(g, dev)
-        loss = (ce * w).sum(-1).mean()
+        loss = (ce * w * keep).sum() / n_blocks
         with torch.no_grad():
-            hit = logits.argmax(-1) == labels  # (B, A, g-1)
-            accepted = hit.int().cumprod(-1).sum(-1).float()  # greedy acceptance of each block
-        return loss, {"acc_slot1": float(hit[:, :, 0].float().mean()), "tau_train": 1.0 + float(accepted.mean())}
+            hit = (logits.argmax(-1) == labels) & keep  # (B, A, g-1)
+            accepted = hit.int().cumprod(-1).sum(-1).float()[keep[:, :, 0]]  # greedy acceptance of each block
+            first = hit[:, :, 0][keep[:, :, 0]].float()
+        return loss, {"acc_slot1": float(first.mean()) if first.numel() else 0.0,
+                      "tau_train": 1.0 + (float(accepted.mean()) if accepted.numel() else 0.0)}
 
     def meta(self) -> dict[str, Any]:
         tc = self.target.cfg

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from dlm.config import TrainConfig
 from dlm.errors import DlmError, check
 from dlm.noise import mask_corrupt
-from dlm.objectives.base import ALL, Objective
+from dlm.objectives.base import ALL, Objective, share
 from dlm.objectives.mdlm import block_ids, masked_logits, stratified_t
 
 DEFAULT_BLOCK_SIZE = 16  # the public recipe trains with 64 and decodes with 32 or 16; small models use 16
@@ -75,24 +75,30 @@ class Joint(Objective):
         check(cfg.dlm_weight >= 0, f"--dlm-weight must be >= 0, got {cfg.dlm_weight}")
         check(cfg.ar_weight + cfg.dlm_weight > 0, "--ar-weight and --dlm-weight cannot both be 0")
 
-    def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator,
-             rows: slice = ALL) -> tuple[Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator, rows: slice = ALL,
+             sup: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
         x0, y = batch[:, :-1], batch[:, 1:]  # (B, T)
         B, T = x0.shape
         L = self.block_size
         nb = T // L
         t = stratified_t(B * nb, gen, x0.device).view(B, nb)  # one time per block, stratified over the batch
         t_tok = t.repeat_interleave(L, dim=1)  # (B, T)
-        xt, masked = mask_corrupt(x0, t_tok, self.mask_id, gen)
+        ans = self.answers(batch, sup)  # responses of a prompted corpus: the only targets and noised tokens
+        xt, masked = mask_corrupt(x0, t_tok, self.mask_id, gen, corruptible=None if ans is None else ans[:, :T])
+        n_diff = (B * T if ans is None else max(1, int(ans[:, :T].sum()))) / share(batch, rows)
+        n_ar = (B * T if ans is None else max(1, int(ans[:, 1:].sum()))) / share(batch, rows)
         x0, y, xt, masked, t_tok = x0[rows], y[rows], xt[rows], masked[rows], t_tok[rows]  # (b, T): this slice
-        B = x0.shape[0]
         pos = torch.arange(T, device=x0.device).repeat(2)  # (2T,) both halves at positions 0..T-1
         out = model(torch.cat([xt, x0], dim=1), pos=pos, mask=joint_mask(T, L, x0.device), head=False)
         h_noisy, h_clean = out.last[:, :T], out.last[:, T:]
-        ar = F.cross_entropy(model.lm_head(h_clean).flatten(0, 1).float(), y.flatten())
+        if ans is None:
+            ar = F.cross_entropy(model.lm_head(h_clean).flatten(0, 1).float(), y.flatten(), reduction="sum") / n_ar
+        else:
+            keep = ans[rows, 1:]
+            ar = F.cross_entropy(model.lm_head(h_clean[keep]).float(), y[keep], reduction="sum") / n_ar
         logits = masked_logits(model, h_noisy[masked], self.mask_id)  # (N, V)
         ce = F.cross_entropy(logits, x0[masked], reduction="none")  # (N,)
-        diff = (ce / t_tok[masked]).sum() / (B * T)
+        diff = (ce / t_tok[masked]).sum() / n_diff
         loss = self.cfg.ar_weight * ar + self.cfg.dlm_weight * diff
         n = int(masked.sum())
         return loss, {"ar_loss": float(ar.detach()), "dlm_loss": float(diff.detach()),

@@ -100,15 +100,15 @@ class MDLM(Objective):
         B = self.cfg.block_size or 0
         return B if 0 < B < self.cfg.seq_len else 0
 
-    def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator,
-             rows: slice = ALL) -> tuple[Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator, rows: slice = ALL,
+             sup: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
         x0 = batch[:, :-1]  # (B, T)
         B, T = x0.shape
         L = self.block_size or T
         nb = T // L
         t = stratified_t(B * nb, gen, x0.device).view(B, nb)  # one time per block, stratified over the batch
         t_tok = t.repeat_interleave(L, dim=1)  # (B, T)
-        ans = self.unknowns(x0)  # supervised pairs: only the answer is noised (its givens too unless --keep-given)
+        ans = self.unknowns(x0, sup)  # pairs, responses: only the answer is noised (its givens too unless --keep-given)
         xt, masked = mask_corrupt(x0, t_tok, self.mask_id, gen, corruptible=ans)
         denom = (B * T if ans is None else max(1, int(ans.sum()))) / share(batch, rows)
         x0, xt, masked, t_tok = x0[rows], xt[rows], masked[rows], t_tok[rows]  # (b, T): this slice's rows

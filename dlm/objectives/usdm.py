@@ -100,18 +100,21 @@ class USDM(Objective):
 
     uses_every_param = False  # a step where no row self-conditions leaves the self-conditioning MLP without gradient
 
-    def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator,
-             rows: slice = ALL) -> tuple[Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator, rows: slice = ALL,
+             sup: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
         cfg, dev = self.cfg, batch.device
         B = batch.shape[0]
         L = cfg.canvas_length
         t = sample_t(B, gen, dev)  # (B,)
         start, canvas = choose_canvas(batch, L, gen)
         canvas = fill_after_eos(canvas, self.tok.eos_id)  # (B, L) targets
+        resp = None if sup is None else sup.gather(1, start[:, None] + torch.arange(L, device=dev))  # (B, L)
         zt, _ = uniform_corrupt(canvas, t, self.tok.vocab_size, gen)
         sel = torch.rand(B, generator=gen, device=dev) < cfg.self_cond_prob  # (B,) rows that self-condition
         any_sel = bool(sel.any())  # over the whole batch: every slice runs the same modules
         batch, t, start, canvas, zt, sel = batch[rows], t[rows], start[rows], canvas[rows], zt[rows], sel[rows]
+        if sup is not None:
+            sup, resp = sup[rows], resp[rows]
         x, y = batch[:, :-1], batch[:, 1:]  # (b, T): this slice's rows
         B, T = x.shape
 
@@ -126,9 +129,14 @@ class USDM(Objective):
                     probs[rs] = torch.softmax(first[:, keep:].float(), -1)
         logits = joint_forward(model, x, canvas_embeds(model, zt, probs), start)  # (B, T + L, V)
 
-        ar = F.cross_entropy(logits[:, :T].flatten(0, 1).float(), y.flatten())
         ce = F.cross_entropy(logits[:, T:].flatten(0, 1).float(), canvas.flatten(), reduction="none").view(B, L)
-        per_row = ce.mean(1)  # (B,)
+        if sup is None:
+            ar = F.cross_entropy(logits[:, :T].flatten(0, 1).float(), y.flatten())
+            per_row = ce.mean(1)  # (B,)
+        else:  # a prompted corpus: the loss reads the response tokens only (of the canvas, of the AR targets)
+            keep = sup[:, 1:]
+            ar = F.cross_entropy(logits[:, :T][keep].float(), y[keep], reduction="sum") / keep.sum().clamp(min=1)
+            per_row = (ce * resp).sum(1) / resp.sum(1).clamp(min=1)
         weight = 1.0 / (1.0 - t) if cfg.loss_weight == "inverse" else torch.ones_like(t)
         diff = (per_row * weight).mean()
         return ar + diff, {"ar_loss": float(ar.detach()), "canvas_loss": float(per_row.mean().detach())}
