@@ -192,7 +192,7 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
 
     Args:
         model: checkpoint folder
-        split: train, val or test
+        split: train, val or test; with --task complete/infill on the stdlib: val (to tune on) or test
         data: corpus (default: the one the checkpoint was trained on); with --task: a source file or folder
             (complete, infill; default: the stdlib's held-out test split) or a sudoku CSV (default: fresh puzzles)
         seq_len: window length (default: the training sequence length)
@@ -216,7 +216,7 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
     scfg = scfg or SampleConfig()
     check_seed(scfg.seed)
     if task is not None:
-        _eval_task(model, device, scfg, task, data, n, span, context, json)
+        _eval_task(model, device, scfg, task, data, n, span, context, json, split)
         return
     if batch_size <= 0:
         raise DlmError(f"--batch-size must be > 0, got {batch_size}")
@@ -240,7 +240,7 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
 
 
 def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: int, span: str, context: int,
-               json: bool) -> None:
+               json: bool, split: str = "test") -> None:
     from dlm.checkpoint import load_model
     from dlm.sampling import SampleConfig
     from dlm.tasks import run_task, task_module
@@ -250,7 +250,9 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
         scfg = scfg.replace(max_new_tokens=mod.default_new_tokens(span))
     if context < 0:
         raise DlmError(f"--context must be >= 0 (0 = the training window), got {context}")
-    cases = mod.cases(data, n, scfg.seed, span)  # bad --data is refused before the model is loaded
+    if data is None and task != "sudoku" and split not in ("val", "test"):
+        raise DlmError(f"--split with --task: val (to tune on) or test, got {split!r}")
+    cases = mod.cases(data, n, scfg.seed, span, split)  # bad --data is refused before the model is loaded
     net, ck = load_model(model, device=_device(device))
     drafter = None
     if scfg.draft:

@@ -399,6 +399,19 @@ def test_bad_data_exits_2_with_one_line(tmp_path):
         assert err.startswith("dlm: error: ") and needle in err and len(err.strip().splitlines()) == 1, err
     code, _, err = _cli("eval", "--model", ar, "--task", "poetry")
     assert code == 2 and "--task must be one of" in err
+    code, _, err = _cli("eval", "--model", ar, "--task", "complete", "--split", "train", "--n", "1")
+    assert code == 2 and "--split with --task" in err and len(err.strip().splitlines()) == 1
+
+
+def test_code_tasks_tune_on_the_val_split_apart_from_test():
+    from dlm.tasks import complete, infill
+    from dlm.tasks.common import source_files
+
+    val, test = ({s.name for s in source_files(None, sp)} for sp in ("val", "test"))
+    assert val and test and not val & test
+    for mod in (complete, infill):
+        names = {c.name.rsplit(":", 1)[0] for c in mod.cases(None, 8, 0, "line", "val")}
+        assert names <= val
 
 
 # the bench -------------------------------------------------------------------------------------------------------

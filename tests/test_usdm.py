@@ -288,6 +288,30 @@ def test_infilling_keeps_the_suffix_byte_exact(tiny_usdm):
     assert tail.endswith("\n") and "]\nb = " in tail and res.stats.new_tokens == 5
 
 
+@pytest.mark.parametrize("mode", ["tempered", "untempered"])
+def test_self_conditioning_input(tiny_usdm, monkeypatch, mode):
+    """Step k + 1 is self-conditioned on step k's softmax: of the temperature-scaled logits (tempered, the
+    reference) or of the raw logits (untempered, what training feeds)."""
+    model, ck = load_model(tiny_usdm)
+    real, seen = us.denoise, []
+
+    def spy(model, cache, canvas, pos, prev_probs):
+        out = real(model, cache, canvas, pos, prev_probs)
+        seen.append((prev_probs, out[0].clone()))
+        return out
+
+    monkeypatch.setattr(us, "denoise", spy)
+    cfg = SampleConfig(max_new_tokens=8, canvas_length=8, steps=3, adaptive=False, self_cond_input=mode)
+    generate(model, ck, "x = 1\n", cfg)
+    assert len(seen) == 3 and seen[0][0] is None
+    T1 = us.temperature(1, 3, cfg.t_max, cfg.t_min)
+    raw1 = seen[0][1]
+    want = torch.softmax(raw1 / T1 if mode == "tempered" else raw1, -1)
+    other = torch.softmax(raw1 if mode == "tempered" else raw1 / T1, -1)
+    got = seen[1][0][0]
+    assert torch.allclose(got, want, atol=1e-6) and not torch.allclose(got, other, atol=1e-3)
+
+
 def test_bad_sampling_options(tiny_usdm):
     model, ck = load_model(tiny_usdm)
     bad = [
@@ -299,6 +323,7 @@ def test_bad_sampling_options(tiny_usdm):
         (dict(steps=0), "--steps"),
         (dict(block_size=8), "--block-size is an mdlm"),
         (dict(temperature=0.7), "--temperature"),
+        (dict(self_cond_input="raw"), "--self-cond-input"),
         (dict(suffix="x" * 3000, max_new_tokens=8), "no room to fill"),
     ]
     for kw, msg in bad:

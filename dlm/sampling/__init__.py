@@ -58,6 +58,7 @@ class SampleConfig:
         stability_threshold: usdm adaptive stopping: steps the argmax canvas must stay unchanged
         confidence_threshold: usdm adaptive stopping: mean entropy below which a canvas may stop
         adaptive: usdm: stop a canvas early (adaptive stopping); off = always the full number of steps
+        self_cond_input: usdm: what the next step is self-conditioned on: tempered (the softmax of the temperature-scaled logits, as DiffusionGemma's reference sampler) or untempered (their T = 1 softmax, what training feeds)
         suffix: infilling: text after the hole (pinned, comes out byte-exact)
         fill_length: template markers: positions per <fill> (<fill:N> asks for N)
         draft: speculative decoding: a drafter checkpoint folder, or 'lookup' (prompt lookup)
@@ -85,6 +86,7 @@ class SampleConfig:
     stability_threshold: int = 1
     confidence_threshold: float = 0.005
     adaptive: bool = True
+    self_cond_input: str = "tempered"
     suffix: str | None = None
     fill_length: int = 16
     # speculative decoding

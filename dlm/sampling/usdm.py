@@ -5,7 +5,8 @@ Per canvas of L tokens at the positions they will hold once committed:
   1. the canvas starts as uniform random tokens (pinned template/suffix tokens stay put);
   2. each step runs the denoiser (bidirectional over the canvas, reading the encoder's cache
      without writing it), self-conditioned on the previous step's temperature-scaled logits
-     (nothing on the first step); temperature T = t_min + (t_max - t_min) * remaining / max_steps;
+     (nothing on the first step; `self_cond_input="untempered"` feeds their T = 1 softmax instead,
+     which is what training conditions on); temperature T = t_min + (t_max - t_min) * remaining / max_steps;
   3. a candidate token is sampled at every position; entropy-bound acceptance keeps the
      lowest-entropy positions whose cumulative entropy minus its largest term is <= the bound
      (at least one); every other position is re-noised with a fresh uniform token. Acceptance is
@@ -95,6 +96,8 @@ def check_options(model: Transformer, ck, cfg) -> tuple[int, int]:
     check(cfg.t_min <= cfg.t_max, f"--t-min ({cfg.t_min}) must be <= --t-max ({cfg.t_max})")
     check(cfg.stability_threshold >= 1, f"--stability-threshold must be >= 1, got {cfg.stability_threshold}")
     check(cfg.confidence_threshold >= 0, f"--confidence-threshold must be >= 0, got {cfg.confidence_threshold}")
+    check(cfg.self_cond_input in ("tempered", "untempered"),
+          f"--self-cond-input must be tempered or untempered, got {cfg.self_cond_input!r}")
     return L, steps
 
 
@@ -168,9 +171,10 @@ def _denoise_canvas(model: Transformer, cache, holes: Tensor, pins: Tensor, N: i
     stable = 0
     for step in range(1, S + 1):
         T = temperature(step, S, cfg.t_max, cfg.t_min)
-        logits = denoise(model, cache, canvas[None], pos, prev_probs)[0] / T  # (n, V) processed logits
+        raw = denoise(model, cache, canvas[None], pos, prev_probs)[0]  # (n, V)
         if no_eos:  # a hole inside a template: the text goes on after it
-            logits[holes, eos_id] = float("-inf")
+            raw[holes, eos_id] = float("-inf")
+        logits = raw / T  # processed logits
         probs = probs_from_logits(logits, 1.0, cfg.top_k, cfg.top_p)  # (n, V) sampling distribution
         ent = entropy(probs)  # (n,)
         candidates = sample_from(probs, gen)  # (n,)
@@ -180,7 +184,9 @@ def _denoise_canvas(model: Transformer, cache, holes: Tensor, pins: Tensor, N: i
         argmax = torch.where(holes, logits.argmax(-1), pins)
         stable = stable + 1 if prev_argmax is not None and bool(torch.equal(argmax, prev_argmax)) else 0
         prev_argmax = argmax
-        prev_probs = torch.softmax(logits, -1)[None]  # self-conditioning of the next step
+        # self-conditioning of the next step: the tempered softmax (the reference sampler), or the T = 1 softmax
+        # that training feeds (untempered)
+        prev_probs = torch.softmax(logits if cfg.self_cond_input == "tempered" else raw, -1)[None]
         mean_ent = float(ent[holes].mean())
         yield Step(canvas.tolist(), (accepted | ~holes).tolist(), step, canvas_index, mean_ent, row, offset)
         if cfg.adaptive and should_stop(stable, mean_ent, cfg.stability_threshold, cfg.confidence_threshold):

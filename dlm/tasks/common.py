@@ -44,14 +44,15 @@ class Source:
     text: str
 
 
-def source_files(data: str | None) -> list[Source]:
-    """Held-out source files: the stdlib corpus's test split (data None), a file, or every text file of a folder
-    (all of it: the user's own data is held out by definition). Bad data: one DlmError line."""
+def source_files(data: str | None, split: str = "test") -> list[Source]:
+    """Held-out source files: the stdlib corpus's test split (data None; `split` "val" for tuning), a file, or
+    every text file of a folder (all of it: the user's own data is held out by definition). Bad data: one
+    DlmError line."""
     from dlm.data.corpus import Corpus
     from dlm.data.csvtask import read_text_strict
 
     if data is None:
-        docs = Corpus("stdlib").split("test")
+        docs = Corpus("stdlib").split(split)
     else:
         p = Path(data).expanduser()
         if not p.exists():

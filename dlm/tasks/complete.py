@@ -22,9 +22,9 @@ METRICS = ("exact_match", "edit_similarity")
 PRIMARY = "edit_similarity"  # the quality axis of `dlm bench --task`
 
 
-def cases(data: str | None, n: int, seed: int, span: str = "line") -> list[Case]:
+def cases(data: str | None, n: int, seed: int, span: str = "line", split: str = "test") -> list[Case]:
     check_n(n)
-    files = source_files(data)
+    files = source_files(data, split)
     spots = []
     for f, src in enumerate(files):
         lines = src.text.splitlines(keepends=True)

@@ -35,11 +35,11 @@ MARGIN = 4  # hole positions beyond the true middle's length (diffusion)
 SPANS = ("line", "lines")
 
 
-def cases(data: str | None, n: int, seed: int, span: str = "line") -> list[Case]:
+def cases(data: str | None, n: int, seed: int, span: str = "line", split: str = "test") -> list[Case]:
     if span not in SPANS:
         raise DlmError(f"--span must be one of {list(SPANS)}, got {span!r}")
     check_n(n)
-    files = source_files(data)
+    files = source_files(data, split)
     spots = []
     for f, src in enumerate(files):
         lines = src.text.splitlines(keepends=True)

@@ -226,8 +226,9 @@ def default_new_tokens(span: str) -> int:
     return 81
 
 
-def cases(data: str | None, n: int, seed: int, span: str = "line") -> list:
-    """Puzzles of a CSV in the public layout (n of them, picked by seed), else n fresh 40-50-clue puzzles."""
+def cases(data: str | None, n: int, seed: int, span: str = "line", split: str = "test") -> list:
+    """Puzzles of a CSV in the public layout (n of them, picked by seed), else n fresh 40-50-clue puzzles (held
+    out by construction: `split` does not apply)."""
     from dlm.data.csvtask import read_pairs
     from dlm.tasks.common import Case, check_n, pick, rng_for
 
