@@ -31,6 +31,10 @@ class ModelConfig:
     tie_embeddings: bool = True
     max_seq_len: int = 1024  # longest position the model is trained and sampled for
     self_cond: bool = False  # uniform-state diffusion: self-conditioning module (DiffusionGemma)
+    # usdm: RMS of the denoiser's canvas input (the self-conditioning module's unit-RMS output times this). 1.0 is
+    # DiffusionGemma's (its encoder's token embeddings, scaled by sqrt(dim), have RMS ~1); a model adapted from a
+    # Qwen3/Llama AR checkpoint, whose embeddings have RMS ~0.05, sets it to theirs (--canvas-scale encoder)
+    canvas_rms: float = 1.0
     # a learned absolute position embedding added to the token embeddings (GPT-2's), beside RoPE: puzzles whose
     # geometry is absolute (sudoku: a cell's row, column and box); Qwen3/Llama have none (no transformers export)
     learned_pos: bool = False
@@ -68,6 +72,7 @@ class ModelConfig:
         )
         check(self.head_dim % 2 == 0, f"model.head_dim must be even for RoPE, got {self.head_dim}")
         check(self.rope_theta > 0, f"model.rope_theta must be > 0, got {self.rope_theta}")
+        check(0 < self.canvas_rms <= 100, f"model.canvas_rms must be in (0, 100], got {self.canvas_rms}")
         check(0 < self.norm_eps < 1, f"model.norm_eps must be in (0, 1), got {self.norm_eps}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
@@ -183,6 +188,7 @@ class TrainConfig:
         canvas_length: usdm: tokens per canvas
         loss_weight: usdm canvas loss: constant (1) or inverse (1 / (1 - t))
         self_cond_prob: usdm: probability of a self-conditioned training pass
+        canvas_scale: usdm: RMS of the denoiser's canvas input: unit (1.0, DiffusionGemma's) or encoder (the RMS of the token embeddings of the --init-from checkpoint, else of a fresh model: the clean text's scale)
         target: dflash: the AR checkpoint to speed up
         draft_layers: dflash: decoder layers of the drafter (0 = default)
         anchors: dflash: blocks per training window (0 = default)
@@ -230,6 +236,7 @@ class TrainConfig:
     canvas_length: int = 256
     loss_weight: str = "constant"
     self_cond_prob: float = 0.5
+    canvas_scale: str = "unit"
     # DFlash drafter (dflash)
     target: str | None = None
     draft_layers: int = 0

@@ -207,7 +207,7 @@ class SelfConditioning(nn.Module):
     """DiffusionGemma-style self-conditioning of canvas embeddings.
 
     soft = softmax(previous logits) @ E (zero on a canvas's first step);
-    x = RMSNorm_noscale(token_embeddings + GatedMLP(RMSNorm(soft))).
+    x = RMSNorm_noscale(token_embeddings + GatedMLP(RMSNorm(soft))) * cfg.canvas_rms.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -215,11 +215,11 @@ class SelfConditioning(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg.dim, cfg.ffn_dim)
         self.out_norm = RMSNorm(cfg.dim, cfg.norm_eps, scale=False)
+        self.rms = cfg.canvas_rms
 
     def forward(self, tok_emb: Tensor, soft_emb: Tensor | None) -> Tensor:
-        if soft_emb is None:
-            return self.out_norm(tok_emb)
-        return self.out_norm(tok_emb + self.mlp(self.norm(soft_emb)))
+        x = self.out_norm(tok_emb if soft_emb is None else tok_emb + self.mlp(self.norm(soft_emb)))
+        return x if self.rms == 1.0 else x * self.rms
 
 
 def canvas_embeds(model: Transformer, canvas: Tensor, probs: Tensor | None) -> Tensor:

@@ -120,11 +120,33 @@ def test_tiny_usdm_trains_from_ar(tiny_usdm, tiny_ar):
     # tests/test_usdm_exact.py::test_init_from_loads_the_source_weights)
 
 
+def test_canvas_scale_encoder_puts_the_canvas_on_the_embeddings_scale(corpus_dir, tiny_ar, tmp_path):
+    """--canvas-scale encoder: the denoiser's canvas input has the RMS of the AR's token embeddings (recorded in
+    the checkpoint's model config, so sampling rebuilds it); unit (the default) keeps DiffusionGemma's RMS 1."""
+    from dlm.train import train
+
+    ar, _ = load_model(tiny_ar)
+    want = float(ar.embed_tokens.weight.detach().float().pow(2).mean().sqrt())
+    cfg = tiny_train_config(corpus_dir, None, objective="usdm", init_from=str(tiny_ar), tokenizer=None, seq_len=64,
+                            canvas_length=16, max_steps=2, eval_every=2, save_every=2, canvas_scale="encoder")
+    train(cfg, tmp_path / "enc", quiet=True)
+    model, ck = load_model(tmp_path / "enc")
+    assert ck.model_config.canvas_rms == pytest.approx(want, rel=1e-4) and want < 0.5
+    canvas = torch.randint(0, model.cfg.vocab_size, (2, 16))
+    for probs in (None, torch.softmax(torch.randn(2, 16, model.cfg.vocab_size), -1)):
+        rms = canvas_embeds(model, canvas, probs).pow(2).mean(-1).sqrt()
+        assert torch.allclose(rms, torch.full_like(rms, want), rtol=1e-3)
+    unit, _ = load_model(tmp_path / "enc")
+    unit.self_cond.rms = 1.0
+    assert torch.allclose(canvas_embeds(unit, canvas, None).pow(2).mean(-1).sqrt(), torch.ones(2, 16), rtol=1e-3)
+
+
 def test_bad_training_options(corpus_dir, tokenizer_path, tmp_path):
     from dlm.train import train
 
     for kw, msg in ((dict(canvas_length=0), "--canvas-length"), (dict(canvas_length=65), "--canvas-length"),
-                    (dict(loss_weight="x"), "--loss-weight"), (dict(self_cond_prob=2.0), "--self-cond-prob")):
+                    (dict(loss_weight="x"), "--loss-weight"), (dict(self_cond_prob=2.0), "--self-cond-prob"),
+                    (dict(canvas_scale="big"), "--canvas-scale")):
         with pytest.raises(DlmError, match=msg):
             train(tiny_train_config(corpus_dir, tokenizer_path, **{**dict(objective="usdm", seq_len=64, canvas_length=16), **kw}),
                   tmp_path / "x")

@@ -97,6 +97,14 @@ class USDM(Objective):
         check(cfg.loss_weight in ("constant", "inverse"),
               f"--loss-weight must be constant or inverse, got {cfg.loss_weight!r}")
         check(0 <= cfg.self_cond_prob <= 1, f"--self-cond-prob must be in [0, 1], got {cfg.self_cond_prob}")
+        check(cfg.canvas_scale in ("unit", "encoder"), f"--canvas-scale must be unit or encoder, got {cfg.canvas_scale!r}")
+
+    def build_model(self) -> nn.Module:
+        model = super().build_model()
+        if self.cfg.canvas_scale == "encoder":  # the canvas enters at the clean tokens' scale
+            rms = float(model.embed_tokens.weight.detach().float().pow(2).mean().sqrt())
+            model.cfg.canvas_rms = model.self_cond.rms = round(rms, 6)
+        return model
 
     uses_every_param = False  # a step where no row self-conditions leaves the self-conditioning MLP without gradient
 
