@@ -463,6 +463,7 @@ def test_bench_rows_carry_task_metrics_and_the_pareto_sweep_writes_a_plot(sudoku
                     naive=False, quiet=True, mdlm=str(models["mdlm"]), repeat=2, task="sudoku")
     rows = {s["method"]: s for s in rep["summaries"]}
     assert rep["repeat"] == 2 and rep["task"] == "sudoku" and "mdlm confidence steps=81" in rows
+    assert {"mdlm confidence block=4 steps=2", "mdlm confidence block=8 steps=4"} <= set(rows)
     for s in rows.values():
         assert {"accuracy", "cell_accuracy", "valid", "tokens_per_forward", "tokens_per_second_range",
                 "speedup_vs_ar", "speedup_vs_ar_range"} <= set(s)
