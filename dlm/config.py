@@ -35,6 +35,10 @@ class ModelConfig:
     # DiffusionGemma's (its encoder's token embeddings, scaled by sqrt(dim), have RMS ~1); a model adapted from a
     # Qwen3/Llama AR checkpoint, whose embeddings have RMS ~0.05, sets it to theirs (--canvas-scale encoder)
     canvas_rms: float = 1.0
+    # usdm: shifted prediction (Dream, DiffuLLaMA): the denoiser's output at canvas position j predicts the token
+    # at j + 1, and the canvas's first token is predicted by the encoder's next-token logits at the last clean
+    # position, so a denoiser adapted from an AR checkpoint starts from the AR head's alignment (--canvas-shift)
+    canvas_shift: bool = False
     # a learned absolute position embedding added to the token embeddings (GPT-2's), beside RoPE: puzzles whose
     # geometry is absolute (sudoku: a cell's row, column and box); Qwen3/Llama have none (no transformers export)
     learned_pos: bool = False
@@ -188,6 +192,7 @@ class TrainConfig:
         canvas_length: usdm: tokens per canvas
         loss_weight: usdm canvas loss: constant (1) or inverse (1 / (1 - t))
         self_cond_prob: usdm: probability of a self-conditioned training pass
+        canvas_shift: usdm: shifted prediction: the denoiser's output at canvas position j predicts the token at j + 1 and the encoder's next-token logits predict the canvas's first token (Dream and DiffuLLaMA's alignment for a model adapted from AR; recorded in the checkpoint, the sampler and the likelihood bound follow it)
         canvas_scale: usdm: RMS of the denoiser's canvas input: unit (1.0, DiffusionGemma's) or encoder (the RMS of the token embeddings of the --init-from checkpoint, else of a fresh model: the clean text's scale)
         target: dflash: the AR checkpoint to speed up
         draft_layers: dflash: decoder layers of the drafter (0 = default)
@@ -237,6 +242,7 @@ class TrainConfig:
     loss_weight: str = "constant"
     self_cond_prob: float = 0.5
     canvas_scale: str = "unit"
+    canvas_shift: bool = False
     # DFlash drafter (dflash)
     target: str | None = None
     draft_layers: int = 0

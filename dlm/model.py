@@ -233,6 +233,18 @@ def canvas_embeds(model: Transformer, canvas: Tensor, probs: Tensor | None) -> T
     return model.self_cond(emb, soft)
 
 
+def align_canvas_logits(shift: bool, den: Tensor, first: Tensor | None) -> Tensor:
+    """The clean-token logits of a canvas from the denoiser's outputs den (B, L, V).
+
+    Without shift, position j's output predicts token j. With shift (ModelConfig.canvas_shift), position
+    j's output predicts token j + 1 and first (B, 1, V), the encoder's next-token logits at the last clean
+    position before the canvas, predicts token 0; the last position's output is unused.
+    """
+    if not shift:
+        return den
+    return torch.cat([first.to(den.dtype), den[:, :-1]], 1)
+
+
 @dataclass
 class Output:
     logits: Tensor | None  # (B, T, V) or None when head=False

@@ -16,7 +16,7 @@ from dlm.model import Transformer, canvas_embeds
 from dlm.objectives.usdm import USDM, choose_canvas, fill_after_eos, joint_forward, uniform_elbo_integrand
 from dlm.sampling import SampleConfig, encode, generate, stream
 from dlm.sampling import usdm as us
-from dlm.sampling.common import Commit, Done, Step
+from dlm.sampling.common import Commit, Done, Prompt, Step
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +139,68 @@ def test_canvas_scale_encoder_puts_the_canvas_on_the_embeddings_scale(corpus_dir
     unit, _ = load_model(tmp_path / "enc")
     unit.self_cond.rms = 1.0
     assert torch.allclose(canvas_embeds(unit, canvas, None).pow(2).mean(-1).sqrt(), torch.ones(2, 16), rtol=1e-3)
+
+
+def test_canvas_shift_predicts_each_canvas_token_from_the_position_before_it(corpus_dir, tiny_ar, tmp_path):
+    """--canvas-shift (recorded in the checkpoint): canvas token 0 is the encoder's next-token prediction and
+    token j the denoiser's output at j - 1; the sampler held against one uncached forward of the joint layout."""
+    from dlm.data.corpus import Corpus
+    from dlm.evaluate import evaluate
+    from dlm.train import train
+
+    cfg = tiny_train_config(corpus_dir, None, objective="usdm", init_from=str(tiny_ar), tokenizer=None, seq_len=64,
+                            canvas_length=16, max_steps=2, eval_every=2, save_every=2, canvas_shift=True)
+    train(cfg, tmp_path / "shift", quiet=True)
+    model, ck = load_model(tmp_path / "shift")
+    assert ck.model_config.canvas_shift and not load_model(tiny_ar)[1].model_config.canvas_shift
+
+    ids = ck.tokenizer.encode("import os\nimport sys\n")[:6]
+    cfg = SampleConfig(max_new_tokens=16, steps=1, seed=3, t_max=1e-3, t_min=1e-3)
+    got = next(e for e in stream(model, ck, [Prompt(ids)], cfg) if isinstance(e, Commit)).tokens
+    gen = us.make_generator(3, model.device)
+    z0 = torch.randint(0, ck.noise_vocab, (16,), generator=gen)  # the sampler's first draw: the initial canvas
+    T = len(ids)
+    with torch.no_grad():
+        logits = joint_forward(model, torch.tensor([ids]), canvas_embeds(model, z0[None], None),
+                               torch.tensor([T]))[0]  # (T + L, V)
+    want = torch.cat([logits[T - 1:T], logits[T:T + 15]]).argmax(-1).tolist()  # AR for token 0, then j - 1 -> j
+    eos = ck.tokenizer.eos_id
+    assert got == (want[:want.index(eos) + 1] if eos in want else want)
+    assert got[0] == int(logits[T - 1].argmax())
+    bound = evaluate(model, ck, Corpus(str(corpus_dir)), "val", 64, 4, 2, seed=0)  # the bound follows the shift
+    model.cfg.canvas_shift = False  # the same weights unshifted: token j from position j
+    plain = next(e for e in stream(model, ck, [Prompt(ids)], cfg) if isinstance(e, Commit)).tokens
+    assert plain != got
+    unshifted = evaluate(model, ck, Corpus(str(corpus_dir)), "val", 64, 4, 2, seed=0)
+    assert unshifted["ar_perplexity"] == bound["ar_perplexity"]
+    assert 1 < bound["perplexity_bound"] != unshifted["perplexity_bound"]
+
+
+def test_canvas_shift_starts_from_the_ar_heads_alignment():
+    """The reason for --canvas-shift with --canvas-scale encoder: at the AR initialisation (the shipped ar-small,
+    held-out windows, the same t and corruption draws) the shifted canvas loss on the embeddings' scale is well
+    below the unshifted one at either scale: the AR head already points at the next token, and the AR's layers
+    see inputs of the scale they were trained on."""
+    from pathlib import Path
+
+    from dlm.config import TrainConfig
+    from dlm.data.corpus import Corpus
+    from dlm.data.tokens import Batches, load_tokens
+
+    ar, ck = load_model(Path(__file__).resolve().parent.parent / "checkpoints" / "ar-small")
+    obj = USDM(TrainConfig(objective="usdm", seq_len=128, canvas_length=32, self_cond_prob=0.0), ck.tokenizer)
+    batches = list(Batches(load_tokens(Corpus("stdlib"), ck.tokenizer, "val"), 128, 8).sequential(2))
+    rms = float(ar.embed_tokens.weight.detach().pow(2).mean().sqrt())
+    loss = {}
+    for shift, scale in ((False, 1.0), (False, rms), (True, rms)):
+        torch.manual_seed(0)
+        m = Transformer(type(ar.cfg)(**{**vars(ar.cfg), "self_cond": True, "canvas_rms": scale,
+                                         "canvas_shift": shift})).eval()
+        m.load_state_dict(ar.state_dict(), strict=False)  # the AR's weights, a fresh self-conditioning module
+        with torch.no_grad():
+            loss[shift, scale] = sum(obj.loss(m, b, torch.Generator().manual_seed(i))[1]["canvas_loss"]
+                                     for i, b in enumerate(batches)) / len(batches)
+    assert loss[True, rms] < min(loss[False, 1.0], loss[False, rms]) - 0.5, loss
 
 
 def test_bad_training_options(corpus_dir, tokenizer_path, tmp_path):

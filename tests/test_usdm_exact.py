@@ -24,6 +24,7 @@ from dlm.config import ModelConfig
 from dlm.model import Transformer
 from dlm.model import canvas_embeds
 from dlm.objectives.usdm import USDM
+from dlm.sampling import SampleConfig
 from dlm.sampling import usdm as us
 from dlm.sampling.common import Step, entropy_bound_accept
 
@@ -63,7 +64,7 @@ class RuleDenoiser:
 def sample_cfg(**kw):
     base = dict(steps=10, t_max=0.8, t_min=0.4, entropy_bound=0.5, top_k=0, top_p=1.0,
                 adaptive=True, stability_threshold=1, confidence_threshold=0.005)
-    return SimpleNamespace(**{**base, **kw})
+    return SampleConfig(**{**base, **kw})  # the real config: every sampler option at its default
 
 
 def run_canvas(monkeypatch, cfg, holes=(True, True, False, True, True), seed=0):
@@ -243,7 +244,7 @@ def test_init_from_loads_the_source_weights(tokenizer_path, tmp_path):
             p.add_(torch.randn_like(p))  # far from any fresh initialisation
     save_checkpoint(tmp_path / "ar", src, tok, {"objective": "ar", "model": mc.to_dict()})
     cfg = SimpleNamespace(init_from=str(tmp_path / "ar"), preset="tiny", seq_len=32, canvas_length=8,
-                          self_cond_prob=0.5, loss_weight="constant")
+                          self_cond_prob=0.5, loss_weight="constant", canvas_scale="unit", canvas_shift=False)
     model = USDM(cfg, tok).build_model()
     tensors = open_checkpoint(tmp_path / "ar").tensors()
     got = model.state_dict()

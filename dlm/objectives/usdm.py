@@ -27,6 +27,11 @@ probability `self_cond_prob` per example its softmax feeds the second pass (`can
 the loss is on the second pass. Loss = next-token CE (weight 1) + canvas CE on every canvas
 position, corrupted or not (weight 1, or 1 / (1 - t) with `--loss-weight inverse`).
 
+Shifted prediction (`--canvas-shift`, ModelConfig.canvas_shift; Dream and DiffuLLaMA do this when they
+adapt an AR model to masked diffusion): the denoiser's output at canvas position j is scored against
+token j + 1 and the encoder's next-token logits at the last clean position against token 0, so every
+canvas logit starts out where the AR head points (`align_canvas_logits`).
+
 `evaluate` is the held-out likelihood bound (`dlm eval`): the continuous-time ELBO of
 uniform-state diffusion (as in UDLM, Schiff et al. 2024), Monte-Carlo over t, next to the
 encoder's own next-token perplexity on the same canvas tokens.
@@ -43,7 +48,7 @@ from torch import Tensor, nn
 
 from dlm.config import TrainConfig
 from dlm.errors import check
-from dlm.model import canvas_embeds
+from dlm.model import align_canvas_logits, canvas_embeds
 from dlm.noise import sample_t, uniform_corrupt
 from dlm.objectives.base import ALL, Objective
 
@@ -76,6 +81,11 @@ def fill_after_eos(canvas: Tensor, eos_id: int) -> Tensor:
     return canvas.masked_fill(after, eos_id)
 
 
+def before_canvas(logits: Tensor, start: Tensor) -> Tensor:
+    """The encoder's next-token logits at the last clean position before each row's canvas: (B, 1, V)."""
+    return logits[torch.arange(logits.shape[0], device=logits.device), start - 1][:, None]
+
+
 def choose_canvas(batch: Tensor, L: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
     """One canvas per window (B, T + 1): start (B,) uniform in [1, T + 1 - L], canvas tokens (B, L)."""
     B, T1 = batch.shape
@@ -101,6 +111,8 @@ class USDM(Objective):
 
     def build_model(self) -> nn.Module:
         model = super().build_model()
+        if self.cfg.canvas_shift:
+            model.cfg.canvas_shift = True
         if self.cfg.canvas_scale == "encoder":  # the canvas enters at the clean tokens' scale
             rms = float(model.embed_tokens.weight.detach().float().pow(2).mean().sqrt())
             model.cfg.canvas_rms = model.self_cond.rms = round(rms, 6)
@@ -125,6 +137,7 @@ class USDM(Objective):
             sup, resp = sup[rows], resp[rows]
         x, y = batch[:, :-1], batch[:, 1:]  # (b, T): this slice's rows
         B, T = x.shape
+        shift = model.cfg.canvas_shift
 
         probs = None
         if any_sel:  # first pass (no gradient) for the self-conditioned rows only; zero signal for the others
@@ -134,10 +147,12 @@ class USDM(Objective):
                     rs = sel.nonzero().squeeze(1)
                     keep = int(start[rs].max())  # the canvas reads clean keys < start only
                     first = joint_forward(model, x[rs, :keep], canvas_embeds(model, zt[rs], None), start[rs])
-                    probs[rs] = torch.softmax(first[:, keep:].float(), -1)
+                    den = align_canvas_logits(shift, first[:, keep:], before_canvas(first, start[rs]))
+                    probs[rs] = torch.softmax(den.float(), -1)
         logits = joint_forward(model, x, canvas_embeds(model, zt, probs), start)  # (B, T + L, V)
+        den = align_canvas_logits(shift, logits[:, T:], before_canvas(logits, start))  # (B, L, V)
 
-        ce = F.cross_entropy(logits[:, T:].flatten(0, 1).float(), canvas.flatten(), reduction="none").view(B, L)
+        ce = F.cross_entropy(den.flatten(0, 1).float(), canvas.flatten(), reduction="none").view(B, L)
         if sup is None:
             ar = F.cross_entropy(logits[:, :T].flatten(0, 1).float(), y.flatten())
             per_row = ce.mean(1)  # (B,)
@@ -204,28 +219,33 @@ def uniform_elbo_integrand(logits: Tensor, x0: Tensor, zt: Tensor, t: Tensor, N:
     return ((sum_h - sum_r + rlogr - rlogh) / (N * a)).clamp(min=0.0)  # times beta / N = 1 / (N alpha)
 
 
-def encoder_nll(model: nn.Module, cache, prefix: Tensor, canvas: Tensor) -> float:
-    """The encoder's causal next-token loss (nats, summed) on the canvas tokens given the prefix; leaves
-    prefix + canvas in the cache."""
+def encoder_nll(model: nn.Module, cache, prefix: Tensor, canvas: Tensor) -> tuple[float, Tensor]:
+    """The encoder's causal next-token loss (nats, summed) on the canvas tokens given the prefix, and its
+    logits for canvas[0] (B, 1, V); leaves prefix + canvas in the cache."""
     first = model(prefix, cache=cache).logits[:, -1:]  # (B, 1, V) predicts canvas[0]
     rest = model(canvas[:, :-1], cache=cache).logits  # (B, L - 1, V) incremental prefill
     logits = torch.cat([first, rest], 1).flatten(0, 1).float()
-    return float(F.cross_entropy(logits, canvas.flatten(), reduction="sum"))
+    return float(F.cross_entropy(logits, canvas.flatten(), reduction="sum")), first
 
 
 def canvas_bounds(model: nn.Module, cache, canvas: Tensor, start: int, samples: int, N: int,
-                  gen: torch.Generator) -> dict[str, float]:
+                  gen: torch.Generator, first: Tensor | None = None) -> dict[str, float]:
     """Summed ELBO integrands of canvases (B, L) after the cached prefix, `samples` stratified times each:
-    self-conditioned with mean rates ("mean") and UDLM's rates ("udlm"), first pass alone ("no_sc")."""
+    self-conditioned with mean rates ("mean") and UDLM's rates ("udlm"), first pass alone ("no_sc").
+    first (B, 1, V): the encoder's logits for canvas[0], which a model with canvas_shift predicts it with."""
     B, L = canvas.shape
+    shift = model.cfg.canvas_shift
+    check(first is not None or not shift, "a canvas_shift model's bound needs the encoder's logits for canvas[0]")
     pos = torch.arange(start, start + L, device=canvas.device)
     sums = {"mean": 0.0, "udlm": 0.0, "no_sc": 0.0}
     for k in range(samples):
         t = (k + torch.rand(B, generator=gen, device=canvas.device)) / samples  # (B,) stratified over [0, 1)
         zt, _ = uniform_corrupt(canvas, t, N, gen)
         l1 = model(embeds=canvas_embeds(model, zt, None), pos=pos, cache=cache, mask="full", write=False).logits
+        l1 = align_canvas_logits(shift, l1, first)
         l2 = model(embeds=canvas_embeds(model, zt, torch.softmax(l1.float(), -1)), pos=pos, cache=cache,
                    mask="full", write=False).logits
+        l2 = align_canvas_logits(shift, l2, first)
         sums["no_sc"] += float(uniform_elbo_integrand(l1, canvas, zt, t, N).sum()) / samples
         sums["mean"] += float(uniform_elbo_integrand(l2, canvas, zt, t, N).sum()) / samples
         sums["udlm"] += float(uniform_elbo_integrand(l2, canvas, zt, t, N, rates="udlm").sum()) / samples
@@ -271,9 +291,10 @@ def evaluate(model: nn.Module, ck, corpus, split: str, seq_len: int, batch_size:
         batch = batch.to(dev)
         prefix, canvas = batch[:, :start], batch[:, start:]  # (B, P), (B, L)
         cache = model.new_cache(batch.shape[0], seq + 1)
-        ar += encoder_nll(model, cache, prefix, canvas)
+        nll, first = encoder_nll(model, cache, prefix, canvas)
+        ar += nll
         cache.crop(start)
-        for k, v in canvas_bounds(model, cache, canvas, start, samples, N, gen).items():
+        for k, v in canvas_bounds(model, cache, canvas, start, samples, N, gen, first).items():
             sums[k] += v
         count += canvas.numel()
     b = {k: v / count for k, v in sums.items()}

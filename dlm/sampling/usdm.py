@@ -17,6 +17,11 @@ Per canvas of L tokens at the positions they will hold once committed:
      dropped and generation ends; otherwise an incremental causal prefill appends the canvas to
      the cache and the next canvas begins, until `max_new_tokens`.
 
+A model trained with `--canvas-shift` (ModelConfig.canvas_shift) predicts canvas token j from the
+denoiser's output at j - 1, and token 0 from the encoder's next-token logits after the text before the
+canvas (from the prefill, which then computes the head at its last position): every rule above acts on
+these aligned logits.
+
 Infilling (`--suffix`) and templates (`<fill>` markers) are one canvas whose pinned tokens are
 never re-noised; <eos> is not allowed inside their holes (the text continues after them).
 An empty prefix starts from <eos>, the separator every training document follows.
@@ -34,7 +39,7 @@ import torch
 from torch import Tensor
 
 from dlm.errors import DlmError, check
-from dlm.model import Transformer, canvas_embeds
+from dlm.model import Transformer, align_canvas_logits, canvas_embeds
 from dlm.sampling.common import (
     Clock, Commit, Event, Prompt, Stats, Step, check_fits, check_sampling, entropy, entropy_bound_accept,
     make_generator, probs_from_logits, sample_from,
@@ -72,6 +77,13 @@ def denoise(model: Transformer, cache, canvas: Tensor, pos: Tensor, prev_probs: 
     """One denoiser pass over canvas (B, n) at positions pos (n,), reading the cache; logits (B, n, V) fp32."""
     x = canvas_embeds(model, canvas, prev_probs)
     return model(embeds=x, pos=pos, cache=cache, mask="full", write=False).logits.float()
+
+
+def prefill(model: Transformer, cache, ids: list[int]) -> Tensor | None:
+    """Append ids to the cache (causal); the next-token logits after them (1, 1, V) when the model has
+    canvas_shift (they predict the next canvas's first token), else None (no head is computed)."""
+    out = model(torch.tensor([ids], device=model.device), cache=cache, head=False)
+    return model.lm_head(out.last[:, -1:]).float() if model.cfg.canvas_shift else None
 
 
 # options -------------------------------------------------------------------------------------
@@ -126,7 +138,7 @@ def _generate(model: Transformer, jobs: list[Prompt], L: int, steps: int, N: int
     for row, p in enumerate(jobs):
         total = len(p.canvas) if p.canvas is not None else cfg.max_new_tokens
         cache = model.new_cache(1, len(p.ids) + total)
-        model(torch.tensor([p.ids], device=dev), cache=cache, head=False)  # prompt prefill
+        first = prefill(model, cache, p.ids)  # the prompt
         stats.forwards += 1
         done = 0  # tokens of this row committed
         canvas_index = 0
@@ -139,7 +151,7 @@ def _generate(model: Transformer, jobs: list[Prompt], L: int, steps: int, N: int
                 holes = torch.ones(n, dtype=torch.bool, device=dev)
                 pins = torch.zeros(n, dtype=torch.long, device=dev)
             tokens, used = yield from _denoise_canvas(model, cache, holes, pins, N, eos_id, p.canvas is not None,
-                                                      canvas_index, row, done, steps, cfg, gen)
+                                                      canvas_index, row, done, steps, cfg, gen, first)
             stats.canvases += 1
             stats.steps += used
             stats.extra["steps_per_canvas"].append(used)
@@ -154,14 +166,16 @@ def _generate(model: Transformer, jobs: list[Prompt], L: int, steps: int, N: int
             canvas_index += 1
             if p.canvas is not None or ended or done >= total:
                 break
-            model(torch.tensor([tokens], device=dev), cache=cache, head=False)  # incremental causal prefill
+            first = prefill(model, cache, tokens)  # incremental causal prefill
             stats.forwards += 1
     yield clock.finish(stats)
 
 
 def _denoise_canvas(model: Transformer, cache, holes: Tensor, pins: Tensor, N: int, eos_id: int, no_eos: bool,
-                    canvas_index: int, row: int, offset: int, S: int, cfg, gen: torch.Generator):
-    """Denoise one canvas for at most S steps (yields Step events); returns (committed tokens, steps used)."""
+                    canvas_index: int, row: int, offset: int, S: int, cfg, gen: torch.Generator,
+                    first: Tensor | None = None):
+    """Denoise one canvas for at most S steps (yields Step events); returns (committed tokens, steps used).
+    first (1, 1, V): the encoder's logits for the canvas's first token (a canvas_shift model), else None."""
     dev = model.device
     n = holes.shape[0]
     pos = torch.arange(cache.length, cache.length + n, device=dev)
@@ -171,7 +185,8 @@ def _denoise_canvas(model: Transformer, cache, holes: Tensor, pins: Tensor, N: i
     stable = 0
     for step in range(1, S + 1):
         T = temperature(step, S, cfg.t_max, cfg.t_min)
-        raw = denoise(model, cache, canvas[None], pos, prev_probs)[0]  # (n, V)
+        raw = denoise(model, cache, canvas[None], pos, prev_probs)  # (1, n, V)
+        raw = align_canvas_logits(first is not None, raw, first)[0]  # the clean-token logits (n, V)
         if no_eos:  # a hole inside a template: the text goes on after it
             raw[holes, eos_id] = float("-inf")
         logits = raw / T  # processed logits
