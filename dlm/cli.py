@@ -302,7 +302,7 @@ def export_cmd(model: str, out: str, format: str = "hf", dtype: str = "float32",
         path = export_hf(net, ck.tokenizer, out, dtypes[dtype], overwrite, inputs=(ck.path,))
     elif ck.objective == "dflash":  # the layout of the public DFlash drafters (vLLM, SGLang)
         path = export_drafter(net, ck, out, dtypes[dtype], overwrite)
-        if warning := prenorm_warning(net, ck):  # a warning, not a refusal: the shipped dflash-small is one
+        if warning := prenorm_warning(net, ck):  # a warning, not a refusal: drafters trained before last_layer existed
             sys.stderr.write(f"dlm: warning: {warning}\n")
     else:
         raise DlmError(f"--format hf: objective {ck.objective!r} has no transformers layout (ar has)")

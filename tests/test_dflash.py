@@ -29,7 +29,7 @@ def test_target_layer_ids_follow_the_paper_and_handle_small_targets():
     assert target_layer_ids(8, 5) == [1, 2, 3, 4, 5]  # N - 4 = L - 1: the formula, all distinct
     with pytest.raises(DlmError, match="too shallow"):
         target_layer_ids(4, 5)
-    assert default_draft_layers(36) == 5 and default_draft_layers(4) == 1
+    assert default_draft_layers(36) == 5 and default_draft_layers(4) == 2 and default_draft_layers(12) == 3
 
 
 def test_slot_weights_decay_and_normalise():
@@ -260,7 +260,7 @@ def test_public_engines_draft_what_dlm_drafts(tiny_dflash, tiny_ar, tmp_path):
 
 
 def test_drafters_without_the_flag_keep_the_prenorm_reading_and_export_with_a_warning(tiny_dflash, tiny_ar, tmp_path):
-    """A drafter trained before last_layer existed (dflash-small) reads the last layer's pre-norm tap, as it was
+    """A drafter trained before last_layer existed (dflash-small was one) reads the last layer's pre-norm tap, as it was
     trained; its export still works (the README's command) but warns that public engines feed it otherwise."""
     import shutil
 
