@@ -233,14 +233,14 @@ def canvas_embeds(model: Transformer, canvas: Tensor, probs: Tensor | None) -> T
     return model.self_cond(emb, soft)
 
 
-def align_canvas_logits(shift: bool, den: Tensor, first: Tensor | None) -> Tensor:
+def align_canvas_logits(den: Tensor, first: Tensor | None) -> Tensor:
     """The clean-token logits of a canvas from the denoiser's outputs den (B, L, V).
 
-    Without shift, position j's output predicts token j. With shift (ModelConfig.canvas_shift), position
-    j's output predicts token j + 1 and first (B, 1, V), the encoder's next-token logits at the last clean
-    position before the canvas, predicts token 0; the last position's output is unused.
+    first None (no shift): position j's output predicts token j. Otherwise (ModelConfig.canvas_shift)
+    position j's output predicts token j + 1 and first (B, 1, V), the encoder's next-token logits at the
+    last clean position before the canvas, predicts token 0; the last position's output is unused.
     """
-    if not shift:
+    if first is None:
         return den
     return torch.cat([first.to(den.dtype), den[:, :-1]], 1)
 

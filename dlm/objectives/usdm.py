@@ -147,10 +147,10 @@ class USDM(Objective):
                     rs = sel.nonzero().squeeze(1)
                     keep = int(start[rs].max())  # the canvas reads clean keys < start only
                     first = joint_forward(model, x[rs, :keep], canvas_embeds(model, zt[rs], None), start[rs])
-                    den = align_canvas_logits(shift, first[:, keep:], before_canvas(first, start[rs]))
+                    den = align_canvas_logits(first[:, keep:], before_canvas(first, start[rs]) if shift else None)
                     probs[rs] = torch.softmax(den.float(), -1)
         logits = joint_forward(model, x, canvas_embeds(model, zt, probs), start)  # (B, T + L, V)
-        den = align_canvas_logits(shift, logits[:, T:], before_canvas(logits, start))  # (B, L, V)
+        den = align_canvas_logits(logits[:, T:], before_canvas(logits, start) if shift else None)  # (B, L, V)
 
         ce = F.cross_entropy(den.flatten(0, 1).float(), canvas.flatten(), reduction="none").view(B, L)
         if sup is None:
@@ -234,18 +234,19 @@ def canvas_bounds(model: nn.Module, cache, canvas: Tensor, start: int, samples: 
     self-conditioned with mean rates ("mean") and UDLM's rates ("udlm"), first pass alone ("no_sc").
     first (B, 1, V): the encoder's logits for canvas[0], which a model with canvas_shift predicts it with."""
     B, L = canvas.shape
-    shift = model.cfg.canvas_shift
-    check(first is not None or not shift, "a canvas_shift model's bound needs the encoder's logits for canvas[0]")
+    check(first is not None or not model.cfg.canvas_shift,
+          "a canvas_shift model's bound needs the encoder's logits for canvas[0]")
+    first = first if model.cfg.canvas_shift else None
     pos = torch.arange(start, start + L, device=canvas.device)
     sums = {"mean": 0.0, "udlm": 0.0, "no_sc": 0.0}
     for k in range(samples):
         t = (k + torch.rand(B, generator=gen, device=canvas.device)) / samples  # (B,) stratified over [0, 1)
         zt, _ = uniform_corrupt(canvas, t, N, gen)
         l1 = model(embeds=canvas_embeds(model, zt, None), pos=pos, cache=cache, mask="full", write=False).logits
-        l1 = align_canvas_logits(shift, l1, first)
+        l1 = align_canvas_logits(l1, first)
         l2 = model(embeds=canvas_embeds(model, zt, torch.softmax(l1.float(), -1)), pos=pos, cache=cache,
                    mask="full", write=False).logits
-        l2 = align_canvas_logits(shift, l2, first)
+        l2 = align_canvas_logits(l2, first)
         sums["no_sc"] += float(uniform_elbo_integrand(l1, canvas, zt, t, N).sum()) / samples
         sums["mean"] += float(uniform_elbo_integrand(l2, canvas, zt, t, N).sum()) / samples
         sums["udlm"] += float(uniform_elbo_integrand(l2, canvas, zt, t, N, rates="udlm").sum()) / samples

@@ -185,8 +185,7 @@ def _denoise_canvas(model: Transformer, cache, holes: Tensor, pins: Tensor, N: i
     stable = 0
     for step in range(1, S + 1):
         T = temperature(step, S, cfg.t_max, cfg.t_min)
-        raw = denoise(model, cache, canvas[None], pos, prev_probs)  # (1, n, V)
-        raw = align_canvas_logits(first is not None, raw, first)[0]  # the clean-token logits (n, V)
+        raw = align_canvas_logits(denoise(model, cache, canvas[None], pos, prev_probs), first)[0]  # (n, V) clean
         if no_eos:  # a hole inside a template: the text goes on after it
             raw[holes, eos_id] = float("-inf")
         logits = raw / T  # processed logits
