@@ -6,7 +6,9 @@ Every subcommand is a function below; tyro (through dlm.cliargs) turns its typed
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Literal
 
@@ -551,6 +553,16 @@ def _sample_config() -> type:
 
 
 def main(argv: list[str] | None = None) -> int:
+    interrupts: list[int] = []
+
+    def on_interrupt(signum: int, frame: object) -> None:
+        interrupts.append(signum)
+        raise KeyboardInterrupt
+
+    # Ctrl-C is recorded as well as raised: a library whose import catches everything (a bare `except:`) would
+    # otherwise swallow it and the command would run on as if nothing had been pressed
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, on_interrupt) if main_thread else None
     try:  # everything, imports included: Ctrl-C at any moment is exit 130 without a traceback
         from dlm.cliargs import Command, run
 
@@ -568,6 +580,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         argv = merge_repeated(canonical_argv(list(sys.argv[1:] if argv is None else argv)), "serve", "--model")
         run("dlm", "dlm: diffusion language models on one backbone", commands, argv)
+        if interrupts:
+            raise KeyboardInterrupt
         sys.stdout.flush()  # a reader that left (`| head`) is found here, not at exit
     except DlmError as e:
         sys.stderr.write(f"dlm: error: {e}\n")
@@ -578,6 +592,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `dlm ... | head`: the reader left; say nothing more, as a Unix tool does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     return 0
 
 

@@ -650,6 +650,28 @@ def test_ctrl_c_at_any_moment_is_exit_130_without_a_traceback(tiny_ar):
         assert err.strip().splitlines() in ([], ["dlm: interrupted"]), (d, err)
 
 
+def test_ctrl_c_swallowed_by_a_library_still_stops_the_command(tiny_ar, monkeypatch, capsys):
+    """A library whose import catches everything (a bare `except:`) must not turn Ctrl-C into a finished run."""
+    import dlm.cliargs
+    from dlm.cli import main
+
+    run = dlm.cliargs.run
+
+    def swallowing(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises in here
+        except BaseException:
+            pass
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(dlm.cliargs, "run", swallowing)
+    before, started = signal.getsignal(signal.SIGINT), time.monotonic()
+    assert main(["generate", "--model", str(tiny_ar), "--prompt", "def f(", "--max-new-tokens", "2"]) == 130
+    assert time.monotonic() - started < 5 and capsys.readouterr().err == "dlm: interrupted\n"
+    assert signal.getsignal(signal.SIGINT) is before  # main gives the handler back
+
+
 @pytest.mark.parametrize("extra", [[], ["--show"]])
 def test_a_closed_pipe_is_exit_141_quietly(tiny_ar, extra):
     """`dlm generate | head -1`: the reader is gone; no message, exit 141 (SIGPIPE's status), as with --show."""
