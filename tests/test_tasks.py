@@ -325,6 +325,10 @@ def test_every_paradigm_runs_the_code_tasks(task, extra):
         assert {"exact_match", "edit_similarity", "tokens_per_forward", "forwards", "seconds"} <= set(res)
         assert 0 <= res["edit_similarity"] <= 1 and res["forwards"] > 0
         assert ("tau" in res) == ("--draft" in args)
+        if "tau" in res:  # the summed histogram is the pooled tau's: sum(n * h[n]) / sum(h) over the cases' cycles
+            h = res["acceptance_histogram"]
+            assert sum(h) == res["cycles"] > 0 and h[0] == 0
+            assert sum(n * c for n, c in enumerate(h)) / sum(h) == pytest.approx(res["tau"])
 
 
 @pytest.fixture(scope="module")

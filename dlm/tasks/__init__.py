@@ -7,7 +7,8 @@
 `run_task` runs one method (a checkpoint with a SampleConfig, a drafter for speculation) over a
 task's cases through the sampler contract, every paradigm alike, and reports the task's metrics (means
 over cases) beside the statistics of DESIGN.md, summed over the cases: tokens_per_forward = all new
-tokens / all forwards; tau pooled over all verify cycles.
+tokens / all forwards; tau pooled over all verify cycles, and acceptance_histogram[n] the cycles (of all cases)
+that committed n tokens, from which the acceptance rate of each draft slot follows.
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ def summarize(task: ModuleType, rows: list[dict[str, Any]]) -> dict[str, Any]:
         cycles = sum(r.get("cycles", 0) for r in rows)
         out["tau"] = sum(r["tau"] * r.get("cycles", 0) for r in rows) / cycles if cycles else 0.0
         out["draft_forwards"] = sum(r["draft_forwards"] for r in rows)
+        out["cycles"] = cycles
+        hists = [r["acceptance_histogram"] for r in rows if "acceptance_histogram" in r]
+        width = max(map(len, hists), default=0)
+        out["acceptance_histogram"] = [sum(h[i] for h in hists if i < len(h)) for i in range(width)]
     return out
 
 
