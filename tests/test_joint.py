@@ -172,6 +172,33 @@ def test_draft_rate_noises_blocks_as_a_draft_sees_them(corpus_dir, tokenizer_pat
         assert 0.3 < share < 0.85, share
 
 
+def test_ar_target_teaches_the_drafts_the_ar_distribution(corpus_dir, tokenizer_path):
+    """--ar-target a: the target of a masked token is (1 - a) x the data token + a x the AR half's next-token
+    distribution at the position before (the AR model's own, <mask> excluded); a = 0 is the public loss."""
+    from dlm.objectives.mdlm import masked_logits
+
+    cfg, tok, m = _joint(corpus_dir, tokenizer_path, draft_rate=1.0, ar_weight=0.0, dlm_weight=1.0)
+    batch = torch.randint(10, 200, (2, 17), generator=torch.Generator().manual_seed(0))
+
+    def loss(a):
+        obj = Joint(cfg.__class__(**{**cfg.to_dict(), "ar_target": a}), tok)
+        return obj.loss(m, batch, torch.Generator().manual_seed(3))[0]
+
+    x0 = batch[:, :-1]
+    masked = (torch.arange(16) % 4 != 0).expand(2, 16)  # every block in draft form: its first token kept
+    xt = x0.masked_fill(masked, tok.mask_id)
+    obj = Joint(cfg, tok)
+    h_noisy, _ = obj.joint_forward(m, xt, x0)
+    logq = F.log_softmax(masked_logits(m, h_noisy[masked], tok.mask_id), -1)
+    p = F.softmax(m(x0).logits, -1)  # the AR model alone: the teacher
+    p[..., tok.mask_id] = 0
+    p = (p / p.sum(-1, keepdim=True))[:, :-1][masked[:, 1:]]  # the position before each masked token
+    soft = -(p * logq.masked_fill(p == 0, 0.0)).sum(-1).sum() / 32
+    hard = F.nll_loss(logq, x0[masked], reduction="sum") / 32
+    assert torch.allclose(loss(0.0), hard) and torch.allclose(loss(1.0), soft)
+    assert torch.allclose(loss(0.25), 0.75 * hard + 0.25 * soft) and not torch.allclose(soft, hard)
+
+
 def test_training_with_a_second_stream(corpus_dir, tokenizer_path, tiny_joint, tmp_path):
     """`dlm train --objective joint --dlm-data D --draft-rate p`: a run reads both corpora and records them;
     wrong options are refused before anything is written."""
@@ -190,6 +217,8 @@ def test_training_with_a_second_stream(corpus_dir, tokenizer_path, tiny_joint, t
     assert meta["dlm_data"] == str(jsonl) and meta["draft_rate"] == 0.5
     for args, msg in [(["--objective", "ar", "--dlm-data", str(jsonl)], "--dlm-data applies to --objective joint"),
                       (["--objective", "joint", "--draft-rate", "1.5"], "--draft-rate must be in"),
+                      (["--objective", "joint", "--ar-target", "-0.1"], "--ar-target must be in"),
+                      (["--objective", "mdlm", "--ar-target", "0.5"], "--ar-target applies to --objective joint"),
                       (["--objective", "joint", "--dlm-data", str(tmp_path / "missing.jsonl")], "missing.jsonl")]:
         bad = tmp_path / "bad"
         r = run_cli("train", *args, "--init-from", str(tiny_joint), "--data", str(corpus_dir), "--seq-len", "32",

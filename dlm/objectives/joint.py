@@ -26,7 +26,10 @@ Two additions for self-speculation (off by default, so the default run is the pu
 corpus, through a plain causal forward, while the diffusion loss reads e.g. the AR mode's own greedy
 continuations, so the drafts learn what the verifier accepts without the AR mode learning from its own
 samples. --draft-rate p noises a share p of the blocks as a draft sees its block: the first token kept,
-every other token masked (t = 1).
+every other token masked (t = 1). --ar-target a makes the target of a masked token (1 - a) x the data token
++ a x the AR half's own next-token distribution at that position (from the same forward, detached): a draft
+slot sees the prefix its AR verifier sees (the first slot exactly), so the AR mode is the teacher of what it
+will accept, in full distribution rather than one sampled token.
 
 Decoding a joint checkpoint (dlm.sampling.joint): its AR mode, its diffusion mode (the mdlm samplers
 with a causal context), and lossless self-speculation (linear and quadratic).
@@ -82,6 +85,7 @@ class Joint(Objective):
         check(cfg.dlm_weight >= 0, f"--dlm-weight must be >= 0, got {cfg.dlm_weight}")
         check(cfg.ar_weight + cfg.dlm_weight > 0, "--ar-weight and --dlm-weight cannot both be 0")
         check(0 <= cfg.draft_rate <= 1, f"--draft-rate must be in [0, 1], got {cfg.draft_rate}")
+        check(0 <= cfg.ar_target <= 1, f"--ar-target must be in [0, 1], got {cfg.ar_target}")
 
     def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator, rows: slice = ALL,
              sup: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
@@ -118,10 +122,28 @@ class Joint(Objective):
         return out.last[:, :T], out.last[:, T:]
 
     def masked_ce(self, model: nn.Module, h_noisy: Tensor, x0: Tensor, masked: Tensor, t_tok: Tensor,
-                  n: float) -> tuple[Tensor, float]:
+                  n: float, h_clean: Tensor | None = None) -> tuple[Tensor, float]:
+        """Sum over masked tokens of CE / t, over n; with --ar-target, the CE against the mixed target (the data
+        token and the AR half's distribution at the clean position before: the one that predicts it). The
+        reported mean CE is always the data token's."""
         logits = masked_logits(model, h_noisy[masked], self.mask_id)  # (N, V)
         ce = F.cross_entropy(logits, x0[masked], reduction="none")  # (N,)
-        return (ce / t_tok[masked]).sum() / n, float(ce.detach().mean()) if ce.numel() else 0.0
+        loss = ce
+        a = self.cfg.ar_target
+        if a > 0 and h_clean is not None:
+            teach = masked.clone()
+            teach[:, 0] = False  # position 0 has no AR prediction: the data token alone
+            sel = teach[masked]  # (N,) which masked tokens have a teacher
+            prev = torch.roll(teach, -1, dims=1)  # the clean position before each taught token
+            with torch.no_grad():
+                p_ar = F.softmax(model.lm_head(h_clean[prev]).float(), dim=-1)  # (M, V)
+                p_ar[:, self.mask_id] = 0.0  # the draft never predicts <mask>
+                p_ar = p_ar / p_ar.sum(-1, keepdim=True)
+            logq = F.log_softmax(logits[sel], dim=-1).masked_fill(p_ar == 0, 0.0)  # no 0 x -inf at <mask>
+            soft = -(p_ar * logq).sum(-1)  # (M,)
+            loss = ce.clone()
+            loss[sel] = (1 - a) * ce[sel] + a * soft
+        return (loss / t_tok[masked]).sum() / n, float(ce.detach().mean()) if ce.numel() else 0.0
 
     @staticmethod
     def next_ce(model: nn.Module, h_clean: Tensor, y: Tensor, keep: Tensor | None, n: float) -> Tensor:
@@ -149,7 +171,7 @@ class Joint(Objective):
         if with_ar:
             n_ar = self.count(None if ans is None else ans[:, 1:], B * T, batch, rows)
             ar = self.next_ce(model, h_clean, y, None if ans is None else ans[rows, 1:], n_ar)
-        diff, ce = self.masked_ce(model, h_noisy, x0, masked, t_tok, n_diff)
+        diff, ce = self.masked_ce(model, h_noisy, x0, masked, t_tok, n_diff, h_clean)
         return ar, diff, ce
 
     def ar_loss(self, model: nn.Module, batch: Tensor, rows: slice, sup: Tensor | None) -> Tensor:
@@ -162,4 +184,5 @@ class Joint(Objective):
 
     def meta(self) -> dict[str, Any]:
         return {"block_size": self.block_size, "mask_id": self.mask_id, "ar_weight": self.cfg.ar_weight,
-                "dlm_weight": self.cfg.dlm_weight, "draft_rate": self.cfg.draft_rate, "dlm_data": self.cfg.dlm_data}
+                "dlm_weight": self.cfg.dlm_weight, "draft_rate": self.cfg.draft_rate,
+                "ar_target": self.cfg.ar_target, "dlm_data": self.cfg.dlm_data}
