@@ -258,14 +258,19 @@ def test_both_modes_are_lossless_on_a_random_model(L):
                               eos_id=None) if isinstance(e, Commit) for t in e.tokens]
     lin = [t for e in speculate(m, SelfDraft(m, 3, L, Sampling()), prompt, block_size=L, max_new_tokens=40)
            if isinstance(e, Commit) for t in e.tokens]
-    assert q == ref and lin == ref
+    ev = list(speculate(m, SelfDraft(m, 3, L, Sampling(), ar_first=True), prompt, block_size=L, max_new_tokens=40))
+    lin_ar = [t for e in ev if isinstance(e, Commit) for t in e.tokens]
+    assert q == ref and lin == ref and lin_ar == ref
+    # self-spec-linear-ar reads its first draft slot from the AR logit: at greedy decoding the verifier always takes it
+    cycles = [e for e in ev if isinstance(e, Verified) and e.proposed]
+    assert cycles and all(e.accepted >= 1 for e in cycles)
 
 
 def test_trained_joint_model_self_speculates_losslessly(tiny_joint):
     model, ck = load_model(tiny_joint, dtype=torch.float64)
     cfg = SampleConfig(max_new_tokens=32)
     ar = generate(model, ck, PROMPTS[:2], cfg.replace(sampler="ar"))
-    for sampler in ("self-spec-linear", "self-spec-quadratic"):
+    for sampler in ("self-spec-linear", "self-spec-linear-ar", "self-spec-quadratic"):
         for block in (4, 8):
             res = generate(model, ck, PROMPTS[:2], cfg.replace(sampler=sampler, block_size=block))
             s = res.stats.as_dict()
@@ -304,7 +309,7 @@ def exact_next2(m: Transformer, prompt: list[int], T: float) -> dict:
     return out
 
 
-@pytest.mark.parametrize("mode", ["linear", "quadratic"])
+@pytest.mark.parametrize("mode", ["linear", "linear-ar", "quadratic"])
 def test_sampling_follows_the_ar_distribution(mode):
     """At T = 0.8 the first two emitted tokens are distributed as the AR mode's (chi-square, seeded). The
     second token comes from a verify cycle (one draft), so acceptance and the residual draw both count."""
@@ -318,9 +323,9 @@ def test_sampling_follows_the_ar_distribution(mode):
     counts: Counter = Counter()
     accepted = 0
     for _ in range(N):
-        if mode == "linear":
-            ev = list(speculate(m, SelfDraft(m, 4, 3, sampling), prompt, block_size=3, max_new_tokens=3,
-                                sampling=sampling))
+        if mode.startswith("linear"):
+            ev = list(speculate(m, SelfDraft(m, 4, 3, sampling, ar_first=mode == "linear-ar"), prompt, block_size=3,
+                                max_new_tokens=3, sampling=sampling))
         else:
             ev = list(quadratic(m, prompt, block_size=3, max_new_tokens=3, mask_id=4, sampling=sampling, eos_id=None))
         toks = [t for e in ev if isinstance(e, Commit) for t in e.tokens]
@@ -360,6 +365,7 @@ def test_bench_rows_for_self_speculation(tiny_joint, tiny_ar, corpus_dir, tmp_pa
                        joint_blocks=(4, 8))
     rows = {s["method"]: s for s in report["summaries"]}
     assert set(rows) == {"ar (KV cache)", "joint ar mode", "joint self-spec-linear B=4", "joint self-spec-linear B=8",
+                         "joint self-spec-linear-ar B=4", "joint self-spec-linear-ar B=8",
                          "joint self-spec-quadratic B=4", "joint self-spec-quadratic B=8"}
     for name, s in rows.items():
         if "self-spec" in name:

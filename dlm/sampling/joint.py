@@ -37,7 +37,7 @@ from dlm.sampling import ar, mdlm, speculative
 from dlm.sampling.common import Clock, Commit, Event, Prompt, Stats, Verified, make_generator, sample_from
 from dlm.sampling.speculative import Sampling, SpecStats, spec_stats, target_greedy, verify_greedy, verify_sample
 
-SELF_SPEC = ("self-spec-linear", "self-spec-quadratic")
+SELF_SPEC = ("self-spec-linear", "self-spec-linear-ar", "self-spec-quadratic")
 DIFFUSION = mdlm.RULES
 SAMPLERS = ("auto", "ar", *SELF_SPEC, *DIFFUSION)
 
@@ -47,15 +47,20 @@ class SelfDraft:
 
     Follows the drafter protocol of sampling/speculative.py; `bind` hands it the verifier's cache,
     which at every `propose` holds the committed positions before the last committed token.
+
+    ar_first (self-spec-linear-ar): the last committed token attends causally (the cache and itself), so its
+    output is the AR mode's next-token logit, and the first draft slot is read from it, as the quadratic mode's
+    rows do; the masks still attend to it and to each other. The reference's draft (ar_first False) reads slot 1
+    from a mask, which agrees with the AR mode's choice far less often (docs/joint.md, per-slot acceptance).
     """
 
     taps: tuple[int, ...] = ()
 
-    def __init__(self, model: Transformer, mask_id: int, block_size: int, sampling: Sampling):
-        self.model, self.mask_id, self.sampling = model, mask_id, sampling
+    def __init__(self, model: Transformer, mask_id: int, block_size: int, sampling: Sampling, ar_first: bool = False):
+        self.model, self.mask_id, self.sampling, self.ar_first = model, mask_id, sampling, ar_first
         self.default_block_size = block_size
         self.forwards = 0
-        self.name = "self-spec-linear"
+        self.name = "self-spec-linear-ar" if ar_first else "self-spec-linear"
         self.cache = None
 
     def bind(self, cache) -> None:
@@ -71,7 +76,13 @@ class SelfDraft:
         block = torch.full((1, k + 1), self.mask_id, dtype=torch.long, device=seq.device)
         block[0, 0] = seq[-1]
         pos = torch.arange(start, start + k + 1, device=seq.device)
-        logits = self.model(block, pos=pos, cache=self.cache, mask="full", write=False).logits[0, 1:]  # (k, V)
+        if self.ar_first:
+            sees = torch.ones(k + 1, self.cache.length + k + 1, dtype=torch.bool, device=seq.device)
+            sees[0, self.cache.length + 1:] = False  # the last committed token sees the cache and itself
+            logits = self.model(block, pos=pos, cache=self.cache, mask=sees, write=False).logits[0]  # (k + 1, V)
+            logits = torch.cat([logits[:1], logits[2:]])  # slot 1 from the AR logit; the mask there is context only
+        else:
+            logits = self.model(block, pos=pos, cache=self.cache, mask="full", write=False).logits[0, 1:]  # (k, V)
         self.forwards += 1
         logits[:, self.mask_id] = float("-inf")
         if self.sampling.temperature == 0:
@@ -167,8 +178,8 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg) -> Iterator[Event
     B = cfg.block_size if cfg.block_size is not None else (ck.block_size or 16)
     check(2 <= B <= speculative.MAX_BLOCK, f"--block-size must be in [2, {speculative.MAX_BLOCK}], got {B}")
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, make_generator(cfg.seed, model.device))
-    if sampler == "self-spec-linear":
-        drafter = SelfDraft(model, tok.mask_id, B, sampling)
+    if sampler in ("self-spec-linear", "self-spec-linear-ar"):
+        drafter = SelfDraft(model, tok.mask_id, B, sampling, ar_first=sampler == "self-spec-linear-ar")
         return speculative.stream(model, ck, prompts, cfg.replace(block_size=B), drafter)
     ar.check_options(model, prompts, cfg, "self-speculation")
     if cfg.check_lossless and cfg.temperature > 0:
