@@ -77,8 +77,7 @@ class SelfDraft:
         block[0, 0] = seq[-1]
         pos = torch.arange(start, start + k + 1, device=seq.device)
         if self.ar_first:
-            sees = torch.ones(k + 1, self.cache.length + k + 1, dtype=torch.bool, device=seq.device)
-            sees[0, self.cache.length + 1:] = False  # the last committed token sees the cache and itself
+            sees = quadratic_mask(0, k, self.cache.length, seq.device)  # one quadratic row: the token causal, masks after
             logits = self.model(block, pos=pos, cache=self.cache, mask=sees, write=False).logits[0]  # (k + 1, V)
             logits = torch.cat([logits[:1], logits[2:]])  # slot 1 from the AR logit; the mask there is context only
         else:

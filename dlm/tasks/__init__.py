@@ -57,9 +57,7 @@ def summarize(task: ModuleType, rows: list[dict[str, Any]]) -> dict[str, Any]:
         out["tau"] = sum(r["tau"] * r.get("cycles", 0) for r in rows) / cycles if cycles else 0.0
         out["draft_forwards"] = sum(r["draft_forwards"] for r in rows)
         out["cycles"] = cycles
-        hists = [r["acceptance_histogram"] for r in rows if "acceptance_histogram" in r]
-        width = max(map(len, hists), default=0)
-        out["acceptance_histogram"] = [sum(h[i] for h in hists if i < len(h)) for i in range(width)]
+        out["acceptance_histogram"] = [sum(h) for h in zip(*(r["acceptance_histogram"] for r in rows))]
     return out
 
 
