@@ -204,6 +204,7 @@ class TrainConfig:
         dlm_weight: joint: weight of the masked-diffusion (noisy half) loss
         dlm_data: joint: a second corpus for the diffusion loss alone (e.g. a `dlm distill` .jsonl of the AR mode's own greedy continuations: the drafts learn what the verifier will accept), while the AR loss keeps reading --data; each step reads --batch-size windows of each
         draft_rate: joint: share of the noisy blocks noised as a self-speculation draft sees its block (its first token kept, every other token masked), instead of at a random time; 0 = the public recipe
+        draft_ar_first: joint, with --draft-rate: the kept first token of a draft-form block attends causally (the clean prefix and itself, not the masks after it), as `--sampler self-spec-linear-ar` decodes it, so the masks learn the view they draft from; off = the reference's bidirectional block
         ar_target: joint: the diffusion loss's target at a masked token is this share of the AR half's own next-token distribution at the same position (detached: the AR mode is the teacher, as its verifier) and the rest the data token; 0 = the public recipe (the data token alone)
         fim_rate: ar: fraction of training documents rearranged for fill-in-the-middle (Bavarian et al. 2022: prefix, suffix, middle around the FIM markers; document level, cut at two random characters); default 0.5 for ar, 0 = off
         answer_sep: supervised pairs: documents are PROMPT + this text + ANSWER (one token); the loss reads only the answer and diffusion noises only the answer, the prompt is the condition (LLaDA's SFT); default '=' for a .csv task corpus, '' = off
@@ -259,6 +260,7 @@ class TrainConfig:
     dlm_data: str | None = None
     draft_rate: float = 0.0
     ar_target: float = 0.0
+    draft_ar_first: bool = False
     # tasks
     fim_rate: float | None = None
     answer_sep: str | None = None
@@ -298,6 +300,8 @@ class TrainConfig:
               f"--dlm-data applies to --objective joint, got {self.objective}")
         check(not self.draft_rate or self.objective == "joint",
               f"--draft-rate applies to --objective joint, got {self.objective}")
+        check(not self.draft_ar_first or self.objective == "joint",
+              f"--draft-ar-first applies to --objective joint, got {self.objective}")
         check(not self.ar_target or self.objective == "joint",
               f"--ar-target applies to --objective joint, got {self.objective}")
         check(not self.answer_sep or self.objective in ("ar", "mdlm"),

@@ -172,6 +172,37 @@ def test_draft_rate_noises_blocks_as_a_draft_sees_them(corpus_dir, tokenizer_pat
         assert 0.3 < share < 0.85, share
 
 
+@pytest.mark.parametrize("ar_first", [False, True])
+def test_draft_blocks_train_the_view_they_decode_from(corpus_dir, tokenizer_path, ar_first):
+    """A draft-form block of the training forward computes what the draft pass of self-spec-linear (the block
+    [kept, <mask> x (L-1)] bidirectional over a cache of the prefix) or, with --draft-ar-first, of
+    self-spec-linear-ar (the kept token causal, the masks after it) computes at decoding (float64)."""
+    cfg, tok, m = _joint(corpus_dir, tokenizer_path, draft_rate=1.0, draft_ar_first=ar_first)
+    obj = Joint(cfg, tok)
+    L, T = 4, 16
+    x0 = torch.randint(10, 200, (2, T), generator=torch.Generator().manual_seed(0))
+    masked = (torch.arange(T) % L != 0).expand(2, T)
+    xt = x0.masked_fill(masked, tok.mask_id)
+    draft = torch.ones(2, T // L, dtype=torch.bool)
+    draft[1, 2] = False  # a block of row 1 keeps the reference's view: only draft-form blocks change
+    with torch.no_grad():
+        h_noisy, h_clean = obj.joint_forward(m, xt, x0, draft)
+        assert torch.allclose(h_clean, m(x0, head=False).last, atol=1e-10)  # the clean half is the AR model
+        for r in range(2):
+            for b in range(1, T // L):
+                cache = m.new_cache(1, 64)
+                m(x0[r:r + 1, :b * L], cache=cache)
+                causal = ar_first and bool(draft[r, b])
+                sees = quadratic_mask(0, L - 1, cache.length, torch.device("cpu")) if causal else "full"
+                ref = m(xt[r:r + 1, b * L:(b + 1) * L], pos=b * L + torch.arange(L), cache=cache, mask=sees,
+                        write=False, head=False).last[0]
+                assert torch.allclose(h_noisy[r, b * L:(b + 1) * L], ref, atol=1e-10), (r, b)
+                if causal:  # the kept token's state is the AR model's at its position
+                    assert torch.allclose(h_noisy[r, b * L], h_clean[r, b * L], atol=1e-10)
+                else:
+                    assert not torch.allclose(h_noisy[r, b * L], h_clean[r, b * L], atol=1e-6)
+
+
 def test_ar_target_teaches_the_drafts_the_ar_distribution(corpus_dir, tokenizer_path):
     """--ar-target a: the target of a masked token is (1 - a) x the data token + a x the AR half's next-token
     distribution at the position before (the AR model's own, <mask> excluded); a = 0 is the public loss."""
@@ -219,6 +250,8 @@ def test_training_with_a_second_stream(corpus_dir, tokenizer_path, tiny_joint, t
                       (["--objective", "joint", "--draft-rate", "1.5"], "--draft-rate must be in"),
                       (["--objective", "joint", "--ar-target", "-0.1"], "--ar-target must be in"),
                       (["--objective", "mdlm", "--ar-target", "0.5"], "--ar-target applies to --objective joint"),
+                      (["--objective", "joint", "--draft-ar-first"], "--draft-ar-first changes how"),
+                      (["--objective", "mdlm", "--draft-ar-first"], "--draft-ar-first applies to --objective joint"),
                       (["--objective", "joint", "--dlm-data", str(tmp_path / "missing.jsonl")], "missing.jsonl")]:
         bad = tmp_path / "bad"
         r = run_cli("train", *args, "--init-from", str(tiny_joint), "--data", str(corpus_dir), "--seq-len", "32",

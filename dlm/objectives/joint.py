@@ -26,7 +26,9 @@ Two additions for self-speculation (off by default, so the default run is the pu
 corpus, through a plain causal forward, while the diffusion loss reads e.g. the AR mode's own greedy
 continuations, so the drafts learn what the verifier accepts without the AR mode learning from its own
 samples. --draft-rate p noises a share p of the blocks as a draft sees its block: the first token kept,
-every other token masked (t = 1). --ar-target a makes the target of a masked token (1 - a) x the data token
+every other token masked (t = 1); with --draft-ar-first the kept token of those blocks attends causally (the
+clean prefix and itself), as `self-spec-linear-ar` decodes: its first slot is the AR logit of the kept token and
+the masks read that token's causal states. --ar-target a makes the target of a masked token (1 - a) x the data token
 + a x the AR half's own next-token distribution at that position (from the same forward, detached): a draft
 slot sees the prefix its AR verifier sees (the first slot exactly), so the AR mode is the teacher of what it
 will accept, in full distribution rather than one sampled token.
@@ -86,6 +88,8 @@ class Joint(Objective):
         check(cfg.ar_weight + cfg.dlm_weight > 0, "--ar-weight and --dlm-weight cannot both be 0")
         check(0 <= cfg.draft_rate <= 1, f"--draft-rate must be in [0, 1], got {cfg.draft_rate}")
         check(0 <= cfg.ar_target <= 1, f"--ar-target must be in [0, 1], got {cfg.ar_target}")
+        check(not cfg.draft_ar_first or cfg.draft_rate > 0,
+              "--draft-ar-first changes how the draft-form blocks attend: it needs --draft-rate > 0")
 
     def loss(self, model: nn.Module, batch: Tensor, gen: torch.Generator, rows: slice = ALL,
              sup: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
@@ -98,27 +102,37 @@ class Joint(Objective):
         loss = self.cfg.ar_weight * ar + self.cfg.dlm_weight * diff
         return loss, {"ar_loss": float(ar.detach()), "dlm_loss": float(diff.detach()), "ce_masked": ce}
 
-    def noise(self, x0: Tensor, gen: torch.Generator, ans: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        """(x_t, masked, t per token) for windows x0 (B, T): one time per block, stratified over the batch; with
-        --draft-rate, that share of the blocks is noised as a self-speculation draft sees its block: the first
-        token kept, every other token masked (t = 1)."""
+    def noise(self, x0: Tensor, gen: torch.Generator, ans: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """(x_t, masked, t per token, draft-form blocks (B, T // L) or None) for windows x0 (B, T): one time per
+        block, stratified over the batch; with --draft-rate, that share of the blocks is noised as a
+        self-speculation draft sees its block: the first token kept, every other token masked (t = 1)."""
         B, T = x0.shape
         L = self.block_size
         nb = T // L
         t = stratified_t(B * nb, gen, x0.device).view(B, nb)
         t_tok = t.repeat_interleave(L, dim=1)  # (B, T)
+        draft = None
         if self.cfg.draft_rate > 0:
-            draft = (torch.rand(B, nb, generator=gen, device=x0.device) < self.cfg.draft_rate).repeat_interleave(L, 1)
+            draft = torch.rand(B, nb, generator=gen, device=x0.device) < self.cfg.draft_rate
             first = (torch.arange(T, device=x0.device) % L == 0).expand(B, T)
-            t_tok = torch.where(draft, torch.where(first, 0.0, 1.0), t_tok)
+            t_tok = torch.where(draft.repeat_interleave(L, 1), torch.where(first, 0.0, 1.0), t_tok)
         xt, masked = mask_corrupt(x0, t_tok, self.mask_id, gen, corruptible=ans)
-        return xt, masked, t_tok
+        return xt, masked, t_tok, draft
 
-    def joint_forward(self, model: nn.Module, xt: Tensor, x0: Tensor) -> tuple[Tensor, Tensor]:
-        """Final hidden states of the noisy and the clean half of [x_t | x_0] under the joint mask."""
-        T = x0.shape[1]
+    def joint_forward(self, model: nn.Module, xt: Tensor, x0: Tensor,
+                      draft: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Final hidden states of the noisy and the clean half of [x_t | x_0] under the joint mask; with
+        --draft-ar-first, the kept token of each draft-form block (draft (B, T // L)) attends causally."""
+        B, T = x0.shape
+        L = self.block_size
+        mask = joint_mask(T, L, x0.device)
+        if self.cfg.draft_ar_first and draft is not None and bool(draft.any()):
+            mask = mask.expand(B, 2 * T, 2 * T).clone()
+            row, blk = draft.nonzero(as_tuple=True)
+            kept = (blk * L)[:, None]  # (N, 1) the query of each kept token; it loses the masks after it
+            mask[row[:, None], kept, kept + torch.arange(1, L, device=x0.device)] = False
         pos = torch.arange(T, device=x0.device).repeat(2)  # (2T,) both halves at positions 0..T-1
-        out = model(torch.cat([xt, x0], dim=1), pos=pos, mask=joint_mask(T, self.block_size, x0.device), head=False)
+        out = model(torch.cat([xt, x0], dim=1), pos=pos, mask=mask, head=False)
         return out.last[:, :T], out.last[:, T:]
 
     def masked_ce(self, model: nn.Module, h_noisy: Tensor, x0: Tensor, masked: Tensor, t_tok: Tensor,
@@ -163,10 +177,10 @@ class Joint(Objective):
         x0, y = batch[:, :-1], batch[:, 1:]  # (B, T)
         B, T = x0.shape
         ans = self.answers(batch, sup)  # responses of a prompted corpus: the only targets and noised tokens
-        xt, masked, t_tok = self.noise(x0, gen, None if ans is None else ans[:, :T])
+        xt, masked, t_tok, draft = self.noise(x0, gen, None if ans is None else ans[:, :T])
         n_diff = self.count(None if ans is None else ans[:, :T], B * T, batch, rows)
         x0, y, xt, masked, t_tok = x0[rows], y[rows], xt[rows], masked[rows], t_tok[rows]  # (b, T): this slice
-        h_noisy, h_clean = self.joint_forward(model, xt, x0)
+        h_noisy, h_clean = self.joint_forward(model, xt, x0, None if draft is None else draft[rows])
         ar = None
         if with_ar:
             n_ar = self.count(None if ans is None else ans[:, 1:], B * T, batch, rows)
@@ -185,4 +199,4 @@ class Joint(Objective):
     def meta(self) -> dict[str, Any]:
         return {"block_size": self.block_size, "mask_id": self.mask_id, "ar_weight": self.cfg.ar_weight,
                 "dlm_weight": self.cfg.dlm_weight, "draft_rate": self.cfg.draft_rate,
-                "ar_target": self.cfg.ar_target, "dlm_data": self.cfg.dlm_data}
+                "ar_target": self.cfg.ar_target, "draft_ar_first": self.cfg.draft_ar_first, "dlm_data": self.cfg.dlm_data}
