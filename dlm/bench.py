@@ -25,7 +25,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
@@ -585,6 +585,17 @@ def noise(summaries: list[dict[str, Any]]) -> dict[str, float]:
     return {"median": median(spread), "max": max(spread) if spread else float("nan")}
 
 
+INFILL_NEW_TOKENS = 64  # the infill column's cap: one removed line needs ~10 tokens, and a window must hold both sides
+
+
+def infill_method(m: Method) -> Method:
+    """The method as the infill column runs it: at most INFILL_NEW_TOKENS new tokens (a long completion run,
+    e.g. 256 tokens, would leave no room in the window for the hole's prefix and suffix)."""
+    if m.cfg.max_new_tokens <= INFILL_NEW_TOKENS:
+        return m
+    return replace(m, cfg=m.cfg.replace(max_new_tokens=INFILL_NEW_TOKENS))
+
+
 def bench_items(task: str | None, data: str | None, n: int, span: str) -> tuple[list[Item], list[Item]]:
     """The timed items (completion cases, or --task's) and the infill cases run alongside (none with --task)."""
     from dlm.tasks import complete, infill, task_module
@@ -640,7 +651,7 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
         job = bar.add_task("bench", total=total)
         rows = run_interleaved(methods, items, repeat, warmup, lambda m, it: run_item(m, it, context),
                                lambda: bar.advance(job))
-        infill_rows = (run_interleaved(methods, infill_items, 1, 0, lambda m, it: run_item(m, it, context),
+        infill_rows = (run_interleaved(methods, infill_items, 1, 0, lambda m, it: run_item(infill_method(m), it, context),
                                        lambda: bar.advance(job)) if infill_items else None)
     metrics = items[0].task.METRICS
     prefix = "" if task else "complete_"
@@ -671,6 +682,7 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
               "warmup": warmup, "context": context,
               "order": "interleaved: each case runs every method in turn, the order rotated by one each repetition",
               "prompts": [it.case.name for it in items], "infill_cases": len(infill_items),
+              "infill_max_new_tokens": min(max_new_tokens, INFILL_NEW_TOKENS) if infill_items else None,
               "summaries": summaries, "noise": noise(summaries), "per_case": per_case}
     if infill_rows:
         report["per_infill_case"] = {m.name: [{k: v for k, v in r.items() if k not in ("tokens", "prompt")}

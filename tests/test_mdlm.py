@@ -460,6 +460,23 @@ def test_bench_has_mdlm_rows_and_a_plot(tiny_ar, tiny_mdlm, corpus_dir, tmp_path
     assert {q["method"] for q in report["equal_quality"]} == {parallel}
 
 
+def test_bench_infill_column_fits_a_long_completion_run(tiny_ar, corpus_dir):
+    """A completion run as long as the window (e.g. --max-new-tokens 256 on a 256-token model) still gets its
+    infill column: the infill cases run with at most 64 new tokens, leaving room for the hole's two sides."""
+    from dlm.bench import INFILL_NEW_TOKENS, run_bench
+    from dlm.checkpoint import load_model
+    from dlm.tasks.common import window
+
+    net, ck = load_model(str(tiny_ar))
+    new = window(ck, net) - 3  # no room for a prefix and a suffix at this many new tokens
+    assert new > INFILL_NEW_TOKENS
+    report = run_bench(str(tiny_ar), prompts=1, max_new_tokens=new, data=str(corpus_dir), warmup=0, naive=False,
+                       quiet=True, mdlm="", usdm="", repeat=1)
+    assert report["infill_cases"] == 1 and report["infill_max_new_tokens"] == INFILL_NEW_TOKENS
+    ar = report["summaries"][0]
+    assert 0 <= ar["infill_edit_similarity"] <= 1 and ar["tokens_per_forward"] == 1.0
+
+
 def test_equal_quality_interpolates_the_confidence_curve():
     from dlm.bench import equal_quality
 
