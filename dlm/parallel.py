@@ -86,6 +86,9 @@ class Dist:
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
         try:
             yield
+            # leave together: a rank that tears the group down while its peer still talks to it (rank 0 hosts the
+            # store) could abort the peer ("terminate called without an active exception" under gloo on a busy CPU)
+            dist.barrier()
         finally:
             dist.destroy_process_group()
 
