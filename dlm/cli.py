@@ -561,9 +561,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # Ctrl-C is recorded as well as raised: a library whose import catches everything (a bare `except:`) would
     # otherwise swallow it and the command would run on as if nothing had been pressed
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, on_interrupt) if main_thread else None
+    previous = None
     try:  # everything, imports included: Ctrl-C at any moment is exit 130 without a traceback
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGINT, on_interrupt)
         from dlm.cliargs import Command, run
 
         commands = {  # the dataclasses are imported only for the command that runs

@@ -639,13 +639,29 @@ def test_ctrl_c_at_any_moment_is_exit_130_without_a_traceback(tiny_ar):
             "else:\n"
             "    signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))\n"
             "    signal.setitimer(signal.ITIMER_REAL, float(sys.argv[1]))\n"
-            "sys.exit(main(sys.argv[2:]))\n")
+            "try:\n"
+            "    code = main(sys.argv[2:])\n"
+            "except KeyboardInterrupt as e:\n"  # one that escaped main is dlm's defect: its traceback enters dlm
+            "    import traceback\n"
+            "    if any(f.filename != '<string>' for f in traceback.extract_tb(e.__traceback__)):\n"
+            "        raise\n"
+            "    sys.exit(99)\n"  # delivered in this harness before main was entered (a busy CPU): not dlm's
+            "sys.exit(code)\n")
     delays = ("0.001", "0.05", "0.3", "forward")
-    procs = [subprocess.Popen([sys.executable, "-c", code, d, "generate", "--model", str(tiny_ar), "--prompt",
-                               "def f(", "--max-new-tokens", "400", "--temperature", "1"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for d in delays]
+
+    def start(d):
+        return subprocess.Popen([sys.executable, "-c", code, d, "generate", "--model", str(tiny_ar), "--prompt",
+                                 "def f(", "--max-new-tokens", "400", "--temperature", "1"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    procs = [start(d) for d in delays]
     for d, p in zip(delays, procs):
         err = p.communicate(timeout=180)[1]
+        for _ in range(3):  # the signal came before dlm's main: run that moment again
+            if p.returncode != 99:
+                break
+            p = start(d)
+            err = p.communicate(timeout=180)[1]
         assert p.returncode == 130 and "Traceback" not in err, (d, p.returncode, err)
         assert err.strip().splitlines() in ([], ["dlm: interrupted"]), (d, err)
 
