@@ -593,6 +593,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `dlm ... | head`: the reader left; say nothing more, as a Unix tool does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except Exception:
+        if interrupts:  # Ctrl-C broke a library's import half-way and it surfaced as another error (numpy's
+            sys.stderr.write("dlm: interrupted\n")  # "cannot load module more than once per process")
+            return 130
+        raise
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)

@@ -688,6 +688,33 @@ def test_ctrl_c_swallowed_by_a_library_still_stops_the_command(tiny_ar, monkeypa
     assert signal.getsignal(signal.SIGINT) is before  # main gives the handler back
 
 
+def test_ctrl_c_that_breaks_an_import_into_another_error_is_still_an_interrupt(tiny_ar, monkeypatch, capsys):
+    """Ctrl-C in the middle of a library's import can leave it half-loaded, and the next import of it fails with
+    another error (numpy: "cannot load module more than once per process"): that is exit 130, not a traceback;
+    the same error without a Ctrl-C is not hidden."""
+    import dlm.cliargs
+    from dlm.cli import main
+
+    def broken_import(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(30)  # the handler raises in here
+        except KeyboardInterrupt:
+            pass  # the library swallowed it half-way ...
+        raise ImportError("cannot load module more than once per process")  # ... and fails on the next import
+
+    monkeypatch.setattr(dlm.cliargs, "run", broken_import)
+    assert main(["generate", "--model", str(tiny_ar), "--prompt", "def f(", "--max-new-tokens", "2"]) == 130
+    assert capsys.readouterr().err == "dlm: interrupted\n"
+
+    def failing(*args, **kwargs):
+        raise ImportError("a real import error")
+
+    monkeypatch.setattr(dlm.cliargs, "run", failing)
+    with pytest.raises(ImportError, match="a real import error"):
+        main(["generate", "--model", str(tiny_ar), "--prompt", "def f(", "--max-new-tokens", "2"])
+
+
 @pytest.mark.parametrize("extra", [[], ["--show"]])
 def test_a_closed_pipe_is_exit_141_quietly(tiny_ar, extra):
     """`dlm generate | head -1`: the reader is gone; no message, exit 141 (SIGPIPE's status), as with --show."""
