@@ -102,7 +102,8 @@ class Joint(Objective):
         loss = self.cfg.ar_weight * ar + self.cfg.dlm_weight * diff
         return loss, {"ar_loss": float(ar.detach()), "dlm_loss": float(diff.detach()), "ce_masked": ce}
 
-    def noise(self, x0: Tensor, gen: torch.Generator, ans: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    def noise(self, x0: Tensor, gen: torch.Generator,
+              ans: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """(x_t, masked, t per token, draft-form blocks (B, T // L) or None) for windows x0 (B, T): one time per
         block, stratified over the batch; with --draft-rate, that share of the blocks is noised as a
         self-speculation draft sees its block: the first token kept, every other token masked (t = 1)."""
@@ -199,4 +200,5 @@ class Joint(Objective):
     def meta(self) -> dict[str, Any]:
         return {"block_size": self.block_size, "mask_id": self.mask_id, "ar_weight": self.cfg.ar_weight,
                 "dlm_weight": self.cfg.dlm_weight, "draft_rate": self.cfg.draft_rate,
-                "ar_target": self.cfg.ar_target, "draft_ar_first": self.cfg.draft_ar_first, "dlm_data": self.cfg.dlm_data}
+                "ar_target": self.cfg.ar_target, "draft_ar_first": self.cfg.draft_ar_first,
+                "dlm_data": self.cfg.dlm_data}
