@@ -651,8 +651,8 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
         job = bar.add_task("bench", total=total)
         rows = run_interleaved(methods, items, repeat, warmup, lambda m, it: run_item(m, it, context),
                                lambda: bar.advance(job))
-        infill_rows = (run_interleaved(methods, infill_items, 1, 0,
-                                       lambda m, it: run_item(infill_method(m), it, context),
+        infill_rows = (run_interleaved([infill_method(m) for m in methods], infill_items, 1, 0,
+                                       lambda m, it: run_item(m, it, context),
                                        lambda: bar.advance(job)) if infill_items else None)
     metrics = items[0].task.METRICS
     prefix = "" if task else "complete_"
