@@ -188,6 +188,7 @@ class TrainConfig:
         fsdp: under torchrun, shard parameters, gradients and optimizer state over the processes (FSDP2) instead of replicating them (DDP)
         activation_checkpointing: recompute each decoder layer's activations in the backward pass instead of keeping them (less memory, ~1/3 more compute: the large presets)
         init_from: start from this checkpoint's weights (e.g. diffusion adapted from AR)
+        grow_layers: with --init-from: this many decoder layers appended on top of the checkpoint's, each starting as the identity (its o_proj and down_proj zero), so training starts from the checkpoint's exact function and gains depth
         block_size: block of block diffusion (mdlm; default 0 = the whole window; joint: default 16) or of the DFlash drafter (dflash; default 16)
         canvas_length: usdm: tokens per canvas
         loss_weight: usdm canvas loss: constant (1) or inverse (1 / (1 - t))
@@ -239,6 +240,7 @@ class TrainConfig:
     fsdp: bool = False
     activation_checkpointing: bool = False
     init_from: str | None = None
+    grow_layers: int = 0
     # block diffusion (mdlm) and the DFlash drafter (dflash): one name for one idea
     block_size: int | None = None
     # uniform-state diffusion (usdm)
@@ -296,6 +298,9 @@ class TrainConfig:
         check(self.fim_rate is None or 0 <= self.fim_rate <= 1, f"--fim-rate must be in [0, 1], got {self.fim_rate}")
         check(not self.fim_rate or self.objective == "ar",
               f"--fim-rate applies to --objective ar (fill-in-the-middle for a causal model), got {self.objective}")
+        check(self.grow_layers >= 0, f"--grow-layers must be >= 0, got {self.grow_layers}")
+        check(not self.grow_layers or (self.init_from is not None and self.objective != "dflash"),
+              "--grow-layers adds layers to an --init-from checkpoint (not to a DFlash drafter: see --draft-layers)")
         check(self.dlm_data is None or self.objective == "joint",
               f"--dlm-data applies to --objective joint, got {self.objective}")
         check(not self.draft_rate or self.objective == "joint",

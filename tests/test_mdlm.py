@@ -146,6 +146,26 @@ def test_init_from_ar_copies_the_weights(tiny_ar, corpus_dir, tokenizer_path):
         assert torch.equal(p, q), n
 
 
+def test_grow_layers_starts_as_the_checkpoint_and_trains_the_new_layers(tiny_ar, corpus_dir, tokenizer_path):
+    """--grow-layers 2: two more decoder layers on top, each the identity at first (same logits as the
+    checkpoint), and gradients reach them (a zero o_proj/down_proj still learns)."""
+    from dlm.tokenizer import Tokenizer
+
+    cfg = tiny_train_config(corpus_dir, tokenizer_path, objective="mdlm", block_size=16, init_from=str(tiny_ar),
+                            grow_layers=2)
+    model = MDLM(cfg, Tokenizer.from_file(tokenizer_path)).build_model()
+    ar, _ = load_model(tiny_ar)
+    assert len(model.layers) == len(ar.layers) + 2
+    x = torch.randint(0, ar.cfg.vocab_size, (2, 24))
+    assert torch.allclose(model(x).logits, ar(x).logits, atol=1e-5)
+    model(x).logits.logsumexp(-1).sum().backward()
+    top = len(ar.layers) + 1
+    assert model.layers[top].mlp.down_proj.weight.grad.abs().sum() > 0
+    assert model.layers[top].self_attn.o_proj.weight.grad.abs().sum() > 0
+    with pytest.raises(DlmError, match="--grow-layers adds layers"):
+        tiny_train_config(corpus_dir, tokenizer_path, objective="mdlm", grow_layers=1).validate()
+
+
 # acceptance rules on hand-made logits --------------------------------------------------------------
 
 def test_step_budget_spreads_the_remainder_first():
