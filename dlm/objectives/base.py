@@ -108,7 +108,7 @@ class Objective(ABC):
         if self.cfg.init_from:
             mc = open_checkpoint(self.cfg.init_from, "--init-from").model_config
             mc.self_cond = self.self_cond
-            mc.n_layers += self.cfg.grow_layers
+            mc.n_layers += getattr(self.cfg, "grow_layers", 0)
             mc.max_seq_len = max(mc.max_seq_len, self.cfg.seq_len)
             return mc
         base = preset(self.cfg.preset)
@@ -123,7 +123,7 @@ class Objective(ABC):
             if self.self_cond:  # a new module: keep its fresh initialisation
                 tensors.update({k: v for k, v in model.state_dict().items() if k.startswith("self_cond.")})
             old = ck.model_config.n_layers
-            for i in range(old, old + self.cfg.grow_layers):  # new layers on top, each the identity at first
+            for i in range(old, old + getattr(self.cfg, "grow_layers", 0)):  # new layers on top, each the identity at first
                 new = {k: v for k, v in model.state_dict().items() if k.startswith(f"layers.{i}.")}
                 tensors.update({k: torch.zeros_like(v) if k.endswith(("o_proj.weight", "down_proj.weight")) else v
                                 for k, v in new.items()})
