@@ -303,13 +303,16 @@ def run_blocks(
     return x, out_taps
 
 
+RESIDUAL_OUT = ("o_proj.weight", "down_proj.weight")  # the projections that write into the residual stream
+
+
 def init_weights(model: nn.Module, n_layers: int) -> None:
     """GPT-2 style: N(0, 0.02) for every linear and embedding; residual outputs scaled by 1/sqrt(2 n_layers)."""
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
     for name, p in model.named_parameters():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
+        if name.endswith(RESIDUAL_OUT):
             nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layers))
 
 

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from dlm.checkpoint import load_weights, open_checkpoint
 from dlm.config import ModelConfig, TrainConfig, preset
 from dlm.errors import DlmError
-from dlm.model import Transformer
+from dlm.model import RESIDUAL_OUT, Transformer
 from dlm.tokenizer import Tokenizer
 
 
@@ -120,13 +120,14 @@ class Objective(ABC):
         if self.cfg.init_from:
             ck = open_checkpoint(self.cfg.init_from, "--init-from")
             tensors = ck.tensors()
+            fresh = model.state_dict()
             if self.self_cond:  # a new module: keep its fresh initialisation
-                tensors.update({k: v for k, v in model.state_dict().items() if k.startswith("self_cond.")})
-            old = ck.model_config.n_layers
-            for i in range(old, old + getattr(self.cfg, "grow_layers", 0)):  # new layers on top, each the identity at first
-                new = {k: v for k, v in model.state_dict().items() if k.startswith(f"layers.{i}.")}
-                tensors.update({k: torch.zeros_like(v) if k.endswith(("o_proj.weight", "down_proj.weight")) else v
-                                for k, v in new.items()})
+                tensors.update({k: v for k, v in fresh.items() if k.startswith("self_cond.")})
+            grown = tuple(f"layers.{i}." for i in range(ck.model_config.n_layers, model.cfg.n_layers))
+            # --grow-layers: the new layers on top keep their fresh weights, but write nothing into the residual
+            # stream (zero o_proj and down_proj): each is the identity at first
+            tensors.update({k: torch.zeros_like(v) if k.endswith(RESIDUAL_OUT) else v
+                            for k, v in fresh.items() if k.startswith(grown)})
             load_weights(model, tensors, ck.path / "model.safetensors")
         return model
 
