@@ -210,7 +210,7 @@ class TrainConfig:
         fim_rate: ar: fraction of training documents rearranged for fill-in-the-middle (Bavarian et al. 2022: prefix, suffix, middle around the FIM markers; document level, cut at two random characters); default 0.5 for ar, 0 = off
         answer_sep: supervised pairs: documents are PROMPT + this text + ANSWER (one token); the loss reads only the answer and diffusion noises only the answer, the prompt is the condition (LLaDA's SFT); default '=' for a .csv task corpus, '' = off
         prompt_loss: data whose documents mark a prompt (a .jsonl from `dlm distill`): train on the prompt tokens too; default off: every loss reads the response tokens only (diffusion noises only them, DFlash anchors its blocks in them), as SpecForge trains drafters
-        keep_given: mdlm with --answer-sep, an answer that edits a prompt of its own length (sudoku): never noise the answer tokens the prompt already holds at the same place (the givens, pinned at solving), so the loss reads only the unknowns; default on for a .csv task corpus
+        keep_given: mdlm or usdm with --answer-sep, an answer that edits a prompt of its own length (sudoku): never noise the answer tokens the prompt already holds at the same place (the givens, pinned at solving), so the loss reads only the unknowns; default on for a .csv task corpus
     """
 
     objective: str = "ar"
@@ -309,10 +309,10 @@ class TrainConfig:
               f"--draft-ar-first applies to --objective joint, got {self.objective}")
         check(not self.ar_target or self.objective == "joint",
               f"--ar-target applies to --objective joint, got {self.objective}")
-        check(not self.answer_sep or self.objective in ("ar", "mdlm"),
-              f"--answer-sep applies to --objective ar or mdlm, got {self.objective}")
-        check(not self.keep_given or (self.objective == "mdlm" and self.answer_sep != ""),
-              f"--keep-given applies to --objective mdlm with an --answer-sep, got --objective {self.objective} "
+        check(not self.answer_sep or self.objective in ("ar", "mdlm", "usdm"),
+              f"--answer-sep applies to --objective ar, mdlm or usdm, got {self.objective}")
+        check(not self.keep_given or (self.objective in ("mdlm", "usdm") and self.answer_sep != ""),
+              f"--keep-given applies to --objective mdlm or usdm with an --answer-sep, got --objective {self.objective} "
               f"--answer-sep {self.answer_sep!r}")
 
     def resolved(self) -> TrainConfig:
@@ -320,10 +320,10 @@ class TrainConfig:
         fim = self.fim_rate if self.fim_rate is not None else (0.5 if self.objective == "ar" else 0.0)
         sep = self.answer_sep
         if sep is None:
-            sep = "=" if self.data.lower().endswith(".csv") and self.objective in ("ar", "mdlm") else ""
+            sep = "=" if self.data.lower().endswith(".csv") and self.objective in ("ar", "mdlm", "usdm") else ""
         keep = self.keep_given
         if keep is None:
-            keep = bool(sep) and self.objective == "mdlm" and self.data.lower().endswith(".csv")
+            keep = bool(sep) and self.objective in ("mdlm", "usdm") and self.data.lower().endswith(".csv")
         return dataclasses.replace(self, fim_rate=fim, answer_sep=sep, keep_given=keep,
                                    prompt_loss=bool(self.prompt_loss))
 

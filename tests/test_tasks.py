@@ -218,6 +218,49 @@ def test_keep_given_noises_only_the_unknown_cells():
             TrainConfig(**bad).validate()
 
 
+def test_usdm_answer_canvas_noises_only_the_unknown_cells():
+    from dlm.config import TrainConfig
+    from dlm.objectives import make_objective
+    from dlm.tokenizer import Tokenizer
+
+    tok = Tokenizer.train_chars(["0123456789="])
+    e = [tok.eos_id]
+    # windows of one puzzle each (+ 1 token of the next document, as training windows hold T + 1 tokens)
+    x = torch.tensor([tok.encode("1020=1324") + e + tok.encode("0"), tok.encode("0004=3214") + e + tok.encode("1")])
+    cfg = TrainConfig(objective="usdm", seq_len=10, canvas_length=4, data="p.csv").resolved()
+    assert cfg.answer_sep == "=" and cfg.keep_given  # the defaults for a .csv task corpus
+    obj = make_objective(cfg, tok)
+    unknown, start, canvas = obj.answer_canvas(x, 4)
+    assert start.tolist() == [5, 5]  # the canvas is the answer, right after '='
+    assert [tok.decode(r) for r in canvas.tolist()] == ["1324", "3214"]
+    assert unknown.int().tolist() == [[0] * 5 + [0, 1, 0, 1] + [0, 0], [0] * 5 + [1, 1, 1, 0] + [0, 0]]
+    # the loss: givens stay clean whatever t; the unknown cells are noised and scored
+    from dlm.model import Transformer
+    from dlm.config import preset
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", vocab_size=tok.vocab_size, self_cond=True))
+    seen = {}
+    import dlm.objectives.usdm as U
+    real = U.canvas_embeds
+
+    def spy(model, zt, probs):
+        seen["zt"] = zt.clone()
+        return real(model, zt, probs)
+
+    U.canvas_embeds = spy
+    try:
+        loss, info = obj.loss(model, x, torch.Generator().manual_seed(0))
+    finally:
+        U.canvas_embeds = real
+    assert torch.isfinite(loss) and info["canvas_loss"] > 0
+    given = ~unknown.gather(1, start[:, None] + torch.arange(4))
+    assert torch.equal(seen["zt"][given], canvas[given])
+    with pytest.raises(DlmError, match="--answer-sep"):  # a window without a whole answer
+        obj.answer_canvas(x[:, 6:], 4)
+    with pytest.raises(DlmError, match="--keep-given"):
+        TrainConfig(objective="usdm", answer_sep="", keep_given=True).validate()
+
+
 def test_fim_documents_and_the_fim_rate(corpus_dir, tokenizer_path, tiny_ar):
     import numpy as np
 

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dlm.config import TrainConfig
-from dlm.errors import check
+from dlm.errors import DlmError, check
 from dlm.model import align_canvas_logits, canvas_embeds
 from dlm.noise import sample_t, uniform_corrupt
 from dlm.objectives.base import ALL, Objective
@@ -126,10 +126,15 @@ class USDM(Objective):
         B = batch.shape[0]
         L = cfg.canvas_length
         t = sample_t(B, gen, dev)  # (B,)
-        start, canvas = choose_canvas(batch, L, gen)
+        if self.sep_id is None:
+            start, canvas = choose_canvas(batch, L, gen)
+        else:  # supervised pairs: the canvas is the answer (DiffusionGemma's SFT), its givens kept with --keep-given
+            sup, start, canvas = self.answer_canvas(batch, L, sup)
         canvas = fill_after_eos(canvas, self.tok.eos_id)  # (B, L) targets
         resp = None if sup is None else sup.gather(1, start[:, None] + torch.arange(L, device=dev))  # (B, L)
         zt, _ = uniform_corrupt(canvas, t, self.tok.vocab_size, gen)
+        if resp is not None and self.sep_id is not None:  # givens (not in resp) stay clean, as they are pinned when solving
+            zt = torch.where(resp, zt, canvas)
         sel = torch.rand(B, generator=gen, device=dev) < cfg.self_cond_prob  # (B,) rows that self-condition
         any_sel = bool(sel.any())  # over the whole batch: every slice runs the same modules
         batch, t, start, canvas, zt, sel = batch[rows], t[rows], start[rows], canvas[rows], zt[rows], sel[rows]
@@ -163,6 +168,21 @@ class USDM(Objective):
         weight = 1.0 / (1.0 - t) if cfg.loss_weight == "inverse" else torch.ones_like(t)
         diff = (per_row * weight).mean()
         return ar + diff, {"ar_loss": float(ar.detach()), "canvas_loss": float(per_row.mean().detach())}
+
+    def answer_canvas(self, batch: Tensor, L: int, sup: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Windows (B, T + 1) of supervised pairs (--answer-sep): the canvas starts at each row's first answer
+        position (a window must hold a separator with L tokens after it). Returns the flags (B, T + 1) of the
+        positions the loss reads (the answer's unknowns: every answer token, less the givens with --keep-given),
+        start (B,) and the canvas tokens (B, L)."""
+        ans = self.answers(batch, sup)  # (B, T + 1)
+        has = ans.any(1)
+        first = ans.float().argmax(1)  # the first answer position
+        if not bool(has.all()) or int(first.max()) + L > batch.shape[1]:
+            raise DlmError(f"--answer-sep: every training window must hold a separator followed by --canvas-length "
+                           f"{L} tokens (a .csv task corpus with --seq-len equal to a document's length)")
+        start = first
+        canvas = batch.gather(1, start[:, None] + torch.arange(L, device=batch.device))
+        return self.unknowns(batch, sup), start, canvas
 
     def meta(self) -> dict[str, Any]:
         return {"canvas_length": self.cfg.canvas_length, "noise_vocab": self.tok.vocab_size}
