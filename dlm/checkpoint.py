@@ -333,8 +333,17 @@ class Checkpoint:
 
     @property
     def block_size(self) -> int:
-        """The block a block-diffusion checkpoint was trained with (0: the whole sequence)."""
-        return int(self.config.get("block_size", self.config.get("block_length")) or 0)
+        """The block a block-diffusion checkpoint or a DFlash drafter was trained with (0: the whole sequence). The
+        one accessor: read from the top level, else the drafter's section, else the older key `block_length`."""
+        c = self.config
+        return int(c.get("block_size") or c.get("dflash", {}).get("block_size") or c.get("block_length") or 0)
+
+    @property
+    def fim(self) -> bool:
+        """An AR checkpoint trained for fill-in-the-middle (--fim-rate > 0) with the FIM markers in its tokenizer."""
+        tok = self.tokenizer
+        markers = (tok.fim_prefix_id, tok.fim_suffix_id, tok.fim_middle_id)
+        return float(self.config.get("train", {}).get("fim_rate") or 0) > 0 and None not in markers
 
     @property
     def canvas_length(self) -> int:

@@ -67,39 +67,27 @@ def _read_text(path: str) -> str:
             from None
 
 
-# the sampling options each paradigm reads (besides max_new_tokens, seed, and fill_length with <fill> markers);
-# one it does not read is ignored, and `dlm generate` says so. An option a sampler refuses (usdm's --temperature,
-# --suffix with an ar model) counts as read: its error is the message.
-SAMPLER_OPTIONS = {
-    "ar": {"temperature", "top_k", "top_p", "naive", "sampler", "suffix"},
-    "mdlm": {"temperature", "top_k", "top_p", "naive", "sampler", "steps", "threshold", "entropy_bound", "block_size",
-             "remasking", "suffix"},
-    "usdm": {"temperature", "top_k", "top_p", "sampler", "steps", "entropy_bound", "block_size", "canvas_length",
-             "t_max", "t_min", "stability_threshold", "confidence_threshold", "adaptive", "suffix"},
-    "speculative": {"temperature", "top_k", "top_p", "block_size", "draft", "draft_passes", "lookup_ngram",
-                    "check_lossless", "suffix"},
-}
-
-
 def unused_options(scfg, objective: str, prompt: str = "") -> list[str]:
     """Warnings naming the sampling options that were set (differ from their defaults) but are not read: by the
-    checkpoint's paradigm (SAMPLER_OPTIONS), or --fill-length without <fill> markers in the prompt."""
+    checkpoint's paradigm (dlm.sampling.OPTIONS, each sampler's own declaration), or --fill-length without <fill>
+    markers in the prompt."""
     import dataclasses
 
+    from dlm.sampling import OPTIONS, options_read
+    from dlm.sampling.speculative import drafter_kind
+
     paradigm = "speculative" if scfg.draft else objective
-    if paradigm not in SAMPLER_OPTIONS:
+    if paradigm not in OPTIONS:
         return []  # a checkpoint that cannot sample: its own error follows
-    reads = SAMPLER_OPTIONS[paradigm] | {"max_new_tokens", "seed", "fill_length"}
-    if paradigm == "speculative":
-        reads = reads - ({"draft_passes"} if scfg.draft == "lookup" else {"lookup_ngram"})
+    reads = options_read(paradigm, drafter_kind(scfg.draft) if scfg.draft else None) | {"fill_length"}
     defaults = type(scfg)()
     changed = {f.name for f in dataclasses.fields(scfg) if getattr(scfg, f.name) != getattr(defaults, f.name)}
     unused = [f.name for f in dataclasses.fields(scfg) if f.name in changed - reads]
     out = []
     if unused:
         names = ", ".join("--" + n.replace("_", "-") for n in unused)
-        what = {"speculative": f"speculative decoding with --draft {scfg.draft}", "ar": "an ar checkpoint",
-                "mdlm": "an mdlm checkpoint", "usdm": "a usdm checkpoint"}[paradigm]
+        what = f"speculative decoding with --draft {scfg.draft}" if paradigm == "speculative" else \
+            f"{'an' if paradigm in ('ar', 'mdlm') else 'a'} {paradigm} checkpoint"
         out.append(f"{names} {'does' if len(unused) == 1 else 'do'} not apply to {what}")
     if "fill_length" in changed and "<fill" not in prompt:
         out.append("--fill-length sizes <fill> markers, and the prompt has none")

@@ -41,7 +41,6 @@ from dlm.model import (
 
 INJECTIONS = ("kv", "input")
 LAST_LAYER = ("normed", "prenorm")  # how the target's last layer is read: after its final norm, or before
-DEFAULT_BLOCK_SIZE = 16
 
 
 # target layers ------------------------------------------------------------------------------------

@@ -43,6 +43,9 @@ from dlm.sampling.common import (
 )
 
 RULES = ("confidence", "threshold", "entropy_bound")
+# the SampleConfig fields this sampler reads (see dlm.sampling.OPTIONS)
+OPTIONS = frozenset({"temperature", "top_k", "top_p", "naive", "sampler", "steps", "threshold", "entropy_bound",
+                     "block_size", "remasking", "suffix", "fill_length"})
 
 
 # the acceptance rules (plain functions over one block's positions) ------------------------------
