@@ -171,7 +171,7 @@ def generate_cmd(
 
 
 def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None, seq_len: int = 0, batch_size: int = 8,
-             max_batches: int = 0, samples: int = 4, reference: str | None = None, json: bool = False,
+             max_batches: int = 0, samples: int | None = None, reference: str | None = None, json: bool = False,
              device: str = "cpu", task: str | None = None, n: int = 100, span: str = "line",
              context: int = 0) -> None:
     """Held-out loss and perplexity of a checkpoint; or, with --task, what it gets right on a task.
@@ -188,13 +188,15 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
         seq_len: window length (default: the training sequence length)
         batch_size: windows per forward
         max_batches: stop after this many batches (0 = the whole split)
-        samples: Monte-Carlo samples per window of a diffusion checkpoint's likelihood bound (LLaDA uses 128;
-            averaged over a whole split, 4 already give a standard error of ~0.01 nats, reported)
+        samples: Monte-Carlo samples per window of a diffusion checkpoint's likelihood bound (default 4; LLaDA uses
+            128; averaged over a whole split, 4 already give a standard error of ~0.01 nats, reported); with --task:
+            samples per case, seeds --seed, --seed + 1, ... (default 1; --task code reports pass@k up to it)
         reference: AR checkpoint scored on the same windows beside a diffusion bound (default: the
             checkpoint's --init-from, else checkpoints/ar-small)
         json: print one JSON object
         device: cpu, cuda or auto
-        task: complete (next line of code), infill (a removed middle) or sudoku (solve puzzles)
+        task: complete (next line of code), infill (a removed middle), sudoku (solve puzzles), code (HumanEval /
+            MBPP jsonl: programs run against their tests, pass@k) or code-infill (HumanEval solutions with a hole)
         n: --task: number of cases, picked reproducibly by --seed
         span: --task infill: line (one line) or lines (1-5 lines)
         context: --task: tokens of prompt + generation at most (0 = the checkpoint's training window)
@@ -206,8 +208,9 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
     scfg = scfg or SampleConfig()
     check_seed(scfg.seed)
     if task is not None:
-        _eval_task(model, device, scfg, task, data, n, span, context, json, split)
+        _eval_task(model, device, scfg, task, data, n, span, context, json, split, 1 if samples is None else samples)
         return
+    samples = 4 if samples is None else samples
     if batch_size <= 0:
         raise DlmError(f"--batch-size must be > 0, got {batch_size}")
     if max_batches < 0:
@@ -230,7 +233,7 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
 
 
 def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: int, span: str, context: int,
-               json: bool, split: str = "test") -> None:
+               json: bool, split: str = "test", samples: int = 1) -> None:
     from dlm.checkpoint import load_model
     from dlm.sampling import SampleConfig
     from dlm.tasks import run_task, task_module
@@ -240,6 +243,8 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
         scfg = scfg.replace(max_new_tokens=mod.default_new_tokens(span))
     if context < 0:
         raise DlmError(f"--context must be >= 0 (0 = the training window), got {context}")
+    if samples <= 0:
+        raise DlmError(f"--samples must be > 0, got {samples}")
     if data is None and task != "sudoku" and split not in ("val", "test"):
         raise DlmError(f"--split with --task: val (to tune on) or test, got {split!r}")
     cases = mod.cases(data, n, scfg.seed, span, split)  # bad --data is refused before the model is loaded
@@ -252,16 +257,19 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
         drafter = load_drafter(scfg.draft, net, ck, Sampling(scfg.temperature, scfg.top_k, scfg.top_p,
                                                              make_generator(scfg.seed, net.device)),
                                scfg.draft_passes, scfg.lookup_ngram)
-    res = run_task(task, net, ck, scfg, drafter, data, n, scfg.seed, span, context, progress=not json, cases=cases)
+    res = run_task(task, net, ck, scfg, drafter, data, n, scfg.seed, span, context, progress=not json, cases=cases,
+                   samples=samples)
     res.pop("cases")
     res.update(model=str(ck.path), paradigm="speculative" if drafter else ck.objective, seed=scfg.seed)
-    if task == "infill":
+    if task in ("infill", "code-infill"):
         res["span"] = span
     if json:
         print(_dumps(res))
         return
     print(f"{task} ({res['n']} cases, {ck.path}): " + "  ".join(
-        f"{k} {res[k]:.3f}" for k in [*mod.METRICS, "tokens_per_forward"] + (["tau"] if "tau" in res else []))
+        f"{k} {res[k]:.3f}" for k in [*mod.METRICS, *(k for k in res if k.startswith("pass_at_") and k not in
+                                                       mod.METRICS), "tokens_per_forward"]
+        + (["tau"] if "tau" in res else []))
         + f"  forwards {res['forwards']}  {res['seconds']:.1f} s")
 
 
