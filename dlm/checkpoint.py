@@ -378,13 +378,15 @@ SECTION_SCHEMAS = {
     "train": {"seq_len": "int", "canvas_length": "int", "init_from": "str?", "data": "str"},
     "tokenizer": {"sha256": "str", "vocab_size": "int"},
     "dflash": {"target_layer_ids": "ints", "block_size": "int", "mask_token_id": "int", "injection": "str",
-               "target_features": "bool", "last_layer": "str", "target": "dict"},
+               "target_features": "bool", "last_layer": "str", "target": "dict", "input_embedding_scale": "number",
+               "output_multiplier": "number", "final_logit_softcapping": "number?"},
 }
 _KINDS = {
     "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
     "str": ("a string", lambda v: isinstance(v, str)),
     "dict": ("an object", lambda v: isinstance(v, dict)),
     "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "number": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
     "ints": ("a list of integers", lambda v: isinstance(v, list) and all(_KINDS["int"][1](x) for x in v)),
 }
 

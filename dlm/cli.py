@@ -307,17 +307,19 @@ def export_cmd(model: str, out: str, format: str = "hf", dtype: str = "float32",
     print(f"exported: {path}")
 
 
-def import_cmd(hf: str, out: str, overwrite: bool = False) -> None:
-    """Import a local Qwen3 or Llama folder (safetensors, sharded or not) as a dlm AR checkpoint.
+def import_cmd(hf: str, out: str, overwrite: bool = False, target: str | None = None) -> None:
+    """Import a local Qwen3 or Llama folder (safetensors, sharded or not) as a dlm AR checkpoint, or a public DFlash
+    drafter folder (z-lab's layout: dflash_config) as a dlm drafter for --target.
 
     Args:
-        hf: the transformers folder (config.json, *.safetensors, tokenizer.json)
+        hf: the transformers folder (config.json, *.safetensors, tokenizer.json; a drafter has no tokenizer)
         out: the dlm checkpoint folder to write (must not exist or be empty)
         overwrite: --out may hold files: the files this import writes replace theirs; nothing else is deleted
+        target: a drafter's target: the dlm ar checkpoint it drafts for (its tokenizer, checked shapes)
     """
     from dlm.hf import import_hf
 
-    print(f"imported: {import_hf(hf, out, overwrite)}")
+    print(f"imported: {import_hf(hf, out, overwrite, target)}")
 
 
 def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 0,

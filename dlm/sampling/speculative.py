@@ -202,20 +202,20 @@ class DFlashDraft:
         block[0, 0] = seq[-1]
         pos = torch.arange(start, start + k + 1, device=dev)
         L0 = self.cache.length
-        h = self.d(self.target.embed_tokens(block), ctx, pos, ctx_pos, cache=self.cache,
+        h = self.d(self.d.embed(self.target, block), ctx, pos, ctx_pos, cache=self.cache,
                    mask=self.d.draft_mask(L0, C, k + 1))
         self.forwards += 1
         self.pending = self.pending[:, :0]
-        logits = self.target.lm_head(h[0, 1:])  # (k, V)
+        logits = self.d.head(self.target, h[0, 1:])  # (k, V)
         for _ in range(self.passes - 1):  # refine: keep confident slots, re-predict the uncertain ones
             conf, guess = logits.float().softmax(-1).max(-1)  # (k,)
             keep = conf >= 0.9
             if bool(keep.all()) or not bool(keep.any()):
                 break
             block[0, 1:] = torch.where(keep, guess, self.d.mask_id)
-            h = self.d(self.target.embed_tokens(block), None, pos, None, cache=self.cache, mask="full")
+            h = self.d(self.d.embed(self.target, block), None, pos, None, cache=self.cache, mask="full")
             self.forwards += 1
-            logits = torch.where(keep[:, None], logits, self.target.lm_head(h[0, 1:]))
+            logits = torch.where(keep[:, None], logits, self.d.head(self.target, h[0, 1:]))
         return logits
 
     def accept(self, ids: Tensor, feats: Tensor | None) -> None:
