@@ -74,7 +74,7 @@ def unused_options(scfg, objective: str, prompt: str = "") -> list[str]:
     import dataclasses
 
     from dlm.sampling import OPTIONS, options_read
-    from dlm.sampling.speculative import drafter_kind
+    from dlm.drafters import drafter_kind
 
     paradigm = "speculative" if scfg.draft else objective
     if paradigm not in OPTIONS:
@@ -252,7 +252,8 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
     drafter = None
     if scfg.draft:
         from dlm.sampling.common import make_generator
-        from dlm.sampling.speculative import Sampling, load_drafter
+        from dlm.drafters import load_drafter
+        from dlm.sampling.speculative import Sampling
 
         drafter = load_drafter(scfg.draft, net, ck, Sampling(scfg.temperature, scfg.top_k, scfg.top_p,
                                                              make_generator(scfg.seed, net.device)),
