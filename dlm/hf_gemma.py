@@ -94,3 +94,36 @@ def dlm_state(hf_state: dict[str, Any], prefixes: tuple[str, ...] = TEXT_PREFIXE
                 out[name[len(p):]] = t
                 break
     return out
+
+
+def model_config_from_diffusion_gemma(hf: dict[str, Any]) -> ModelConfig:
+    """A DiffusionGemma config (model_type diffusion_gemma) -> a usdm ModelConfig: the text stack (full layers
+    K = V, MoE in every layer, soft-cap 30 unless said) with self-conditioning."""
+    t = dict(hf.get("text_config") or {})
+    t.setdefault("final_logit_softcapping", 30.0)
+    t["attention_k_eq_v"], t["enable_moe_block"] = True, True
+    t.setdefault("hidden_size_per_layer_input", 0)
+    return model_config_from_gemma(t, self_cond=True)
+
+
+# DiffusionGemma: the encoder's text stack and the decoder share their weights (transformers ties them); the
+# decoder's copy is what dlm's one backbone reads, plus its self-conditioning module
+DG_SELF_COND = {"pre_norm.weight": "norm.weight", "gate_proj.weight": "mlp.gate_proj.weight",
+                "up_proj.weight": "mlp.up_proj.weight", "down_proj.weight": "mlp.down_proj.weight"}
+
+
+def dlm_state_diffusion_gemma(hf_state: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """DiffusionGemma weights -> (dlm state, names left out: the vision tower and embedder)."""
+    out, left = {}, []
+    for name, t in hf_state.items():
+        if name == "lm_head.weight":
+            out[name] = t
+        elif name.startswith("model.decoder.self_conditioning."):
+            out["self_cond." + DG_SELF_COND[name[len("model.decoder.self_conditioning."):]]] = t
+        elif name.startswith("model.decoder."):
+            out[name[len("model.decoder."):]] = t
+        elif name.startswith("model.encoder.language_model."):
+            out.setdefault(name[len("model.encoder.language_model."):], t)  # tied: same values as the decoder's
+        else:
+            left.append(name)
+    return out, left

@@ -213,9 +213,10 @@ class SelfConditioning(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MLP(cfg.dim, cfg.ffn_dim)
-        self.out_norm = RMSNorm(cfg.dim, cfg.norm_eps, scale=False)
+        norm, mlp = (gemma4.RMSNorm, gemma4.MLP) if cfg.arch else (RMSNorm, MLP)  # Gemma: its norm and GeGLU
+        self.norm = norm(cfg.dim, cfg.norm_eps)
+        self.mlp = mlp(cfg.dim, cfg.ffn_dim)
+        self.out_norm = norm(cfg.dim, cfg.norm_eps, scale=False)
         self.rms = cfg.canvas_rms
 
     def forward(self, tok_emb: Tensor, soft_emb: Tensor | None) -> Tensor:
