@@ -302,7 +302,8 @@ def run_blocks(model, x: Tensor, *, pos: Tensor | None, cache, mask, write: bool
     if cache is not None:
         cache.reserve(T)
     p = pos if pos.dim() == 2 else pos[None]
-    ropes = {kind: rope_cos_sin(getattr(model, f"inv_freq_{kind}"), p, x.dtype) for kind in ("sliding", "full")}
+    # RoPE tables per layer type, from the config (a few numbers: computed per call, nothing to move or load)
+    ropes = {kind: rope_cos_sin(f.to(x.device), p, x.dtype) for kind, f in inv_freqs(model.cfg).items()}
     base, is_causal = resolve_mask(mask, T, L0 + T, x.device)
     window = model.cfg.arch["sliding_window"]
     masks = {"full": (base, is_causal)}

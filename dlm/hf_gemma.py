@@ -127,3 +127,130 @@ def dlm_state_diffusion_gemma(hf_state: dict[str, Any]) -> tuple[dict[str, Any],
         else:
             left.append(name)
     return out, left
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# import / export (dlm.hf dispatches here by model_type)
+
+MODEL_TYPES = ("gemma4_text", "gemma4", "diffusion_gemma")
+# files beside the weights that carry the tokenizer's chat template, control tokens and every EOS id: kept as they are
+SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
+              "generation_config.json")
+
+
+def import_folder(src, out, overwrite: bool, hf: dict[str, Any], read_weights) -> tuple[Any, str | None]:
+    """A local Gemma 4 (text or multimodal: text weights) or DiffusionGemma folder -> a dlm checkpoint
+    (objective ar or usdm). Returns (path, a note on what was left out, or None)."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+
+    from dlm.checkpoint import all_finite, check_shapes, save_checkpoint, write_folder
+    from dlm.model import Transformer, param_shapes
+    from dlm.tokenizer import Tokenizer
+
+    src, out = Path(src), Path(out)
+    kind = hf.get("model_type")
+    raw = read_weights(src)
+    if kind == "diffusion_gemma":
+        cfg, objective = model_config_from_diffusion_gemma(hf), "usdm"
+        state, left = dlm_state_diffusion_gemma(raw)
+        for name, t in raw.items():  # transformers ties the decoder to the encoder, but not layer_scalar
+            if name.startswith("model.encoder.language_model.") and name.endswith("layer_scalar"):
+                dec = raw.get("model.decoder." + name[len("model.encoder.language_model."):])
+                if dec is not None and not torch.equal(dec, t):
+                    raise DlmError(f"{src}: {name} differs between encoder and decoder (one backbone holds one)")
+    else:
+        t = hf.get("text_config") if kind == "gemma4" else hf
+        if not isinstance(t, dict):
+            raise DlmError(f"{src}/config.json: gemma4 needs a text_config object")
+        cfg, objective = model_config_from_gemma(t), "ar"
+        state = dlm_state({k: v for k, v in raw.items() if k == "lm_head.weight"
+                           or k.startswith(("model.language_model.", "model.layers.", "model.embed_tokens.",
+                                            "model.norm."))})
+        left = [k for k in raw if k not in ("lm_head.weight",) and not k.startswith(
+            ("model.language_model.", "model.layers.", "model.embed_tokens.", "model.norm."))]
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    expected, aliases = param_shapes(cfg)
+    check_shapes(expected, {k: tuple(v.shape) for k, v in state.items()}, src, aliases)
+    for k, v in state.items():
+        if not all_finite(v):
+            raise DlmError(f"{src}: tensor {k} holds NaN or infinite values")
+    tok = Tokenizer.from_file(src / "tokenizer.json")
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    tied = {"lm_head.weight": state["embed_tokens.weight"]} if cfg.tie_embeddings else {}
+    model.load_state_dict({**state, **tied}, assign=True, strict=False)
+    dtype = state["embed_tokens.weight"].dtype
+    meta = {"objective": objective, "model": cfg.to_dict(), "imported_from": src.name, "data": "stdlib",
+            "hf_config": hf}
+    with write_folder(out, overwrite=overwrite, inputs=(src,)) as tmp:
+        save_checkpoint(tmp, model, tok, meta, dtype=dtype)
+        for f in SIDE_FILES:
+            if (src / f).is_file():
+                shutil.copyfile(src / f, tmp / f)
+    note = None
+    if left:
+        towers = sorted({".".join(n.split(".")[:3]) for n in left})
+        note = f"left out {len(left)} tensors of {', '.join(towers)} (text weights only)"
+    return out, note
+
+
+def hf_tensors(model, dtype) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(transformers tensors, config.json) of a gemma4 backbone: Gemma4ForCausalLM (ar), or
+    DiffusionGemmaForBlockDiffusion (self-conditioned: usdm), the encoder's copy written beside the decoder's."""
+    from dlm.checkpoint import state_tensors
+
+    cfg = model.cfg
+    state = state_tensors(model, dtype)
+    text = gemma_text_config(cfg)
+    if not cfg.self_cond:
+        out = {("" if k.startswith("lm_head.") else "model.") + k: v for k, v in state.items()}
+        return out, {**text, "architectures": ["Gemma4ForCausalLM"]}
+    inv = {v: k for k, v in DG_SELF_COND.items()}
+    out = {}
+    for k, v in state.items():
+        if k.startswith("self_cond."):
+            out["model.decoder.self_conditioning." + inv[k[len("self_cond."):]]] = v
+        elif k.startswith("lm_head."):
+            out[k] = v
+        else:
+            out["model.decoder." + k] = v
+            out["model.encoder.language_model." + k] = v
+    for k in ("attention_k_eq_v", "hidden_size_per_layer_input", "num_kv_shared_layers", "enable_moe_block"):
+        text.pop(k)
+    text["model_type"] = "diffusion_gemma_text"
+    return out, {"model_type": "diffusion_gemma", "architectures": ["DiffusionGemmaForBlockDiffusion"],
+                 "text_config": text}
+
+
+def export_folder(model, tok, tmp, dtype, source_config: dict[str, Any] | None, side_dir=None) -> None:
+    """Write a gemma4 backbone as a transformers folder into tmp (config.json, model.safetensors, tokenizer)."""
+    import shutil
+    from pathlib import Path
+
+    from dlm.checkpoint import write_json, write_tensors
+
+    tensors, config = hf_tensors(model, dtype)
+    src = source_config or {}
+    if config["model_type"] == "diffusion_gemma" and src.get("model_type") == "diffusion_gemma":
+        config = {**{k: v for k, v in src.items() if k != "text_config"}, **config,
+                  "text_config": {**src.get("text_config", {}), **config["text_config"]}}
+    elif src.get("model_type") == "gemma4_text":
+        config = {**src, **config}
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    for k, v in (("eos_token_id", tok.eos_id), ("bos_token_id", tok.bos_id), ("pad_token_id", tok.pad_id)):
+        config.setdefault(k, v)
+    write_tensors(Path(tmp) / "model.safetensors", tensors, metadata={"format": "pt"})
+    write_json(Path(tmp) / "config.json", config)
+    tok.save(Path(tmp) / "tokenizer.json")
+    copied = set()
+    if side_dir is not None:
+        for f in SIDE_FILES:
+            if (Path(side_dir) / f).is_file():
+                shutil.copyfile(Path(side_dir) / f, Path(tmp) / f)
+                copied.add(f)
+    if "tokenizer_config.json" not in copied:
+        write_json(Path(tmp) / "tokenizer_config.json", tok.hf_config())

@@ -386,8 +386,6 @@ class Transformer(nn.Module):
         if cfg.arch:  # a family's own layers, by configuration (dlm.gemma4)
             self.layers = nn.ModuleList(gemma4.Block(cfg, i) for i in range(cfg.n_layers))
             self.norm = gemma4.RMSNorm(cfg.dim, cfg.norm_eps)
-            for kind, f in gemma4.inv_freqs(cfg).items():  # per layer type
-                self.register_buffer(f"inv_freq_{kind}", f, persistent=False)
         else:
             self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
