@@ -186,6 +186,8 @@ def import_folder(src, out, overwrite: bool, hf: dict[str, Any], read_weights) -
     dtype = state["embed_tokens.weight"].dtype
     meta = {"objective": objective, "model": cfg.to_dict(), "imported_from": src.name, "data": "stdlib",
             "hf_config": hf}
+    if objective == "usdm":  # the reference sampler's canvas, and noise over the model's whole vocabulary
+        meta.update(canvas_length=int(hf.get("canvas_length", 256)), noise_vocab=cfg.vocab_size)
     with write_folder(out, overwrite=overwrite, inputs=(src,)) as tmp:
         save_checkpoint(tmp, model, tok, meta, dtype=dtype)
         for f in SIDE_FILES:
