@@ -271,20 +271,20 @@ class KVCache:
             raise DlmError(f"KV cache full: {self.length} + {n} tokens > capacity {self.capacity}")
 
 
-def sliding_mask(base: Tensor | None, is_causal: bool, full_mask: bool, T: int, L0: int, window: int,
+def sliding_mask(base: Tensor | None, full_mask: bool, T: int, L0: int, window: int,
                  device) -> Tensor:
     """The sliding layers' mask over keys [cache (L0) ; x (T)], slots as positions.
 
     Causal queries (slot L0 + i) see the keys of the last `window` slots up to themselves; a
     bidirectional block over a cached prefix (mask "full") sees the prefix's last window - 1 slots and
-    the whole block (DiffusionGemma's decoder). A tensor mask is intersected with the causal band."""
+    the whole block (DiffusionGemma's decoder)."""
     S = L0 + T
     k = torch.arange(S, device=device)[None, :]
     if full_mask:
         band = (k >= L0 - (window - 1)).expand(T, S)
     else:
         q = torch.arange(T, device=device)[:, None] + L0
-        band = (k > q - window) & (k <= q) if (is_causal or base is None) else (k > q - window)
+        band = (k > q - window) & (k <= q)
     band = band[None, None]
     return band if base is None else base & band
 
@@ -308,8 +308,11 @@ def run_blocks(model, x: Tensor, *, pos: Tensor | None, cache, mask, write: bool
     window = model.cfg.arch["sliding_window"]
     masks = {"full": (base, is_causal)}
     if "sliding" in model.cfg.arch["layer_types"]:
+        if isinstance(mask, Tensor):  # which keys form a canvas (seen whole) is not in a bool mask
+            raise DlmError("a gemma4 backbone with sliding-window layers runs causal and canvas ('full' over a "
+                           "cache) attention; training masks over several blocks are not supported on it yet")
         full = isinstance(mask, str) and mask == "full"
-        masks["sliding"] = (sliding_mask(base, is_causal, full, T, L0, window, x.device), False)
+        masks["sliding"] = (sliding_mask(base, full, T, L0, window, x.device), False)
     out_taps: dict[int, Tensor] = {}
     for i, block in enumerate(model.layers):
         m, c = masks[block.kind]

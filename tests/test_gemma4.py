@@ -98,3 +98,11 @@ def test_bad_arch_is_one_line_error():
     d["layer_types"] = [S, F]  # 2 types for 3 layers
     with pytest.raises(DlmError, match="layer_types"):
         model_config_from_gemma(d)
+
+
+def test_training_masks_on_sliding_layers_are_refused():
+    c, m = hf_model("dense")
+    model = ours(c, m)
+    ids = torch.randint(0, 97, (1, 6))
+    with pytest.raises(DlmError, match="sliding-window"):
+        model(ids, mask=torch.ones(6, 6, dtype=torch.bool))
