@@ -106,6 +106,9 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Parameter count of the backbone (without self-conditioning)."""
+        if self.arch:
+            from dlm.gemma4 import num_params
+            return num_params(self)
         d, hd = self.dim, self.head_dim
         attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads) + (2 * hd if self.qk_norm else 0)
         mlp = 3 * d * self.ffn_dim

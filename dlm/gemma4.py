@@ -330,3 +330,19 @@ def softcap(logits: Tensor, cap: float | None) -> Tensor:
 
 def embed_scale(cfg) -> float:
     return math.sqrt(cfg.dim)
+
+
+def num_params(cfg) -> int:
+    """Parameter count of a gemma4 backbone (without self-conditioning), from the config alone."""
+    a, D = cfg.arch, cfg.dim
+    moe = a.get("moe")
+    total = cfg.vocab_size * D * (1 if cfg.tie_embeddings else 2) + D  # embeddings (+ head), final norm
+    for i in range(cfg.n_layers):
+        hd, kv, k_eq_v = layer_spec(cfg, i)
+        attn = D * hd * (2 * cfg.n_heads + kv * (1 if k_eq_v else 2)) + 2 * hd
+        layer = attn + 3 * D * cfg.ffn_dim + 4 * D
+        if moe:
+            E, I = moe["n_experts"], moe["ffn_dim"]
+            layer += E * 3 * I * D + E * D + D + E + 3 * D  # experts, router (proj, scale, per-expert), 3 norms
+        total += layer
+    return total

@@ -106,3 +106,10 @@ def test_training_masks_on_sliding_layers_are_refused():
     ids = torch.randint(0, 97, (1, 6))
     with pytest.raises(DlmError, match="sliding-window"):
         model(ids, mask=torch.ones(6, 6, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+def test_num_params_from_the_config(pattern):
+    c, m = hf_model(pattern)
+    model = ours(c, m)
+    assert model.cfg.num_params() == sum(p.numel() for p in model.parameters())
