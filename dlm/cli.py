@@ -155,7 +155,8 @@ def generate_cmd(
         from dlm.sampling.show import live
 
         view = _console(file=sys.stderr) if json else _console()
-        res = live(stream(net, ck, encode(ck, prompt, scfg), scfg), ck.tokenizer, prompt, console=view)
+        res = live(stream(net, ck, encode(ck, prompt, scfg), scfg, step_events=True), ck.tokenizer, prompt,
+                   console=view)
     else:
         res = generate(net, ck, prompt, scfg)
     stats = res.stats.as_dict()

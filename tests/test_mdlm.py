@@ -511,3 +511,22 @@ def test_equal_quality_interpolates_the_confidence_curve():
     assert q[0]["confidence_forwards"] == pytest.approx(48.0) and q[0]["ratio"] == pytest.approx(20 / 48)
     assert q[1]["confidence_forwards"] is None and q[1]["ratio"] is None  # worse than every confidence row
     assert q[2]["confidence_forwards"] is None  # no confidence rows with blocks of 16
+
+
+def test_step_events_are_opt_in_and_change_nothing_else(tiny_mdlm):
+    from pathlib import Path
+
+    from dlm.checkpoint import load_model
+    from dlm.sampling import SampleConfig, encode, stream
+    from dlm.sampling.common import drain
+
+    usdm = Path(__file__).resolve().parents[1] / "checkpoints" / "usdm-small"
+    for path, cfg in ((tiny_mdlm, SampleConfig(max_new_tokens=12, steps=6)), (usdm, SampleConfig(max_new_tokens=12))):
+        m, ck = load_model(path)
+        runs = []
+        for on in (False, True):
+            res = drain(stream(m, ck, encode(ck, "def f(x):", cfg), cfg, step_events=on), ck.tokenizer.decode,
+                        ck.tokenizer.eos_id, keep_events=True)
+            runs.append(res)
+            assert any(isinstance(e, Step) for e in res.events) == on
+        assert runs[0].tokens == runs[1].tokens and runs[0].stats.steps == runs[1].stats.steps > 0

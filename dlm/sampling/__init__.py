@@ -114,8 +114,10 @@ class SampleConfig:
 
 
 def stream(model: nn.Module, ck: Checkpoint, prompts: Sequence[Prompt | Sequence[int]], cfg: SampleConfig,
-           drafter: speculative.Drafter | None = None) -> Iterator[Event]:
-    """The event stream of the sampler that fits the checkpoint's paradigm (or the drafter)."""
+           drafter: speculative.Drafter | None = None, step_events: bool = False) -> Iterator[Event]:
+    """The event stream of the sampler that fits the checkpoint's paradigm (or the drafter). step_events: the
+    diffusion samplers also yield a Step (the canvas) after every denoising step, a host read per step that only
+    a live view or a test needs."""
     if isinstance(prompts, str) or any(isinstance(p, str) for p in prompts):
         raise TypeError("stream() takes Prompts or token ids; encode text with dlm.sampling.encode()")
     ps = [p if isinstance(p, Prompt) else Prompt(list(p)) for p in prompts]
@@ -132,7 +134,7 @@ def stream(model: nn.Module, ck: Checkpoint, prompts: Sequence[Prompt | Sequence
     if ck.objective not in SAMPLERS:
         raise DlmError(f"checkpoint {ck.path}: objective {ck.objective!r} has no sampler "
                        f"(samplers exist for {sorted(SAMPLERS)}; a dflash drafter is used with --draft)")
-    return SAMPLERS[ck.objective].stream(model, ck, ps, cfg)
+    return SAMPLERS[ck.objective].stream(model, ck, ps, cfg, step_events)
 
 
 def encode(ck: Checkpoint, texts: str | Sequence[str], cfg: SampleConfig) -> list[Prompt]:
@@ -146,5 +148,5 @@ def generate(model: nn.Module, ck: Checkpoint, prompts: str | list[str], cfg: Sa
     """Sample and decode: the Python entry point behind `dlm generate`."""
     cfg = cfg or SampleConfig()
     ps = encode(ck, prompts, cfg)
-    return drain(stream(model, ck, ps, cfg), ck.tokenizer.decode, ck.tokenizer.eos_id, rows=len(ps),
-                 keep_events=keep_events)
+    return drain(stream(model, ck, ps, cfg, step_events=keep_events), ck.tokenizer.decode, ck.tokenizer.eos_id,
+                 rows=len(ps), keep_events=keep_events)

@@ -41,7 +41,7 @@ def check_options(model: Transformer, prompts: Sequence[Prompt], cfg, what: str 
         check_fits(model.cfg.max_seq_len, p, cfg.max_new_tokens)
 
 
-def stream(model: Transformer, ck, prompts: list[Prompt], cfg) -> Iterator[Event]:
+def stream(model: Transformer, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> Iterator[Event]:
     """The AR sampler (cfg: SampleConfig)."""
     if cfg.sampler not in ("auto", "ar"):
         raise DlmError(f"--sampler {cfg.sampler} does not belong to an ar checkpoint (allowed: auto)")

@@ -160,14 +160,14 @@ def quadratic(model: Transformer, prompt: Sequence[int], *, block_size: int, max
 
 # the sampler ----------------------------------------------------------------------------------------
 
-def stream(model: Transformer, ck, prompts: list[Prompt], cfg) -> Iterator[Event]:
+def stream(model: Transformer, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> Iterator[Event]:
     """A joint checkpoint's sampler (cfg: SampleConfig): AR mode, diffusion mode or self-speculation."""
     sampler = "self-spec-linear" if cfg.sampler == "auto" else cfg.sampler
     if sampler not in SAMPLERS:
         raise DlmError(f"--sampler {cfg.sampler} does not belong to a joint checkpoint "
                        f"(allowed: {', '.join(SAMPLERS)})")
     if sampler in DIFFUSION:
-        return mdlm.stream(model, ck, prompts, cfg.replace(sampler=sampler))
+        return mdlm.stream(model, ck, prompts, cfg.replace(sampler=sampler), step_events)
     if sampler == "ar":
         return ar.stream(model, ck, prompts, cfg.replace(sampler="auto"))
     tok = ck.tokenizer

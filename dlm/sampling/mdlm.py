@@ -214,8 +214,9 @@ class Denoising:
 def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: int, eos_id: int, *,
                      temperature: float, top_k: int, top_p: float, gen: torch.Generator | None,
                      naive: bool = False, row: int = 0, clock: Clock | None = None,
-                     stats: Stats | None = None) -> Iterator[Event]:
-    """Events of one sequence, block by block; counts forwards, steps, canvases and new tokens in `stats`."""
+                     stats: Stats | None = None, step_events: bool = True) -> Iterator[Event]:
+    """Events of one sequence, block by block; counts forwards, steps, canvases and new tokens in `stats`.
+    step_events: a Step event (the canvas, read back from the device) after every denoising step."""
     stats = stats if stats is not None else Stats()
     state = Denoising(model, job, mask_id, naive)
     seq, hole, P = state.seq, state.hole, job.prefix_len
@@ -241,7 +242,8 @@ def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: in
                 if len(ends):
                     masked[int(ends[0]) + 1:] = False
             step += 1
-            yield Step(seq[g:e].tolist(), (seq[g:e] != mask_id).tolist(), step, index, ent, row, g - P)
+            if step_events:
+                yield Step(seq[g:e].tolist(), (seq[g:e] != mask_id).tolist(), step, index, ent, row, g - P)
         if n:
             index += 1
             stats.canvases += 1
@@ -298,24 +300,26 @@ def make_job(prompt: Prompt, cfg, train_block: int, context: int, causal_context
                causal_context=causal_context)
 
 
-def stream(model, ck, prompts: list[Prompt], cfg) -> Iterator[Event]:
-    """The mdlm sampler (cfg: SampleConfig); prompts run one after another (rows of the stream)."""
+def stream(model, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> Iterator[Event]:
+    """The mdlm sampler (cfg: SampleConfig); prompts run one after another (rows of the stream). step_events: a
+    Step event after every denoising step (the live view, the server's step streaming, tests)."""
     rule = check_options(cfg)
     tok = ck.tokenizer
     if tok.mask_id is None:
         raise DlmError(f"{ck.path}: the tokenizer has no <mask> token")
     causal = ck.objective == "joint"  # its AR half: the context is causal
     jobs = [make_job(p, cfg, ck.block_size, model.cfg.max_seq_len, causal) for p in prompts]
-    return _run(model, jobs, rule, cfg, tok.mask_id, tok.eos_id)
+    return _run(model, jobs, rule, cfg, tok.mask_id, tok.eos_id, step_events)
 
 
-def _run(model, jobs: list[Job], rule: Rule, cfg, mask_id: int, eos_id: int) -> Iterator[Event]:
+def _run(model, jobs: list[Job], rule: Rule, cfg, mask_id: int, eos_id: int,
+         step_events: bool = False) -> Iterator[Event]:
     gen = make_generator(cfg.seed, model.device)
     clock = Clock()
     stats = Stats(extra={"steps_per_canvas": []})
     for row, job in enumerate(jobs):
         yield from denoise_sequence(model, job, rule, cfg.steps, mask_id, eos_id, temperature=cfg.temperature,
                                     top_k=cfg.top_k, top_p=cfg.top_p, gen=gen, naive=cfg.naive, row=row,
-                                    clock=clock, stats=stats)
+                                    clock=clock, stats=stats, step_events=step_events)
     stats.extra["forwards_per_canvas"] = stats.forwards / stats.canvases if stats.canvases else 0.0
     yield clock.finish(stats)

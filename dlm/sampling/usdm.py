@@ -120,8 +120,9 @@ def check_options(model: Transformer, ck, cfg) -> tuple[int, int]:
 
 # the sampler ---------------------------------------------------------------------------------
 
-def stream(model: Transformer, ck, prompts: list[Prompt], cfg) -> Iterator[Event]:
-    """Events of usdm generation for each prompt (cfg: SampleConfig). Bad options raise here, before any work."""
+def stream(model: Transformer, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> Iterator[Event]:
+    """Events of usdm generation for each prompt (cfg: SampleConfig). Bad options raise here, before any work.
+    step_events: a Step event after every denoising step (the live view, the server's step streaming, tests)."""
     L, steps = check_options(model, ck, cfg)
     tok = ck.tokenizer
     ctx = model.cfg.max_seq_len
@@ -130,12 +131,12 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg) -> Iterator[Event
         p = Prompt(list(p.ids) or [tok.eos_id], p.canvas)  # an empty prompt starts from <eos>, as documents do
         check_fits(ctx, p, cfg.max_new_tokens)
         jobs.append(p)
-    return _generate(model, jobs, L, steps, ck.noise_vocab, tok.eos_id, cfg)
+    return _generate(model, jobs, L, steps, ck.noise_vocab, tok.eos_id, cfg, step_events)
 
 
 @torch.inference_mode()
 def _generate(model: Transformer, jobs: list[Prompt], L: int, steps: int, N: int, eos_id: int,
-              cfg) -> Iterator[Event]:
+              cfg, step_events: bool = False) -> Iterator[Event]:
     dev = model.device
     gen = make_generator(cfg.seed, dev)
     clock = Clock()
@@ -156,7 +157,8 @@ def _generate(model: Transformer, jobs: list[Prompt], L: int, steps: int, N: int
                 holes = torch.ones(n, dtype=torch.bool, device=dev)
                 pins = torch.zeros(n, dtype=torch.long, device=dev)
             tokens, used = yield from _denoise_canvas(model, cache, holes, pins, N, eos_id, p.canvas is not None,
-                                                      canvas_index, row, done, steps, cfg, gen, first)
+                                                      canvas_index, row, done, steps, cfg, gen, first,
+                                                      step_events)
             stats.canvases += 1
             stats.steps += used
             stats.extra["steps_per_canvas"].append(used)
@@ -178,7 +180,7 @@ def _generate(model: Transformer, jobs: list[Prompt], L: int, steps: int, N: int
 
 def _denoise_canvas(model: Transformer, cache, holes: Tensor, pins: Tensor, N: int, eos_id: int, no_eos: bool,
                     canvas_index: int, row: int, offset: int, S: int, cfg, gen: torch.Generator,
-                    first: Tensor | None = None):
+                    first: Tensor | None = None, step_events: bool = True):
     """Denoise one canvas for at most S steps (yields Step events); returns (committed tokens, steps used).
     first (1, 1, V): the encoder's logits for the canvas's first token (a canvas_shift model), else None."""
     dev = model.device
@@ -207,7 +209,8 @@ def _denoise_canvas(model: Transformer, cache, holes: Tensor, pins: Tensor, N: i
         # that training feeds (untempered)
         prev_probs = torch.softmax(logits if cfg.self_cond_input == "tempered" else raw, -1)[None]
         mean_ent = float(ent[holes].mean())
-        yield Step(canvas.tolist(), (accepted | ~holes).tolist(), step, canvas_index, mean_ent, row, offset)
+        if step_events:
+            yield Step(canvas.tolist(), (accepted | ~holes).tolist(), step, canvas_index, mean_ent, row, offset)
         if cfg.adaptive and should_stop(stable, mean_ent, cfg.stability_threshold, cfg.confidence_threshold):
             break
     return argmax.tolist(), step

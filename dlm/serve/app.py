@@ -278,7 +278,7 @@ def create_app(engine: Engine, *, max_concurrency: int = 8, max_queue: int = 32,
         async def work() -> dict:
             nonlocal job
             await ticket.wait()
-            job = engine.start(plan.served, plan.rows, asyncio.get_running_loop())
+            job = engine.start(plan.served, plan.rows, asyncio.get_running_loop(), plan.stream_steps)
             col = Collector(plan)
             async for ev in job:
                 if isinstance(ev, Failed):
@@ -305,7 +305,7 @@ def create_app(engine: Engine, *, max_concurrency: int = 8, max_queue: int = 32,
 
     async def _stream(plan: Plan, ticket: Ticket, state: dict) -> AsyncIterator[str]:
         await ticket.wait()
-        job = state["job"] = engine.start(plan.served, plan.rows, asyncio.get_running_loop())
+        job = state["job"] = engine.start(plan.served, plan.rows, asyncio.get_running_loop(), plan.stream_steps)
         col = Collector(plan)
         started: set[int] = set()
 

@@ -78,8 +78,9 @@ class Row:
 class Job:
     """A request's rows, the bridge of its events to the event loop, and its cancel flags."""
 
-    def __init__(self, rows: list[Row], loop: asyncio.AbstractEventLoop | None = None):
+    def __init__(self, rows: list[Row], loop: asyncio.AbstractEventLoop | None = None, step_events: bool = False):
         self.rows = rows
+        self.step_events = step_events  # the diffusion samplers' Step events: only when the client streams them
         self.loop = loop
         self.events: asyncio.Queue[Event] | queue.SimpleQueue = asyncio.Queue() if loop else queue.SimpleQueue()
         self.cancelled = threading.Event()
@@ -134,6 +135,8 @@ class Job:
 _counts = threading.local()
 
 
+# forwards are counted as they run: a row cut short (a stop string, a disconnect) never reaches its sampler's Done,
+# whose steps and canvases the job's Done sums for the rows that do
 def _count_forward(module, args, output) -> None:
     _counts.forwards = getattr(_counts, "forwards", 0) + 1
 
@@ -211,8 +214,9 @@ class Engine:
         gen = stream(served.model, served.ck, prompts, cfg, drafter=drafter)
         gen.close()
 
-    def start(self, served: Served, rows: list[Row], loop: asyncio.AbstractEventLoop | None = None) -> Job:
-        job = Job(rows, loop)
+    def start(self, served: Served, rows: list[Row], loop: asyncio.AbstractEventLoop | None = None,
+              step_events: bool = False) -> Job:
+        job = Job(rows, loop, step_events)
         logprobs = any(r.logprobs is not None for r in rows)
         infill = any(r.prompt.canvas is not None for r in rows)  # FIM rows: the AR sampler's own infilling
         if served.batcher is not None and (served.drafter is None or logprobs) and not infill:
@@ -235,16 +239,20 @@ class Engine:
         """One job on the sampler of its paradigm, row after row; stops between events when told to."""
         _counts.forwards = 0
         draft_forwards = 0
+        done = Stats()  # the samplers' own Done statistics, summed over rows
         failed = None
         try:
             for i, row in enumerate(job.rows):
                 if job.cancelled.is_set():
                     break
                 drafter = served.drafter.fork(row.cfg) if served.drafter is not None else None
-                events = stream(served.model, served.ck, [row.prompt], row.cfg, drafter=drafter)
+                events = stream(served.model, served.ck, [row.prompt], row.cfg, drafter=drafter,
+                                step_events=job.step_events)
                 try:
                     for ev in events:
                         if isinstance(ev, Done):
+                            done.steps += ev.stats.steps
+                            done.canvases += ev.stats.canvases
                             break
                         ev.row = i
                         job.emit(ev)
@@ -262,7 +270,8 @@ class Engine:
         if failed is not None:
             job.emit(failed)
             return
-        job.emit(Done(Stats(forwards=_counts.forwards, draft_forwards=draft_forwards,
+        job.emit(Done(Stats(forwards=_counts.forwards, draft_forwards=draft_forwards, steps=done.steps,
+                            canvases=done.canvases,
                             seconds=time.perf_counter() - job.t0, ttft=job.first)))
 
 

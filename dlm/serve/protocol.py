@@ -515,8 +515,6 @@ class Collector:
         self.tok = plan.served.ck.tokenizer
         self.rows = [RowText(self.tok, plan.stops, plan.middle[i], r.prompt.canvas, plan.echo[i])
                      for i, r in enumerate(plan.rows)]
-        self.steps = 0
-        self.canvases: set[tuple[int, int]] = set()
         self.cycles = 0
         self.done: Done | None = None
 
@@ -531,8 +529,6 @@ class Collector:
         row = getattr(ev, "row", 0)
         r = self.rows[row]
         if isinstance(ev, Step):
-            self.steps += 1
-            self.canvases.add((row, ev.canvas_index))
             if self.plan.stream_steps and not r.stopped:
                 return [Piece(row, dlm={"event": "step", "canvas_index": ev.canvas_index, "step": ev.step,
                                         "offset": ev.offset, "entropy": ev.entropy,
@@ -587,9 +583,9 @@ class Collector:
             "queued_seconds": queued,
         }
         p = self.plan.served.paradigm
-        if p in ("mdlm", "usdm"):
-            out["canvases"] = len(self.canvases)
-            out["steps"] = self.steps
+        if p in ("mdlm", "usdm"):  # the samplers' own counts (their Done statistics)
+            out["canvases"] = st.canvases if st else 0
+            out["steps"] = st.steps if st else 0
         if p == "speculative" and self.cycles:
             started = sum(1 for r in self.rows if r.tokens)
             out["draft_forwards"] = st.draft_forwards if st else 0
