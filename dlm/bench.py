@@ -497,7 +497,8 @@ def plot_blocks(summaries: list[dict[str, Any]], path: Path) -> str | None:
 def spec_methods(model, ck, drafts: list[str], max_new_tokens: int, temperature: float,
                  block_size: int | None = None, seed: int = 0) -> list[Method]:
     """One row per drafter ('lookup' or a drafter checkpoint), in the lossless speculative loop."""
-    from dlm.sampling.speculative import Sampling, load_drafter, resolve_block_size
+    from dlm.drafters import load_drafter
+    from dlm.sampling.speculative import Sampling, resolve_block_size
 
     methods, seen = [], set()
     for spec in drafts:

@@ -74,7 +74,7 @@ def unused_options(scfg, objective: str, prompt: str = "") -> list[str]:
     import dataclasses
 
     from dlm.sampling import OPTIONS, options_read
-    from dlm.sampling.speculative import drafter_kind
+    from dlm.drafters import drafter_kind
 
     paradigm = "speculative" if scfg.draft else objective
     if paradigm not in OPTIONS:
@@ -252,7 +252,8 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
     drafter = None
     if scfg.draft:
         from dlm.sampling.common import make_generator
-        from dlm.sampling.speculative import Sampling, load_drafter
+        from dlm.drafters import load_drafter
+        from dlm.sampling.speculative import Sampling
 
         drafter = load_drafter(scfg.draft, net, ck, Sampling(scfg.temperature, scfg.top_k, scfg.top_p,
                                                              make_generator(scfg.seed, net.device)),
@@ -296,7 +297,7 @@ def export_cmd(model: str, out: str, format: str = "hf", dtype: str = "float32",
     net, ck = load_model(model, dtype=None)  # as stored: each tensor is cast as it is written
     if format == "dlm":
         path = export_dlm(net, ck, out, dtypes[dtype], overwrite)
-    elif ck.objective == "ar":
+    elif ck.objective == "ar" or (ck.objective == "usdm" and net.cfg.arch):  # usdm: DiffusionGemma's layout
         path = export_hf(net, ck.tokenizer, out, dtypes[dtype], overwrite, inputs=(ck.path,))
     elif ck.objective == "dflash":  # the layout of the public DFlash drafters (vLLM, SGLang)
         path = export_drafter(net, ck, out, dtypes[dtype], overwrite)
@@ -308,8 +309,9 @@ def export_cmd(model: str, out: str, format: str = "hf", dtype: str = "float32",
 
 
 def import_cmd(hf: str, out: str, overwrite: bool = False, target: str | None = None) -> None:
-    """Import a local Qwen3 or Llama folder (safetensors, sharded or not) as a dlm AR checkpoint, or a public DFlash
-    drafter folder (z-lab's layout: dflash_config) as a dlm drafter for --target.
+    """Import a local Qwen3, Llama or Gemma 4 folder (safetensors, sharded or not) as a dlm AR checkpoint, a
+    DiffusionGemma folder as a usdm checkpoint (text weights), or a public DFlash drafter folder (z-lab's layout:
+    dflash_config) as a dlm drafter for --target.
 
     Args:
         hf: the transformers folder (config.json, *.safetensors, tokenizer.json; a drafter has no tokenizer)

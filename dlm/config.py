@@ -48,6 +48,9 @@ class ModelConfig:
     # repeats every side^2 + 1 positions (QUIZ, separator, SOLUTION: the separator and <eos> get embeddings of
     # their own); 0 = off
     grid_pos: int = 0
+    # a family's own layers (dlm.gemma4: {"family": "gemma4", "layer_types": [...], per-layer attention specs, "moe",
+    # "final_softcap", ...}); None: the Qwen3/Llama block
+    arch: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.check_types()
@@ -81,6 +84,9 @@ class ModelConfig:
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             check(kind in ("default", "llama3"), f"model.rope_scaling type must be 'default' or 'llama3', got {kind!r}")
+        if self.arch is not None:
+            from dlm.gemma4 import check_arch
+            check_arch(self.arch, self.n_layers)
         g = self.grid_pos
         check(g == 0 or (4 <= g <= 64 and math.isqrt(g) ** 2 == g),
               f"model.grid_pos must be 0 or a square side of 4..64 (sudoku: 9), got {g}")
@@ -100,6 +106,9 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Parameter count of the backbone (without self-conditioning)."""
+        if self.arch:
+            from dlm.gemma4 import num_params
+            return num_params(self)
         d, hd = self.dim, self.head_dim
         attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads) + (2 * hd if self.qk_norm else 0)
         mlp = 3 * d * self.ffn_dim

@@ -13,6 +13,7 @@ fc.weight, hidden_norm.weight, norm.weight (no embedding, no lm_head).
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from dlm.checkpoint import (
     Checkpoint, all_finite, check_shapes, mmap_tensors, read_json, save_checkpoint, state_tensors, tensor_shapes,
     write_folder, write_json, write_tensors,
 )
+from dlm import hf_gemma
 from dlm.config import ModelConfig
 from dlm.drafter import DFlashDrafter
 from dlm.errors import DlmError
@@ -71,6 +73,12 @@ def hf_config(cfg: ModelConfig, tok: Tokenizer, dtype: str = "float32") -> dict[
 def export_hf(model: Transformer, tok: Tokenizer, out: str | os.PathLike, dtype: torch.dtype = torch.float32,
               overwrite: bool = False, inputs: tuple[str | os.PathLike, ...] = ()) -> Path:
     """Write a transformers-loadable folder (config.json, model.safetensors, tokenizer files)."""
+    if model.cfg.arch:  # Gemma 4 / DiffusionGemma (dlm.hf_gemma); the checkpoint's imported config and side files
+        src = Path(inputs[0]) if inputs else None
+        meta = read_json(src / "config.json") if src is not None and (src / "config.json").is_file() else {}
+        with write_folder(out, overwrite=overwrite, inputs=inputs) as tmp:
+            hf_gemma.export_folder(model, tok, tmp, dtype, meta.get("hf_config"), side_dir=src)
+        return Path(out)
     if model.cfg.self_cond:
         raise DlmError("--format hf: this checkpoint has a self-conditioning module that Qwen3/Llama cannot hold")
     if model.cfg.learned_pos or model.cfg.grid_pos:
@@ -159,7 +167,7 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 def model_config_from_hf(hf: dict[str, Any], source: Path) -> ModelConfig:
     kind = hf.get("model_type")
     if kind not in ("qwen3", "llama"):
-        raise DlmError(f"{source}: model_type {kind!r} is not supported (qwen3 and llama are)")
+        raise DlmError(f"{source}: model_type {kind!r} is not supported (qwen3, llama, gemma4_text, gemma4 and diffusion_gemma are)")
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise DlmError(f"{source}: attention/MLP biases are not supported")
     if hf.get("use_sliding_window"):
@@ -234,8 +242,9 @@ def dlm_name(name: str, cfg: ModelConfig, src: Path) -> str | None:
 
 def import_hf(folder: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False,
               target: str | os.PathLike | None = None) -> Path:
-    """Read a local Qwen3/Llama folder into a dlm checkpoint (objective "ar"), in the dtype it is stored in; a
-    public DFlash drafter folder into a dflash checkpoint for `target` (`import_drafter`).
+    """Read a local Qwen3/Llama/Gemma 4 folder into a dlm checkpoint (objective "ar"), in the dtype it is stored in;
+    a DiffusionGemma folder into a usdm checkpoint (dlm.hf_gemma); a public DFlash drafter folder into a dflash
+    checkpoint for `target` (`import_drafter`).
 
     The weights are memory-mapped and written out tensor by tensor: importing a model takes little memory beyond
     the pages the kernel maps (docs/scale.md has the figures for Qwen3-0.6B and Llama-3.2-1B shapes)."""
@@ -245,6 +254,11 @@ def import_hf(folder: str | os.PathLike, out: str | os.PathLike, overwrite: bool
     hf = read_json(src / "config.json")
     if is_drafter(hf):
         return import_drafter(src, target, out, overwrite)
+    if hf.get("model_type") in hf_gemma.MODEL_TYPES:  # Gemma 4 / DiffusionGemma (dlm.hf_gemma)
+        path, note = hf_gemma.import_folder(src, out, overwrite, hf, read_hf_weights)
+        if note:
+            print(f"note: {note}", file=sys.stderr)
+        return path
     cfg = model_config_from_hf(hf, src / "config.json")
     tok = Tokenizer.from_file(src / "tokenizer.json")
     # the config against the weights' headers (names and shapes) before anything is read or allocated

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from dlm import gemma4
 from dlm.config import ModelConfig
 from dlm.errors import DlmError
 from dlm.masks import Mask, sdpa_mask
@@ -212,9 +213,10 @@ class SelfConditioning(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MLP(cfg.dim, cfg.ffn_dim)
-        self.out_norm = RMSNorm(cfg.dim, cfg.norm_eps, scale=False)
+        norm, mlp = (gemma4.RMSNorm, gemma4.MLP) if cfg.arch else (RMSNorm, MLP)  # Gemma: its norm and GeGLU
+        self.norm = norm(cfg.dim, cfg.norm_eps)
+        self.mlp = mlp(cfg.dim, cfg.ffn_dim)
+        self.out_norm = norm(cfg.dim, cfg.norm_eps, scale=False)
         self.rms = cfg.canvas_rms
 
     def forward(self, tok_emb: Tensor, soft_emb: Tensor | None) -> Tensor:
@@ -228,8 +230,8 @@ def canvas_embeds(model: Transformer, canvas: Tensor, probs: Tensor | None) -> T
     probs (B, L, V): the previous pass's distribution (softmax of its processed logits), or None on
     a canvas's first step (a zero signal: rows of zeros in probs are the same as None).
     """
-    emb = model.embed_tokens(canvas)  # (B, L, D)
-    soft = None if probs is None else probs.to(emb.dtype) @ model.embed_tokens.weight  # (B, L, D)
+    emb = model.embed_tokens(canvas) * model.embed_scale  # (B, L, D)
+    soft = None if probs is None else probs.to(emb.dtype) @ model.embed_tokens.weight * model.embed_scale  # (B, L, D)
     return model.self_cond(emb, soft)
 
 
@@ -312,6 +314,11 @@ def param_shapes(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str
     held against its weights' header before anything is allocated), and the aliases of tied tensors
     (lm_head.weight -> embed_tokens.weight). tests hold this to the state_dict of built models."""
     D = cfg.dim
+    if cfg.arch:  # a family's own layers: read from the model built on the meta device (allocates nothing)
+        with torch.device("meta"):
+            m = Transformer(cfg)
+        out = {k: tuple(v.shape) for k, v in m.state_dict().items() if k != "lm_head.weight" or not cfg.tie_embeddings}
+        return out, ({"lm_head.weight": "embed_tokens.weight"} if cfg.tie_embeddings else {})
     out = {"embed_tokens.weight": (cfg.vocab_size, D)}
     for i in range(cfg.n_layers):
         out.update(block_shapes(cfg, f"layers.{i}."))
@@ -355,8 +362,13 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        if cfg.arch:  # a family's own layers, by configuration (dlm.gemma4)
+            self.layers = nn.ModuleList(gemma4.Block(cfg, i) for i in range(cfg.n_layers))
+            self.norm = gemma4.RMSNorm(cfg.dim, cfg.norm_eps)
+        else:
+            self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+            self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.embed_scale = math.sqrt(cfg.dim) if cfg.arch else 1.0  # Gemma: embeddings (and soft inputs) x sqrt(D)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -369,6 +381,8 @@ class Transformer(nn.Module):
     def new_cache(self, batch: int, capacity: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
         cfg = self.cfg
         p = self.embed_tokens.weight
+        if cfg.arch:
+            return gemma4.KVCache(cfg, batch, capacity or cfg.max_seq_len, p.device, dtype or p.dtype)
         return KVCache(cfg.n_layers, batch, cfg.n_kv_heads, capacity or cfg.max_seq_len, cfg.head_dim,
                        p.device, dtype or p.dtype)
 
@@ -386,7 +400,7 @@ class Transformer(nn.Module):
         taps: Sequence[int] = (),  # return the outputs of these layers
         head: bool = True,  # compute logits
     ) -> Output:
-        x = self.embed_tokens(tokens) if embeds is None else embeds  # (B, T, D)
+        x = self.embed_tokens(tokens) * self.embed_scale if embeds is None else embeds  # (B, T, D)
         if self.pos_embed is not None or self.grid_embed is not None:  # absolute positions (learned_pos, grid_pos)
             if pos is None:
                 start = (cache.length if cache is not None else 0) + (ctx.shape[1] if ctx is not None else 0)
@@ -395,10 +409,17 @@ class Transformer(nn.Module):
                 x = x + self.pos_embed(pos)  # (T, D) or (B, T, D)
             if self.grid_embed is not None:
                 x = x + self.grid_embed(pos)
-        x, out_taps = run_blocks(self.layers, self.inv_freq, x, pos=pos, cache=cache, mask=mask, write=write,
-                                 ctx=ctx, ctx_pos=ctx_pos, taps=taps)
+        if self.cfg.arch:
+            x, out_taps = gemma4.run_blocks(self, x, pos=pos, cache=cache, mask=mask, write=write, ctx=ctx, taps=taps,
+                                            resolve_mask=sdpa_mask)
+        else:
+            x, out_taps = run_blocks(self.layers, self.inv_freq, x, pos=pos, cache=cache, mask=mask, write=write,
+                                     ctx=ctx, ctx_pos=ctx_pos, taps=taps)
         last = self.norm(x)
-        return Output(self.lm_head(last) if head else None, last, out_taps)
+        logits = self.lm_head(last) if head else None
+        if logits is not None and self.cfg.arch and self.cfg.arch.get("final_softcap"):
+            logits = torch.tanh(logits / self.cfg.arch["final_softcap"]) * self.cfg.arch["final_softcap"]
+        return Output(logits, last, out_taps)
 
     @property
     def device(self) -> torch.device:

@@ -21,7 +21,8 @@ from dlm.cli import main  # noqa: E402
 from dlm.errors import DlmError  # noqa: E402
 from dlm.hf import import_hf  # noqa: E402
 from dlm.sampling.common import Commit  # noqa: E402
-from dlm.sampling.speculative import Sampling, _taps, load_drafter, speculate  # noqa: E402
+from dlm.drafters import load_drafter  # noqa: E402
+from dlm.sampling.speculative import Sampling, _taps, speculate  # noqa: E402
 
 CK = Path(__file__).resolve().parents[1] / "checkpoints"
 PROMPTS = ["def read_config(path):\n    ", "import os\nimport sys\n\n", "class Stack:\n    def push(self, item):\n        "]

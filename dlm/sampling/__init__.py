@@ -124,6 +124,10 @@ def stream(model: nn.Module, ck: Checkpoint, prompts: Sequence[Prompt | Sequence
     if cfg.seed is not None:
         check_seed(cfg.seed)
     if cfg.draft or drafter is not None:
+        if drafter is None:  # built once, here, before the sampler runs (dlm.drafters: every kind in one place)
+            from dlm.drafters import load_drafter
+
+            drafter = load_drafter(cfg.draft, model, ck, passes=cfg.draft_passes, lookup_ngram=cfg.lookup_ngram)
         return speculative.stream(model, ck, ps, cfg, drafter)
     if ck.objective not in SAMPLERS:
         raise DlmError(f"checkpoint {ck.path}: objective {ck.objective!r} has no sampler "

@@ -213,11 +213,20 @@ def sample_from(probs: Tensor, gen: torch.Generator | None) -> Tensor:
     return torch.multinomial(flat, 1, generator=gen).reshape(probs.shape[:-1])
 
 
+def draw(logits: Tensor, temperature: float, top_k: int, top_p: float,
+         gen: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
+    """The one draw of every sampler: logits (…, V) -> tokens (…,) and the distribution they were drawn from
+    (…, V), the draft probabilities a verifier needs; greedy (temperature 0) takes the argmax, and its
+    distribution is None (one-hot)."""
+    if temperature == 0:
+        return logits.argmax(-1), None
+    probs = probs_from_logits(logits, temperature, top_k, top_p)
+    return sample_from(probs, gen), probs
+
+
 def sample_token(logits: Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator | None) -> Tensor:
     """Greedy when temperature == 0, else a draw from the processed distribution. (…, V) -> (…,)."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    return sample_from(probs_from_logits(logits, temperature, top_k, top_p), gen)
+    return draw(logits, temperature, top_k, top_p, gen)[0]
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:

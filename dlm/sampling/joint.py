@@ -36,8 +36,8 @@ from dlm.errors import DlmError, check
 from dlm.masks import quadratic_self_spec_mask
 from dlm.model import Transformer
 from dlm.sampling import ar, mdlm, speculative
-from dlm.sampling.common import Clock, Commit, Event, Prompt, Stats, Verified, make_generator, sample_from
-from dlm.sampling.speculative import Sampling, SpecStats, spec_stats, target_greedy, verify_greedy, verify_sample
+from dlm.sampling.common import Clock, Commit, Event, Prompt, Verified, make_generator
+from dlm.sampling.speculative import Sampling, SpecStats, check_lossless_greedy, run_rows, trim, verify
 
 SELF_SPEC = ("self-spec-linear", "self-spec-linear-ar", "self-spec-quadratic")
 DIFFUSION = mdlm.RULES
@@ -69,6 +69,10 @@ class SelfDraft:
         self.name = "self-spec-linear-ar" if ar_first else "self-spec-linear"
         self.cache = None
 
+    def fork(self, cfg) -> SelfDraft:
+        return SelfDraft(self.model, self.mask_id, self.default_block_size,
+                         Sampling(cfg.temperature, cfg.top_k, cfg.top_p), self.ar_first)
+
     def bind(self, cache) -> None:
         self.cache = cache
 
@@ -90,10 +94,7 @@ class SelfDraft:
             logits = self.model(block, pos=pos, cache=self.cache, mask="full", write=False).logits[0, 1:]  # (k, V)
         self.forwards += 1
         logits[:, self.mask_id] = float("-inf")
-        if self.sampling.temperature == 0:
-            return logits.argmax(-1), None
-        q = self.sampling.probs(logits)
-        return sample_from(q, self.sampling.gen), q
+        return self.sampling.draw(logits)
 
     def accept(self, ids: Tensor, feats: Tensor | None) -> None:
         pass
@@ -125,24 +126,15 @@ def quadratic(model: Transformer, prompt: Sequence[int], *, block_size: int, max
         logits = model(ids[None], pos=pos, cache=cache, mask=quadratic_self_spec_mask(m, L, c, dev)).logits[0]  # (Q, V)
         stats.forwards += 1
         ar_logits = logits[:m + 1]  # (m+1, V): the AR mode's next-token logits after d_0 .. d_i
-        if sampling.temperature == 0:
-            n, bonus = verify_greedy(draft, ar_logits)
-        else:
-            n, bonus = verify_sample(draft, sampling.probs(ar_logits), q, sampling.gen)
+        n, bonus = verify(draft, ar_logits, q, sampling)
         cache.crop(c + n + 1)  # keep d_0 .. d_n (d_0 was committed before, d_1 .. d_n now)
         slots = logits[m + 1:].view(m + 1, L, -1)[n, 1:]  # (L-1, V): row n drafts the block after the bonus
         slots[:, mask_id] = float("-inf")
-        if sampling.temperature == 0:
-            draft, q = slots.argmax(-1), None
-        else:
-            q = sampling.probs(slots)
-            draft = sample_from(q, sampling.gen)
+        draft, q = sampling.draw(slots)
         if clock is not None:
             stats.verify_seconds += clock.elapsed() - t0
             clock.mark_first()
-        committed = (firsts[1:n + 1].tolist() + [bonus])[:max_new_tokens - new]
-        if eos_id is not None and eos_id in committed:
-            committed = committed[:committed.index(eos_id) + 1]
+        committed = trim(firsts[1:n + 1].tolist() + [bonus], max_new_tokens - new, eos_id)
         stats.add(len(committed))
         new += len(committed)
         yield Verified(firsts[1:].tolist(), n, row=row)
@@ -172,25 +164,10 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg) -> Iterator[Event
         drafter = SelfDraft(model, tok.mask_id, B, sampling, ar_first=sampler == "self-spec-linear-ar")
         return speculative.stream(model, ck, prompts, cfg.replace(block_size=B), drafter)
     ar.check_options(model, prompts, cfg, "self-speculation")
-    if cfg.check_lossless and cfg.temperature > 0:
-        raise DlmError("--check-lossless compares greedy outputs token for token: use --temperature 0")
-    return _quadratic_run(model, ck, [p.ids for p in prompts], B, sampling, cfg)
+    check_lossless_greedy(cfg)
 
+    def rows(b: int, p: list[int], spec: SpecStats, clock: Clock) -> Iterator[Event]:
+        return quadratic(model, p, block_size=B, max_new_tokens=cfg.max_new_tokens, mask_id=tok.mask_id,
+                         sampling=sampling, eos_id=tok.eos_id, row=b, stats=spec, clock=clock)
 
-def _quadratic_run(model, ck, ids: list[list[int]], B: int, sampling: Sampling, cfg) -> Iterator[Event]:
-    tok = ck.tokenizer
-    spec = SpecStats()
-    clock = Clock()
-    outputs: list[list[int]] = [[] for _ in ids]
-    for b, p in enumerate(ids):
-        for ev in quadratic(model, p, block_size=B, max_new_tokens=cfg.max_new_tokens, mask_id=tok.mask_id,
-                            sampling=sampling, eos_id=tok.eos_id, row=b, stats=spec, clock=clock):
-            if isinstance(ev, Commit):
-                outputs[b].extend(ev.tokens)
-            yield ev
-    stats: Stats = spec_stats(spec, "self-spec-quadratic", B, sum(len(o) for o in outputs), 0)
-    done = clock.finish(stats)
-    if cfg.check_lossless:
-        stats.extra["lossless"] = all(o == target_greedy(model, p, cfg.max_new_tokens, tok.eos_id)
-                                      for o, p in zip(outputs, ids))
-    yield done
+    return run_rows(model, ck, [p.ids for p in prompts], cfg, rows, "self-spec-quadratic", B)

@@ -33,20 +33,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterator, Protocol, Sequence
 
 import torch
 from torch import Tensor
 
-from dlm.checkpoint import load_model, open_checkpoint
-from dlm.drafter import check_target
 from dlm.errors import DlmError, check
 from dlm.masks import dflash_draft_mask
-from dlm.model import Transformer
+from dlm.model import KVCache, Transformer
 from dlm.sampling import ar
 from dlm.sampling.common import (
-    Clock, Commit, Event, Prompt, Stats, Verified, make_generator, probs_from_logits, sample_from,
+    Clock, Commit, Event, Prompt, Stats, Verified, draw, make_generator, probs_from_logits, sample_from,
 )
 
 AR_DRAFT_BLOCK = 5  # default block of an AR draft model: 4 proposals + the bonus
@@ -59,22 +56,10 @@ OPTIONS = frozenset({"temperature", "top_k", "top_p", "block_size", "draft", "dr
 DRAFTER_OPTIONS = {"draft_passes": ("dflash", "a DFlash drafter"), "lookup_ngram": ("lookup", "prompt lookup")}
 
 
-class Drafter(Protocol):
-    taps: tuple[int, ...]
-    kind: str  # lookup | ar | dflash | self: which of DRAFTER_OPTIONS it reads
-    name: str
-    default_block_size: int
-    forwards: int  # forward passes of the drafter's model so far
-
-    def reset(self, prompt: Tensor, feats: Tensor | None) -> None: ...
-
-    def propose(self, seq: Tensor, k: int) -> tuple[Tensor, Tensor | None]: ...
-
-    def accept(self, ids: Tensor, feats: Tensor | None) -> None: ...
-
-
 @dataclass
 class Sampling:
+    """The distribution of a call (temperature, top-k, top-p) and its random stream."""
+
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -82,6 +67,39 @@ class Sampling:
 
     def probs(self, logits: Tensor) -> Tensor:
         return probs_from_logits(logits, self.temperature, self.top_k, self.top_p)
+
+    def draw(self, logits: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Tokens from logits (…, V) and their draft probabilities (None: greedy, one-hot)."""
+        return draw(logits, self.temperature, self.top_k, self.top_p, self.gen)
+
+
+class Drafter(Protocol):
+    """What the verifier needs of a drafter (every kind: prompt lookup, an AR draft model, DFlash, self-speculation).
+
+    Built once from a checkpoint by dlm.drafters.load_drafter (the sampler reads nothing from disk); `fork` gives
+    each request a drafter of its own that shares the loaded weights."""
+
+    taps: tuple[int, ...]  # target layers whose outputs it reads (() for none)
+    kind: str  # lookup | ar | dflash | self: which of DRAFTER_OPTIONS it reads
+    name: str
+    default_block_size: int
+    forwards: int  # forward passes of the drafter's model so far
+    sampling: Sampling  # the distribution it proposes from: the verifier sets the call's before the first cycle
+
+    def bind(self, cache: KVCache) -> None:
+        """The target's KV cache of this sequence (self-speculation drafts over it; the others ignore it)."""
+
+    def reset(self, prompt: Tensor, feats: Tensor | None) -> None:
+        """A new sequence: prompt ids (P,), the target's taps over it (P, F) or None."""
+
+    def propose(self, seq: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
+        """Committed ids (S,) -> up to k proposals (k',) and their probabilities (k', V) or None (one-hot)."""
+
+    def accept(self, ids: Tensor, feats: Tensor | None) -> None:
+        """The verified positions that stay: the last committed token and the accepted proposals, with taps."""
+
+    def fork(self, cfg) -> Drafter:
+        """A fresh drafter for a request with these SampleConfig options, sharing this one's weights."""
 
 
 # drafters -------------------------------------------------------------------------------------------
@@ -102,6 +120,13 @@ class PromptLookup:
         self.forwards = 0
         self.default_block_size = LOOKUP_BLOCK
         self.name = f"lookup (n<={max_ngram})"
+        self.sampling = Sampling()
+
+    def fork(self, cfg) -> PromptLookup:
+        return PromptLookup(cfg.lookup_ngram, self.min_ngram)
+
+    def bind(self, cache: KVCache) -> None:
+        pass
 
     def reset(self, prompt: Tensor, feats: Tensor | None) -> None:
         pass
@@ -133,6 +158,12 @@ class ARDraft:
         self.default_block_size = AR_DRAFT_BLOCK
         self.name = name
 
+    def fork(self, cfg) -> ARDraft:
+        return ARDraft(self.model, Sampling(cfg.temperature, cfg.top_k, cfg.top_p), self.capacity, self.name)
+
+    def bind(self, cache: KVCache) -> None:
+        pass
+
     def reset(self, prompt: Tensor, feats: Tensor | None) -> None:
         self.cache = self.model.new_cache(1, self.capacity)
 
@@ -144,11 +175,8 @@ class ARDraft:
         for i in range(k):
             logits = self.model(x, cache=self.cache).logits[0, -1]  # (V,)
             self.forwards += 1
-            if self.sampling.temperature == 0:
-                t = logits.argmax()
-            else:
-                q = self.sampling.probs(logits)
-                t = sample_from(q, self.sampling.gen)
+            t, q = self.sampling.draw(logits)
+            if q is not None:
                 qs.append(q)
             toks.append(t)
             x = t.view(1, 1)
@@ -173,6 +201,13 @@ class DFlashDraft:
         self.default_block_size = drafter.block_size
         self.name = name
 
+    def fork(self, cfg) -> DFlashDraft:
+        return DFlashDraft(self.d, self.target, Sampling(cfg.temperature, cfg.top_k, cfg.top_p), self.capacity,
+                           cfg.draft_passes, self.name)
+
+    def bind(self, cache: KVCache) -> None:
+        pass
+
     def _feats(self, ids: Tensor, feats: Tensor | None) -> Tensor:
         if self.d.target_features:
             return self.d.norm_last(self.target, feats[None])  # (1, n, F)
@@ -185,11 +220,7 @@ class DFlashDraft:
     def propose(self, seq: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
         if k == 0:
             return seq[:0], None
-        logits = self.logits(seq, k)
-        if self.sampling.temperature == 0:
-            return logits.argmax(-1), None
-        q = self.sampling.probs(logits)  # (k, V): slots drawn independently
-        return sample_from(q, self.sampling.gen), q
+        return self.sampling.draw(self.logits(seq, k))  # (k,), (k, V): slots drawn independently
 
     def logits(self, seq: Tensor, k: int) -> Tensor:
         """The draft's logits for the k slots after seq's last token (k >= 1); the cache takes the new
@@ -273,6 +304,28 @@ def verify_sample(draft: Tensor, p: Tensor, q: Tensor | None, gen: torch.Generat
     return n, int(sample_from(residual, gen))
 
 
+def verify(draft: Tensor, logits: Tensor, q: Tensor | None, sampling: Sampling) -> tuple[int, int]:
+    """The one verifier: greedy match at temperature 0, speculative sampling above (target logits (k+1, V))."""
+    if sampling.temperature == 0:
+        return verify_greedy(draft, logits)
+    return verify_sample(draft, sampling.probs(logits), q, sampling.gen)
+
+
+def trim(tokens: list[int], room: int, eos_id: int | None) -> list[int]:
+    """A cycle's committed tokens, cut to the room left and after an end of text."""
+    tokens = tokens[:room]
+    if eos_id is not None and eos_id in tokens:
+        tokens = tokens[:tokens.index(eos_id) + 1]
+    return tokens
+
+
+def check_lossless_greedy(cfg) -> None:
+    """--check-lossless compares greedy outputs: refused with sampling."""
+    if cfg.check_lossless and cfg.temperature > 0:
+        raise DlmError("--check-lossless compares greedy outputs token for token: use --temperature 0 "
+                       "(sampling is lossless in distribution, which tests/test_verifier.py checks)")
+
+
 def _taps(out, layers: tuple[int, ...]) -> Tensor | None:
     return torch.cat([out.taps[i][0] for i in layers], dim=-1) if layers else None  # (T, F)
 
@@ -294,8 +347,7 @@ class Speculation:
         self.seq = torch.empty(P + max_new_tokens + block_size + 1, dtype=torch.long, device=dev)
         self.seq[:P] = torch.tensor(list(prompt), dtype=torch.long, device=dev)
         self.S = P  # committed length
-        if hasattr(drafter, "bind"):  # self-speculation drafts over this very cache
-            drafter.bind(self.cache)
+        drafter.bind(self.cache)  # self-speculation drafts over this very cache
 
     def prefill(self) -> int:
         """Run the prompt through the target, hand the drafter its features; the first token."""
@@ -303,9 +355,7 @@ class Speculation:
         ids = self.seq[:self.S]
         out = self.target(ids[None], cache=self.cache, taps=self.drafter.taps)
         self.stats.forwards += 1
-        logits = out.logits[0, -1]
-        tok = int(logits.argmax()) if self.sampling.temperature == 0 else int(
-            sample_from(self.sampling.probs(logits), self.sampling.gen))
+        tok = int(self.sampling.draw(out.logits[0, -1])[0])
         self.drafter.reset(ids, _taps(out, self.drafter.taps))
         _sync(self.target.device)
         self.stats.verify_seconds += time.perf_counter() - t0
@@ -331,10 +381,7 @@ class Speculation:
         block = torch.cat((self.seq[self.S - 1:self.S], draft))[None]  # (1, k+1)
         out = self.target(block, cache=self.cache, taps=self.drafter.taps)
         st.forwards += 1
-        if self.sampling.temperature == 0:
-            n, bonus = verify_greedy(draft, out.logits[0])
-        else:
-            n, bonus = verify_sample(draft, self.sampling.probs(out.logits[0]), q, self.sampling.gen)
+        n, bonus = verify(draft, out.logits[0], q, self.sampling)
         self.cache.crop(self.cache.length - k + n)  # keep the last committed token and the accepted proposals
         feats = _taps(out, self.drafter.taps)
         self.drafter.accept(block[0, :n + 1], feats[:n + 1] if feats is not None else None)
@@ -358,9 +405,7 @@ def speculate(target: Transformer, drafter: Drafter, prompt: Sequence[int], *, b
     yield Commit([tok], row=row)
     while new < max_new_tokens and tok != eos_id:
         draft, n, bonus = spec.cycle(max_new_tokens - new - 1)
-        committed = (draft[:n].tolist() + [bonus])[:max_new_tokens - new]
-        if eos_id is not None and eos_id in committed:
-            committed = committed[:committed.index(eos_id) + 1]
+        committed = trim(draft[:n].tolist() + [bonus], max_new_tokens - new, eos_id)
         stats.add(len(committed))
         spec.commit(committed)
         new += len(committed)
@@ -369,50 +414,9 @@ def speculate(target: Transformer, drafter: Drafter, prompt: Sequence[int], *, b
         yield Commit(committed, row=row)
 
 
-# loading drafters ------------------------------------------------------------------------------------
-
 def drafter_capacity(target: Transformer) -> int:
     """Cache slots a drafter needs for any generation of this target (context + one block + bonus)."""
     return target.cfg.max_seq_len + MAX_BLOCK + 2
-
-
-def load_drafter(spec: str, target: Transformer, ck, sampling: Sampling, passes: int = 1,
-                 lookup_ngram: int = 3) -> Drafter:
-    """'lookup', or a drafter checkpoint folder (a dflash drafter or an AR model) for this target."""
-    if spec == "lookup":
-        return PromptLookup(lookup_ngram)
-    if not Path(spec).is_dir():
-        raise DlmError(f"--draft must be 'lookup' or a drafter checkpoint folder, got {spec!r} (no such folder)")
-    dck = open_checkpoint(spec, "--draft")
-    if dck.tokenizer.sha256 != ck.tokenizer.sha256:
-        raise DlmError(f"--draft {spec}: its tokenizer differs from the target's ({ck.path}); "
-                       "a drafter must share the target's tokenizer")
-    if dck.objective not in ("dflash", "ar"):
-        raise DlmError(f"--draft {spec}: objective {dck.objective!r} cannot draft (dflash and ar checkpoints can)")
-    model, dck = load_model(spec, device=target.device, dtype=target.embed_tokens.weight.dtype, option="--draft")
-    capacity = drafter_capacity(target)
-    if dck.objective == "ar":
-        if model.cfg.vocab_size != target.cfg.vocab_size:
-            raise DlmError(f"--draft {spec}: vocabulary {model.cfg.vocab_size} differs from the target's "
-                           f"{target.cfg.vocab_size}")
-        return ARDraft(model, sampling, capacity, name=f"ar-draft ({Path(spec).name})")
-    check_target(dck.config["dflash"], target, ck.tokenizer.sha256, spec)
-    N = target.cfg.n_layers
-    bad = [i for i in model.layer_ids if not 0 <= i < N]
-    if bad:
-        raise DlmError(f"--draft {spec}: reads target layers {bad}, the target has {N}")
-    return DFlashDraft(model, target, sampling, capacity, passes, name=f"dflash ({Path(spec).name})")
-
-
-def drafter_kind(spec: str) -> str | None:
-    """The kind of drafter `--draft SPEC` names (lookup, ar, dflash), None for a spec that is no drafter."""
-    if spec == "lookup":
-        return "lookup"
-    try:
-        objective = open_checkpoint(spec, "--draft").objective
-    except DlmError:
-        return None
-    return objective if objective in ("ar", "dflash") else None
 
 
 def resolve_block_size(drafter: Drafter, block_size: int | None) -> int:
@@ -432,22 +436,26 @@ def resolve_block_size(drafter: Drafter, block_size: int | None) -> int:
 def stream(model: Transformer, ck, prompts: list[Prompt], cfg, drafter: Drafter | None = None) -> Iterator[Event]:
     """Speculative decoding of an AR target (cfg: SampleConfig): each prompt in turn, one Done at the end.
 
-    `drafter`: one already loaded (it is reset for every prompt), else cfg.draft is loaded.
+    `drafter`: built by dlm.drafters.load_drafter (it is reset for every prompt); the sampler reads nothing from disk.
     """
     if ck.objective not in ("ar", "joint"):
         raise DlmError(f"--draft: speculative decoding verifies with an AR target; {ck.path} is a "
                        f"{ck.objective} checkpoint")
     ar.check_options(model, prompts, cfg, "speculative decoding")
-    if cfg.check_lossless and cfg.temperature > 0:
-        raise DlmError("--check-lossless compares greedy outputs token for token: use --temperature 0 "
-                       "(sampling is lossless in distribution, which tests/test_verifier.py checks)")
-    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, make_generator(cfg.seed, model.device))
+    check_lossless_greedy(cfg)
     if drafter is None:
-        drafter = load_drafter(cfg.draft, model, ck, sampling, cfg.draft_passes, cfg.lookup_ngram)
-    else:
-        drafter.sampling = sampling  # the drafter draws from this call's distribution and random stream
+        raise DlmError("speculative decoding needs a drafter: load one with dlm.drafters.load_drafter")
+    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, make_generator(cfg.seed, model.device))
+    drafter.sampling = sampling  # the drafter draws from this call's distribution and random stream
     block_size = resolve_block_size(drafter, cfg.block_size)
-    return _run(model, ck, drafter, [p.ids for p in prompts], block_size, sampling, cfg)
+
+    def rows(b: int, p: list[int], spec: SpecStats, clock: Clock) -> Iterator[Event]:
+        return speculate(model, drafter, p, block_size=block_size, max_new_tokens=cfg.max_new_tokens,
+                         sampling=sampling, eos_id=ck.tokenizer.eos_id, row=b, stats=spec, clock=clock)
+
+    f0 = drafter.forwards
+    return run_rows(model, ck, [p.ids for p in prompts], cfg, rows, drafter.name, block_size,
+                    lambda: drafter.forwards - f0)
 
 
 def spec_stats(spec: SpecStats, drafter: str, block_size: int, new: int, draft_forwards: int) -> Stats:
@@ -459,23 +467,23 @@ def spec_stats(spec: SpecStats, drafter: str, block_size: int, new: int, draft_f
         "block_size": block_size, "gamma": block_size, "drafter": drafter})  # gamma: the older key
 
 
-def _run(model, ck, drafter, ids, block_size, sampling, cfg) -> Iterator[Event]:
-    tok = ck.tokenizer
+def run_rows(model: Transformer, ck, ids: list[list[int]], cfg, rows, name: str, block_size: int,
+             draft_forwards=lambda: 0) -> Iterator[Event]:
+    """Every prompt through `rows(b, prompt, spec, clock)` (one row's Commit/Verified events), then one Done with
+    the pooled verify statistics; with --check-lossless, whether each output is the target's own greedy output."""
     spec = SpecStats()
     clock = Clock()
-    f0 = drafter.forwards
     outputs: list[list[int]] = [[] for _ in ids]
     for b, p in enumerate(ids):
-        for ev in speculate(model, drafter, p, block_size=block_size, max_new_tokens=cfg.max_new_tokens, sampling=sampling,
-                            eos_id=tok.eos_id, row=b, stats=spec, clock=clock):
+        for ev in rows(b, p, spec, clock):
             if isinstance(ev, Commit):
                 outputs[b].extend(ev.tokens)
             yield ev
-    stats = spec_stats(spec, drafter.name, block_size, sum(len(o) for o in outputs), drafter.forwards - f0)
+    stats = spec_stats(spec, name, block_size, sum(len(o) for o in outputs), draft_forwards())
     done = clock.finish(stats)
     if cfg.check_lossless:
-        stats.extra["lossless"] = all(o == target_greedy(model, p, cfg.max_new_tokens, tok.eos_id)
-                                      for o, p in zip(outputs, ids))
+        eos = ck.tokenizer.eos_id
+        stats.extra["lossless"] = all(o == target_greedy(model, p, cfg.max_new_tokens, eos) for o, p in zip(outputs, ids))
     yield done
 
 

@@ -41,7 +41,8 @@ from dlm.masks import key_valid_mask
 from dlm.model import KVCache, Transformer
 from dlm.sampling import SampleConfig, ar, stream
 from dlm.sampling.common import Commit, Done, Event, Prompt, Stats, make_generator, sample_token
-from dlm.sampling.speculative import ARDraft, DFlashDraft, Drafter, PromptLookup, Sampling, load_drafter
+from dlm.drafters import load_drafter
+from dlm.sampling.speculative import Drafter, Sampling
 
 log = logging.getLogger("dlm.serve")
 
@@ -138,18 +139,6 @@ def _count_forward(module, args, output) -> None:
     _counts.forwards = getattr(_counts, "forwards", 0) + 1
 
 
-def fresh_drafter(base: Drafter, cfg: SampleConfig) -> Drafter:
-    """A drafter of its own for one request, sharing the loaded drafter model (drafters hold per-sequence state)."""
-    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
-    if isinstance(base, DFlashDraft):
-        return DFlashDraft(base.d, base.target, sampling, base.capacity, cfg.draft_passes, base.name)
-    if isinstance(base, ARDraft):
-        return ARDraft(base.model, sampling, base.capacity, base.name)
-    if isinstance(base, PromptLookup):
-        return PromptLookup(cfg.lookup_ngram)
-    raise TypeError(f"unknown drafter {type(base).__name__}")
-
-
 @dataclass
 class Served:
     """One model id: a checkpoint, its paradigm, and how it runs."""
@@ -219,7 +208,7 @@ class Engine:
 
     def validate(self, served: Served, prompts: list[Prompt], cfg: SampleConfig) -> None:
         """The sampler's own checks of these options (DlmError, before any work)."""
-        drafter = fresh_drafter(served.drafter, cfg) if served.drafter is not None else None
+        drafter = served.drafter.fork(cfg) if served.drafter is not None else None
         gen = stream(served.model, served.ck, prompts, cfg, drafter=drafter)
         gen.close()
 
@@ -252,7 +241,7 @@ class Engine:
             for i, row in enumerate(job.rows):
                 if job.cancelled.is_set():
                     break
-                drafter = fresh_drafter(served.drafter, row.cfg) if served.drafter is not None else None
+                drafter = served.drafter.fork(row.cfg) if served.drafter is not None else None
                 events = stream(served.model, served.ck, [row.prompt], row.cfg, drafter=drafter)
                 try:
                     for ev in events:
