@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -419,6 +420,20 @@ def check_config(cfg: dict[str, Any], source: Path) -> None:
         if cfg.get("objective") == "usdm" and not mc.self_cond:
             raise DlmError(f"{source}: a usdm checkpoint's model has the self-conditioning module (model.self_cond: "
                            "true)")
+
+
+def checkpoints_dir() -> Path:
+    """Where the shipped reference checkpoints live ($DLM_CHECKPOINTS, else the repository's checkpoints/)."""
+    env = os.environ.get("DLM_CHECKPOINTS")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "checkpoints"
+
+
+def shipped(name: str) -> Path | None:
+    """The shipped reference checkpoint of this name (a plain folder name: ar-small, mdlm-small, ...), if present."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name or ""):
+        return None
+    p = checkpoints_dir() / name
+    return p if (p / "config.json").is_file() else None
 
 
 def open_checkpoint(path: str | os.PathLike, option: str = "--model") -> Checkpoint:

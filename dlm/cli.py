@@ -361,7 +361,7 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
             per forward against block size (.blocks.png beside --out)
     """
     from dlm.bench import run_bench
-    from dlm.demo import shipped
+    from dlm.checkpoint import shipped
 
     def default(given: str | None, name: str) -> str | None:
         if given is not None:

@@ -2,26 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import re
 import time
-from pathlib import Path
 
+from dlm.checkpoint import checkpoints_dir, shipped
 from dlm.errors import DlmError
-
-
-def checkpoints_dir() -> Path:
-    """Where the shipped reference checkpoints live ($DLM_CHECKPOINTS, else the repository's checkpoints/)."""
-    env = os.environ.get("DLM_CHECKPOINTS")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "checkpoints"
-
-
-def shipped(name: str) -> Path | None:
-    """The shipped reference checkpoint of this name (a plain folder name: ar-small, mdlm-small, ...), if present."""
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name or ""):
-        return None
-    p = checkpoints_dir() / name
-    return p if (p / "config.json").is_file() else None
 
 
 def run_demo(prompts: int = 3, max_new_tokens: int = 48, bench_prompts: int = 4, temperature: float = 0.7,

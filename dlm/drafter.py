@@ -190,16 +190,6 @@ class DFlashDrafter(nn.Module):
         return KVCache(self.cfg.n_layers, 1, self.cfg.n_kv_heads, capacity, self.cfg.head_dim, p.device,
                        dtype or p.dtype)
 
-    def draft_mask(self, cache_len: int, n_ctx: int, T: int) -> str | Tensor:
-        """Inference mask: the block sees everything; for "input" the new ctx rows are causal."""
-        if self.injection == "kv" or n_ctx == 0:
-            return "full"
-        S = cache_len + n_ctx + T
-        dev = self.fc.weight.device
-        q = torch.arange(n_ctx + T, device=dev)[:, None]
-        k = torch.arange(S, device=dev)[None, :]
-        return (k <= q + cache_len) | (q >= n_ctx)  # (n_ctx + T, S)
-
 
 def build_drafter(config: dict[str, Any]) -> DFlashDrafter:
     """The drafter a dflash checkpoint's config.json describes (weights not loaded)."""

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dlm.checkpoint import Checkpoint, load_model, open_checkpoint
+from dlm.checkpoint import Checkpoint, load_model, open_checkpoint, shipped
 from dlm.data.corpus import Corpus
 from dlm.data.tokens import Batches, load_tokens
 from dlm.errors import DlmError
@@ -77,8 +77,6 @@ def resolve_reference(ck: Checkpoint, reference: str | None) -> tuple[Checkpoint
         if ref.tokenizer.sha256 != ck.tokenizer.sha256:
             raise DlmError(f"--reference {reference}: its tokenizer differs from {ck.path}'s (must be shared)")
         return ref, ""
-    from dlm.demo import shipped
-
     recorded = ck.config.get("train", {}).get("init_from")
     by_name = shipped(recorded) if recorded else None
     note = "" if not recorded or by_name else (f"{ck.path} records --init-from {recorded}, a path, which is not "

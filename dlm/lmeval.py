@@ -79,7 +79,8 @@ class DlmLM(LM):
             logp = torch.log_softmax(logits, -1)
             target = ids[0, n:]
             return float(logp.gather(1, target[:, None]).sum()), bool((logits.argmax(-1) == target).all())
-        from dlm.objectives.mdlm import block_causal_mask, elbo_nll, masked_logits
+        from dlm.masks import block_causal_mask
+        from dlm.objectives.mdlm import elbo_nll, masked_logits
 
         mask_id = self.tok.mask_id
         fixed = torch.zeros_like(ids, dtype=torch.bool)

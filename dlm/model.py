@@ -11,7 +11,8 @@ One code path serves every way the paradigms run it:
 - extra context features whose K/V every layer prepends (the DFlash drafter)  ctx=..., ctx_pos=...
 
 Keys seen by the queries are laid out as [cache[:L0] ; ctx (C) ; x (T)]. A boolean mask is
-True where attention is allowed and has shape broadcastable to (B, 1, T, L0 + C + T).
+True where attention is allowed and has shape broadcastable to (B, 1, T, L0 + C + T); every mask
+of every paradigm is built in dlm.masks.
 
 Parameter names match transformers' Qwen3/Llama modules (without the `model.` prefix), so
 import/export is a rename (dlm.hf).
@@ -31,8 +32,7 @@ from torch import Tensor, nn
 from dlm import gemma4
 from dlm.config import ModelConfig
 from dlm.errors import DlmError
-
-Mask = str | Tensor  # "causal" | "full" | bool tensor
+from dlm.masks import Mask, sdpa_mask
 
 
 class RMSNorm(nn.Module):
@@ -254,27 +254,6 @@ class Output:
     taps: dict[int, Tensor] = field(default_factory=dict)  # layer index -> output of that layer (B, T, D)
 
 
-def build_mask(mask: Mask, T: int, S: int, device: torch.device) -> tuple[Tensor | None, bool]:
-    """Resolve a mask spec into what SDPA takes: (bool mask or None, is_causal)."""
-    if isinstance(mask, Tensor):
-        if mask.dtype != torch.bool:
-            raise ValueError(f"attention mask must be bool, got {mask.dtype}")
-        if mask.shape[-2:] != (T, S):
-            raise ValueError(f"attention mask must end in (T={T}, S={S}), got {tuple(mask.shape)}")
-        while mask.dim() < 4:
-            mask = mask.unsqueeze(0) if mask.dim() < 3 else mask.unsqueeze(1)
-        return mask, False
-    if mask == "full" or (mask == "causal" and T == 1):
-        return None, False
-    if mask == "causal":
-        if S == T:
-            return None, True
-        # query i (key index S - T + i) sees every key up to itself
-        q_idx = torch.arange(T, device=device)[:, None] + (S - T)
-        return torch.arange(S, device=device)[None, :] <= q_idx, False
-    raise ValueError(f"mask must be 'causal', 'full' or a bool tensor, got {mask!r}")
-
-
 def run_blocks(
     blocks: Sequence[Block], inv_freq: Tensor, x: Tensor, *, pos: Tensor | None = None,
     cache: KVCache | None = None, mask: Mask = "causal", write: bool = True,
@@ -294,7 +273,7 @@ def run_blocks(
         if ctx_pos is None:
             raise ValueError("ctx needs ctx_pos")
         ctx_rope = rope_cos_sin(inv_freq, ctx_pos if ctx_pos.dim() == 2 else ctx_pos[None], x.dtype)
-    attn_mask, is_causal = build_mask(mask, T, L0 + C + T, x.device)
+    attn_mask, is_causal = sdpa_mask(mask, T, L0 + C + T, x.device)
     out_taps: dict[int, Tensor] = {}
     for i, block in enumerate(blocks):
         x = block(x, rope, attn_mask, is_causal, cache, i, write, ctx, ctx_rope)
@@ -432,7 +411,7 @@ class Transformer(nn.Module):
                 x = x + self.grid_embed(pos)
         if self.cfg.arch:
             x, out_taps = gemma4.run_blocks(self, x, pos=pos, cache=cache, mask=mask, write=write, ctx=ctx, taps=taps,
-                                            resolve_mask=build_mask)
+                                            resolve_mask=sdpa_mask)
         else:
             x, out_taps = run_blocks(self.layers, self.inv_freq, x, pos=pos, cache=cache, mask=mask, write=write,
                                      ctx=ctx, ctx_pos=ctx_pos, taps=taps)

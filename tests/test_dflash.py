@@ -11,9 +11,10 @@ import torch
 from dlm.checkpoint import load_model
 from dlm.config import ModelConfig
 from dlm.errors import DlmError
+from dlm.masks import dflash_draft_mask, dflash_train_mask
 from dlm.model import Transformer
 from dlm.drafter import DFlashDrafter, default_draft_layers, target_layer_ids
-from dlm.objectives.dflash import DFlash, gamma_w, multi_block_mask, slot_weights
+from dlm.objectives.dflash import DFlash, gamma_w, slot_weights
 from dlm.sampling.speculative import DFlashDraft, Sampling, SpecStats, Speculation, _taps, speculate, target_greedy
 from conftest import assert_greedy_continuation, run_cli, tiny_train_config
 
@@ -70,21 +71,21 @@ def test_multi_block_training_equals_one_block_at_a_time(injection):
         block = torch.full((B, A, g), d.mask_id)
         block[:, :, 0] = batch.gather(1, anchors)
         x = tgt.embed_tokens(block.view(B, A * g))
-        mask = multi_block_mask(anchors, 30, g, causal_ctx=injection == "input")
+        mask = dflash_train_mask(anchors, 30, g, causal_ctx=injection == "input")
         h = d(x, ctx, pos=idx.view(B, -1), ctx_pos=torch.arange(30), mask=mask).view(B, A, g, -1)
         for b in range(B):
             for a in range(A):
                 p = int(anchors[b, a])
                 xa = x[b:b + 1, a * g:(a + 1) * g]
                 cache = d.new_cache(64)
-                m = d.draft_mask(0, p, g)
+                m = dflash_draft_mask(d.injection, 0, p, g, "cpu")
                 ref = d(xa, ctx[b:b + 1, :p] if p else None, idx[b, a], torch.arange(p), cache=cache, mask=m)
                 assert torch.allclose(ref[0], h[b, a], atol=1e-10), (b, a)
                 assert cache.length == p  # only context K/V persist
 
 
 def test_mask_blocks_see_context_strictly_before_their_anchor_and_not_each_other():
-    m = multi_block_mask(torch.tensor([[2, 5]]), 8, 3)[0, 0]  # (6, 8 + 6)
+    m = dflash_train_mask(torch.tensor([[2, 5]]), 8, 3)[0, 0]  # (6, 8 + 6)
     assert m.shape == (6, 14)
     assert m[0, :8].tolist() == [True, True] + [False] * 6
     assert m[3, :8].tolist() == [True] * 5 + [False] * 3
@@ -114,7 +115,7 @@ def test_incremental_drafting_matches_a_fresh_forward(injection, features):
             ctx = d.context(d.features(tgt, seq[None, :start], {i: full.taps[i][:, :start] for i in d.layer_ids}))
             block = torch.full((1, 6), d.mask_id)
             block[0, 0] = seq[start]
-            mask = multi_block_mask(torch.tensor([[start]]), start, 6, causal_ctx=injection == "input")
+            mask = dflash_train_mask(torch.tensor([[start]]), start, 6, causal_ctx=injection == "input")
             h = d(tgt.embed_tokens(block), ctx, pos=torch.arange(start, start + 6)[None], ctx_pos=torch.arange(start),
                   mask=mask)
             assert toks.tolist() == tgt.lm_head(h[0, 1:]).argmax(-1).tolist()

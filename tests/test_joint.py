@@ -15,11 +15,12 @@ from conftest import assert_greedy_continuation, random_transformer, run_cli, ti
 from dlm.checkpoint import load_model
 from dlm.config import ModelConfig
 from dlm.errors import DlmError
+from dlm.masks import joint_train_mask, quadratic_self_spec_mask
 from dlm.model import Transformer
-from dlm.objectives.joint import Joint, joint_mask
+from dlm.objectives.joint import Joint
 from dlm.sampling import SampleConfig, generate
 from dlm.sampling.common import Commit, Verified
-from dlm.sampling.joint import SelfDraft, quadratic, quadratic_mask
+from dlm.sampling.joint import SelfDraft, quadratic
 from dlm.sampling.speculative import Sampling, SpecStats, speculate, target_greedy
 
 PROMPTS = ["def parse(self, text):\n    result = []\n", "import os\nimport sys\n\n\ndef main(", "class A:\n    def "]
@@ -43,7 +44,7 @@ def random_model(seed: int, vocab: int = 24, dim: int = 32, layers: int = 2) -> 
 
 
 def test_the_mask_drawn_in_the_docs():
-    m = joint_mask(6, 3).int()
+    m = joint_train_mask(6, 3).int()
     noisy, clean = m[:6], m[6:]
     assert noisy[:3].tolist() == [[1, 1, 1, 0, 0, 0] + [0] * 6] * 3
     assert noisy[3:].tolist() == [[0, 0, 0, 1, 1, 1] + [1, 1, 1, 0, 0, 0]] * 3
@@ -60,11 +61,11 @@ def test_clean_half_is_the_ar_model_and_noisy_blocks_see_no_later_clean_token(co
     xt[:, ::2] = 3  # some masks
     pos = torch.arange(T).repeat(2)
     with torch.no_grad():
-        out = m(torch.cat([xt, x0], 1), pos=pos, mask=joint_mask(T, L)).logits
+        out = m(torch.cat([xt, x0], 1), pos=pos, mask=joint_train_mask(T, L)).logits
         assert torch.allclose(out[:, T:], m(x0).logits, atol=1e-10)
         x1 = x0.clone()
         x1[:, 4:] = (x1[:, 4:] + 1) % 20  # change the clean tokens of blocks 1 and 2
-        out1 = m(torch.cat([xt, x1], 1), pos=pos, mask=joint_mask(T, L)).logits
+        out1 = m(torch.cat([xt, x1], 1), pos=pos, mask=joint_train_mask(T, L)).logits
     assert torch.allclose(out[:, :8], out1[:, :8], atol=1e-10)  # noisy blocks 0, 1: same
     assert not torch.allclose(out[:, 8:T], out1[:, 8:T])  # noisy block 2 reads clean block 1
 
@@ -193,7 +194,7 @@ def test_draft_blocks_train_the_view_they_decode_from(corpus_dir, tokenizer_path
                 cache = m.new_cache(1, 64)
                 m(x0[r:r + 1, :b * L], cache=cache)
                 causal = ar_first and bool(draft[r, b])
-                sees = quadratic_mask(0, L - 1, cache.length, torch.device("cpu")) if causal else "full"
+                sees = quadratic_self_spec_mask(0, L - 1, cache.length, torch.device("cpu")) if causal else "full"
                 ref = m(xt[r:r + 1, b * L:(b + 1) * L], pos=b * L + torch.arange(L), cache=cache, mask=sees,
                         write=False, head=False).last[0]
                 assert torch.allclose(h_noisy[r, b * L:(b + 1) * L], ref, atol=1e-10), (r, b)
@@ -271,7 +272,7 @@ def test_quadratic_rows_are_the_ar_logits_and_linear_drafts():
         c = cache.length
         ids = torch.tensor(d + [3] * (len(d) * L))
         pos = torch.cat([c + torch.arange(len(d)), (c + 1 + torch.arange(len(d)))[:, None].add(torch.arange(L)).flatten()])
-        out = m(ids[None], pos=pos, cache=cache, mask=quadratic_mask(m_, L, c, torch.device("cpu"))).logits[0]
+        out = m(ids[None], pos=pos, cache=cache, mask=quadratic_self_spec_mask(m_, L, c, torch.device("cpu"))).logits[0]
         ar = m(torch.tensor([prefix + d])).logits[0, len(prefix):]
         assert torch.allclose(out[:len(d)], ar, atol=1e-10)
         for i in range(len(d)):

@@ -62,7 +62,8 @@ def test_mdlm_loglikelihood_is_the_conditional_elbo():
     (ll, greedy), = lm.loglikelihood([req("loglikelihood", ctx, tok.decode(cont_ids))])
     ids = tok.encode(ctx) + cont_ids
     x = torch.tensor([ids[:-1] + [tok.mask_id]])
-    from dlm.objectives.mdlm import block_causal_mask, masked_logits
+    from dlm.masks import block_causal_mask
+    from dlm.objectives.mdlm import masked_logits
 
     L = lm.ck.block_size
     with torch.inference_mode():

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from conftest import random_transformer
 from dlm.config import ModelConfig
+from dlm.masks import dflash_draft_mask
 from dlm.model import Transformer
 from dlm.objectives.ar import AR
 from dlm.drafter import DFlashDrafter
@@ -142,7 +143,7 @@ def test_dflash_loss_by_hand(injection, features, every):
                 block = torch.tensor([[int(batch[b, a])] + [MASK] * (g - 1)])
                 ctx = d.context(feats[b:b + 1, :a]) if a else None
                 h = d(target.embed_tokens(block), ctx, torch.arange(a, a + g), torch.arange(a),
-                      mask=d.draft_mask(0, a, g))  # "input": the context rows causal, the block sees all
+                      mask=dflash_draft_mask(d.injection, 0, a, g, "cpu"))  # "input": context rows causal, block all
                 logits = target.lm_head(h[0, 1:]).double()
                 labels = batch[b, a + 1:a + g]
                 blocks.append((F.cross_entropy(logits, labels, reduction="none") * w.double()).sum())
@@ -221,7 +222,7 @@ def test_dflash_loss_reads_responses_only(gap):
             for a in valid[b]:
                 block = torch.tensor([[int(batch[b, a])] + [MASK] * (g - 1)])
                 h = d(target.embed_tokens(block), d.context(feats[b:b + 1, :a]) if a else None,
-                      torch.arange(a, a + g), torch.arange(a), mask=d.draft_mask(0, a, g))
+                      torch.arange(a, a + g), torch.arange(a), mask=dflash_draft_mask(d.injection, 0, a, g, "cpu"))
                 ce = F.cross_entropy(target.lm_head(h[0, 1:]).double(), batch[b, a + 1:a + g], reduction="none")
                 keep = sup[b, a + 1:a + g].int().cumprod(0).double()
                 blocks.append((ce * w.double() * keep).sum())

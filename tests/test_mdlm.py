@@ -15,9 +15,10 @@ from conftest import run_cli, tiny_train_config
 from dlm.checkpoint import load_model
 from dlm.config import preset
 from dlm.errors import DlmError
+from dlm.masks import block_causal_mask, block_diffusion_train_mask
 from dlm.model import Transformer
 from dlm.objectives.mdlm import (
-    MDLM, block_causal_mask, block_diffusion_mask, elbo_nll, noisy_hidden, stratified_t,
+    MDLM, elbo_nll, noisy_hidden, stratified_t,
 )
 from dlm.sampling import SampleConfig, generate
 from dlm.sampling.common import Commit, Step
@@ -65,7 +66,7 @@ def test_loss_falls_and_meta(tiny_mdlm):
 
 
 def test_block_diffusion_mask_by_hand():
-    m = block_diffusion_mask(4, 2).int().tolist()
+    m = block_diffusion_train_mask(4, 2).int().tolist()
     # rows: noisy 0..3, clean 0..3; columns: noisy 0..3, clean 0..3
     assert m == [
         [1, 1, 0, 0, 0, 0, 0, 0],  # noisy block 0: itself only

@@ -5,7 +5,8 @@ import torch
 
 from dlm.config import ModelConfig, preset
 from dlm.errors import DlmError
-from dlm.model import Transformer, build_mask
+from dlm.masks import sdpa_mask
+from dlm.model import Transformer
 
 V = 97
 
@@ -84,7 +85,7 @@ def test_bool_mask_shapes_and_causal_equivalence():
     with pytest.raises(ValueError):
         m(x, mask=torch.ones(3, 3, dtype=torch.bool))
     with pytest.raises(ValueError):
-        build_mask("sideways", 2, 2, torch.device("cpu"))
+        sdpa_mask("sideways", 2, 2, torch.device("cpu"))
 
 
 def test_crop_rolls_back_the_cache():

@@ -528,7 +528,7 @@ def test_a_recorded_reference_path_is_not_followed(paradigms, tiny_ar, corpus_di
 
 
 def test_a_reference_name_must_be_a_plain_shipped_name(monkeypatch, tmp_path):
-    from dlm.demo import shipped
+    from dlm.checkpoint import shipped
 
     monkeypatch.setenv("DLM_CHECKPOINTS", str(tmp_path / "ckpts"))
     (tmp_path / "ckpts" / "ar-small").mkdir(parents=True)

@@ -346,7 +346,7 @@ def _cli(*args):
 
 
 def _shipped(name):
-    from dlm.demo import shipped
+    from dlm.checkpoint import shipped
 
     p = shipped(name)
     if p is None:

@@ -4,7 +4,7 @@ The drafter itself (the model) is dlm.drafter. Training: the frozen target runs 
 its own generations (`dlm distill`), anchors are drawn at random positions, each anchor starts a
 block whose labels are the next B-1 tokens, and all blocks of a window are trained in one forward
 under a mask where a block sees the context strictly before its anchor and itself
-(`multi_block_mask`). The loss at slot k is weighted exp(-(k-1)/gamma_w), normalised.
+(`dlm.masks.dflash_train_mask`). The loss at slot k is weighted exp(-(k-1)/gamma_w), normalised.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dlm.drafter import (
     target_fingerprint, target_layer_ids,
 )
 from dlm.errors import DlmError, check
+from dlm.masks import dflash_train_mask
 from dlm.model import run_blocks
 from dlm.objectives.base import ALL, Objective, share
 
@@ -39,27 +40,6 @@ def slot_weights(block_size: int, device: torch.device | str = "cpu") -> Tensor:
     k = torch.arange(1, block_size, dtype=torch.float32, device=device)
     w = torch.exp(-(k - 1) / gamma_w(block_size))
     return w / w.sum()
-
-
-def multi_block_mask(anchors: Tensor, n_ctx: int, block_size: int, causal_ctx: bool = False) -> Tensor:
-    """Attention mask of many blocks trained in one forward.
-
-    anchors (B, A): each block's first position. Keys are [ctx (n_ctx) ; blocks (A*block_size)].
-    A block's queries see the context strictly before its anchor and the block itself, no other
-    block. With causal_ctx (input-only injection) the context positions are queries too, causal
-    among themselves, and come first. Returns bool (B, 1, Q, n_ctx + A*block_size).
-    """
-    B, A = anchors.shape
-    dev = anchors.device
-    which = torch.arange(A, device=dev).repeat_interleave(block_size)  # (A*g,) block of each slot
-    ctx_ok = torch.arange(n_ctx, device=dev)[None, None, :] < anchors.repeat_interleave(block_size, 1)[:, :, None]
-    own = (which[:, None] == which[None, :]).expand(B, -1, -1)  # (B, A*g, A*g)
-    rows = torch.cat((ctx_ok, own), dim=-1)  # (B, A*g, C + A*g)
-    if causal_ctx:
-        causal = torch.ones(n_ctx, n_ctx, dtype=torch.bool, device=dev).tril()
-        ctx_rows = torch.cat((causal, torch.zeros(n_ctx, A * block_size, dtype=torch.bool, device=dev)), dim=-1)
-        rows = torch.cat((ctx_rows.expand(B, -1, -1), rows), dim=1)
-    return rows[:, None]
 
 
 # the objective ------------------------------------------------------------------------------------
@@ -169,7 +149,7 @@ class DFlash(Objective):
         labels = batch.gather(1, idx[:, :, 1:].reshape(B, -1)).view(B, A, g - 1)
         with torch.no_grad():
             x = tgt.embed_tokens(block.view(B, A * g))  # (B, A*g, D)
-        mask = multi_block_mask(anchors, T1, g, causal_ctx=model.injection == "input")
+        mask = dflash_train_mask(anchors, T1, g, causal_ctx=model.injection == "input")
         h = model(x, ctx, pos=idx.view(B, A * g), ctx_pos=torch.arange(T1, device=dev), mask=mask)
         h = h.view(B, A, g, -1)[:, :, 1:]  # (B, A, g-1, D): slot 0 is the anchor, unsupervised
         logits = tgt.lm_head(h).float()  # (B, A, g-1, V)

@@ -47,18 +47,10 @@ from torch import Tensor, nn
 
 from dlm.config import TrainConfig, block_size_of
 from dlm.errors import DlmError, check
+from dlm.masks import joint_train_mask
 from dlm.noise import mask_corrupt
 from dlm.objectives.base import ALL, Objective, share
-from dlm.objectives.mdlm import block_ids, masked_logits, stratified_t
-
-def joint_mask(T: int, L: int, device: torch.device | str = "cpu") -> Tensor:
-    """(2T, 2T) bool attention mask over [x_t | x_0] (True = may attend)."""
-    blk = block_ids(T, L, device)
-    q, k = blk[:, None], blk[None, :]
-    noisy = torch.cat([q == k, q > k], dim=1)  # (T, 2T): own noisy block; clean blocks strictly before
-    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    clean = torch.cat([torch.zeros(T, T, dtype=torch.bool, device=device), causal], dim=1)  # the AR half
-    return torch.cat([noisy, clean], dim=0)
+from dlm.objectives.mdlm import masked_logits, stratified_t
 
 
 class Joint(Objective):
@@ -119,12 +111,8 @@ class Joint(Objective):
         --draft-ar-first, the kept token of each draft-form block (draft (B, T // L)) attends causally."""
         B, T = x0.shape
         L = self.block_size
-        mask = joint_mask(T, L, x0.device)
-        if self.cfg.draft_ar_first and draft is not None and bool(draft.any()):
-            mask = mask.expand(B, 2 * T, 2 * T).clone()
-            row, blk = draft.nonzero(as_tuple=True)
-            kept = (blk * L)[:, None]  # (N, 1) the query of each kept token; it loses the masks after it
-            mask[row[:, None], kept, kept + torch.arange(1, L, device=x0.device)] = False
+        ar_first = self.cfg.draft_ar_first and draft is not None and bool(draft.any())
+        mask = joint_train_mask(T, L, x0.device, draft=draft if ar_first else None)
         pos = torch.arange(T, device=x0.device).repeat(2)  # (2T,) both halves at positions 0..T-1
         out = model(torch.cat([xt, x0], dim=1), pos=pos, mask=mask, head=False)
         return out.last[:, :T], out.last[:, T:]

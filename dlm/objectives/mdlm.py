@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from dlm.config import TrainConfig
 from dlm.errors import DlmError, check
+from dlm.masks import block_causal_mask, block_diffusion_train_mask, elbo_noisy_block_mask
 from dlm.noise import EPS, mask_corrupt
 from dlm.objectives.base import ALL, Objective, share
 
@@ -37,21 +38,6 @@ from dlm.objectives.base import ALL, Objective, share
 def block_ids(T: int, L: int, device: torch.device | str = "cpu") -> Tensor:
     """(T,) index of the block of each position (blocks of L tokens from position 0)."""
     return torch.arange(T, device=device) // L
-
-
-def block_diffusion_mask(T: int, L: int, device: torch.device | str = "cpu") -> Tensor:
-    """(2T, 2T) bool attention mask over [x_t | x_0] (True = may attend)."""
-    blk = block_ids(T, L, device)
-    q, k = blk[:, None], blk[None, :]
-    noisy = torch.cat([q == k, q > k], dim=1)  # (T, 2T): own noisy block; clean blocks strictly before
-    clean = torch.cat([torch.zeros(T, T, dtype=torch.bool, device=device), q >= k], dim=1)  # clean blocks <= own
-    return torch.cat([noisy, clean], dim=0)
-
-
-def block_causal_mask(T: int, L: int, device: torch.device | str = "cpu") -> Tensor:
-    """(T, T) bool: a clean token sees every token of its own block and of the blocks before."""
-    blk = block_ids(T, L, device)
-    return blk[:, None] >= blk[None, :]
 
 
 def stratified_t(n: int, gen: torch.Generator, device: torch.device | str, eps: float = EPS) -> Tensor:
@@ -67,7 +53,7 @@ def noisy_hidden(model: nn.Module, xt: Tensor, x0: Tensor | None, L: int) -> Ten
     if x0 is None:  # whole-sequence diffusion
         return model(xt, mask="full", head=False).last
     pos = torch.arange(T, device=xt.device).repeat(2)  # (2T,) both halves at positions 0..T-1
-    out = model(torch.cat([xt, x0], dim=1), pos=pos, mask=block_diffusion_mask(T, L, xt.device), head=False)
+    out = model(torch.cat([xt, x0], dim=1), pos=pos, mask=block_diffusion_train_mask(T, L, xt.device), head=False)
     return out.last[:, :T]
 
 
@@ -146,8 +132,7 @@ def elbo_nll(model: nn.Module, x0: Tensor, L: int, mask_id: int, samples: int, g
     if nb > 1:
         cache = model.new_cache(B, 2 * T)
         model(x0, pos=torch.arange(T, device=dev), cache=cache, mask=block_causal_mask(T, L, dev), head=False)
-        # noisy block b reads the clean blocks < b from the cache, and itself
-        noisy_mask = torch.cat([blk[:, None] > blk[None, :], blk[:, None] == blk[None, :]], dim=1)  # (T, 2T)
+        noisy_mask = elbo_noisy_block_mask(T, L, dev)  # (T, 2T) noisy block b: the cached clean blocks < b, itself
     free = size[None].expand(B, nb)  # (B, nb) positions that may be masked per block
     if fixed is not None:
         free = free - torch.zeros(B, nb, device=dev).index_add_(1, blk, fixed.float())

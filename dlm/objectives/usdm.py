@@ -48,20 +48,10 @@ from torch import Tensor, nn
 
 from dlm.config import TrainConfig
 from dlm.errors import DlmError, check
+from dlm.masks import usdm_canvas_train_mask
 from dlm.model import align_canvas_logits, canvas_embeds
 from dlm.noise import sample_t, uniform_corrupt
 from dlm.objectives.base import ALL, Objective
-
-
-def joint_mask(T: int, L: int, start: Tensor) -> Tensor:
-    """(B, 1, T + L, T + L) bool: clean part causal; canvas rows see clean keys < start[b] and the whole canvas."""
-    dev = start.device
-    B = start.shape[0]
-    m = torch.zeros(B, T + L, T + L, dtype=torch.bool, device=dev)
-    m[:, :T, :T] = torch.tril(torch.ones(T, T, dtype=torch.bool, device=dev))
-    m[:, T:, :T] = torch.arange(T, device=dev)[None, None, :] < start[:, None, None]
-    m[:, T:, T:] = True
-    return m[:, None]
 
 
 def joint_forward(model: nn.Module, clean: Tensor, canvas_emb: Tensor, start: Tensor) -> Tensor:
@@ -71,7 +61,7 @@ def joint_forward(model: nn.Module, clean: Tensor, canvas_emb: Tensor, start: Te
     dev = clean.device
     x = torch.cat([model.embed_tokens(clean) * model.embed_scale, canvas_emb.to(model.embed_tokens.weight.dtype)], 1)  # (B, T + L, D)
     pos = torch.cat([torch.arange(T, device=dev).expand(B, T), start[:, None] + torch.arange(L, device=dev)], 1)
-    return model(embeds=x, pos=pos, mask=joint_mask(T, L, start)).logits
+    return model(embeds=x, pos=pos, mask=usdm_canvas_train_mask(T, L, start)).logits
 
 
 def fill_after_eos(canvas: Tensor, eos_id: int) -> Tensor:

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from dlm.config import DEFAULT_BLOCK_SIZE
 from dlm.errors import DlmError, check
+from dlm.masks import quadratic_self_spec_mask
 from dlm.model import Transformer
 from dlm.sampling import ar, mdlm, speculative
 from dlm.sampling.common import Clock, Commit, Event, Prompt, Verified, make_generator
@@ -86,7 +87,7 @@ class SelfDraft:
         block[0, 0] = seq[-1]
         pos = torch.arange(start, start + k + 1, device=seq.device)
         if self.ar_first:
-            sees = quadratic_mask(0, k, self.cache.length, seq.device)  # one quadratic row: the token causal, masks after
+            sees = quadratic_self_spec_mask(0, k, self.cache.length, seq.device)  # one quadratic row: the token causal, masks after
             logits = self.model(block, pos=pos, cache=self.cache, mask=sees, write=False).logits[0]  # (k + 1, V)
             logits = torch.cat([logits[:1], logits[2:]])  # slot 1 from the AR logit; the mask there is context only
         else:
@@ -97,21 +98,6 @@ class SelfDraft:
 
     def accept(self, ids: Tensor, feats: Tensor | None) -> None:
         pass
-
-
-def quadratic_mask(m: int, L: int, cached: int, device: torch.device) -> Tensor:
-    """(Q, cached + Q) bool mask of a quadratic pass over m+1 row-first tokens then m+1 rows of L masks.
-
-    Row-first token i sees the cache and row-first tokens <= i; mask slot j of row i sees the cache,
-    row-first tokens <= i and every mask of row i.
-    """
-    R = m + 1
-    Q = R + R * L
-    row = torch.cat([torch.arange(R, device=device), torch.arange(R, device=device).repeat_interleave(L)])  # (Q,)
-    first = torch.arange(Q, device=device) < R  # (Q,)
-    q_row, k_row = row[:, None], row[None, :]
-    sees = (first[None, :] & (k_row <= q_row)) | (~first[:, None] & ~first[None, :] & (k_row == q_row))
-    return torch.cat([torch.ones(Q, cached, dtype=torch.bool, device=device), sees], dim=1)
 
 
 @torch.inference_mode()
@@ -137,7 +123,7 @@ def quadratic(model: Transformer, prompt: Sequence[int], *, block_size: int, max
         pos = torch.cat([c + torch.arange(m + 1, device=dev),
                          (c + 1 + torch.arange(m + 1, device=dev))[:, None].add(torch.arange(L, device=dev)).flatten()])
         t0 = clock.elapsed() if clock is not None else 0.0
-        logits = model(ids[None], pos=pos, cache=cache, mask=quadratic_mask(m, L, c, dev)).logits[0]  # (Q, V)
+        logits = model(ids[None], pos=pos, cache=cache, mask=quadratic_self_spec_mask(m, L, c, dev)).logits[0]  # (Q, V)
         stats.forwards += 1
         ar_logits = logits[:m + 1]  # (m+1, V): the AR mode's next-token logits after d_0 .. d_i
         n, bonus = verify(draft, ar_logits, q, sampling)

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from dlm.errors import DlmError, check
+from dlm.masks import mdlm_denoise_mask
 from dlm.sampling.common import (
     Clock, Commit, Event, Prompt, Stats, Step, check_fits, check_sampling, entropy, entropy_bound_accept,
     make_generator, sample_token,
@@ -155,21 +156,6 @@ class Job:
     causal_context: bool = False  # finished blocks are written causally (a joint model), not block-causally
 
 
-def block_mask(block_of: Tensor, rows: slice, keys: int, causal_context: bool = False) -> Tensor:
-    """(rows, keys) bool: a row sees a key whose block is not after its own (block-causal).
-
-    causal_context: rows of finished blocks see only the keys up to themselves (the causal K/V a joint
-    model's AR half computes); rows of the block being denoised (the last) still see their whole block.
-    """
-    bq, bk = block_of[rows][:, None], block_of[:keys][None, :]
-    allowed = bq >= bk
-    if causal_context:
-        q = torch.arange(rows.start, rows.stop, device=block_of.device)[:, None]
-        k = torch.arange(keys, device=block_of.device)[None, :]
-        allowed &= (k <= q) | (bq == block_of[keys - 1])
-    return allowed
-
-
 class Denoising:
     """The state of one sequence being denoised: tokens, holes, the block of each position, its cache."""
 
@@ -196,11 +182,11 @@ class Denoising:
         if self.naive:
             start = 0
             out = model(seq[None, :e], pos=torch.arange(e, device=dev),
-                        mask=block_mask(block_of, slice(0, e), e, self.job.causal_context))
+                        mask=mdlm_denoise_mask(block_of, 0, e, self.job.causal_context))
         elif self.cached < s:
             start = self.cached
             out = model(seq[None, start:e], pos=torch.arange(start, e, device=dev), cache=self.cache,
-                        mask=block_mask(block_of, slice(start, e), e, self.job.causal_context))
+                        mask=mdlm_denoise_mask(block_of, start, e, self.job.causal_context))
             self.cache.crop(s)
             self.cached = s
         else:

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from dlm.errors import DlmError, check
+from dlm.masks import dflash_draft_mask
 from dlm.model import KVCache, Transformer
 from dlm.sampling import ar
 from dlm.sampling.common import (
@@ -234,7 +235,7 @@ class DFlashDraft:
         pos = torch.arange(start, start + k + 1, device=dev)
         L0 = self.cache.length
         h = self.d(self.d.embed(self.target, block), ctx, pos, ctx_pos, cache=self.cache,
-                   mask=self.d.draft_mask(L0, C, k + 1))
+                   mask=dflash_draft_mask(self.d.injection, L0, C, k + 1, dev))
         self.forwards += 1
         self.pending = self.pending[:, :0]
         logits = self.d.head(self.target, h[0, 1:])  # (k, V)

@@ -37,6 +37,7 @@ import torch
 
 from dlm.checkpoint import load_model, open_checkpoint
 from dlm.errors import DlmError
+from dlm.masks import key_valid_mask
 from dlm.model import KVCache, Transformer
 from dlm.sampling import SampleConfig, ar, stream
 from dlm.sampling.common import Commit, Done, Event, Prompt, Stats, make_generator, sample_token
@@ -472,7 +473,7 @@ class ARBatcher:
         pos = torch.tensor([[s.pos] for s in self.rows], dtype=torch.long, device=dev)  # (n, 1)
         self.valid[:n, L] = True
         seen = self.valid[:n, :L + 1]
-        mask = "causal" if bool(seen.all()) else seen[:, None, None, :]  # (n, 1, 1, L+1)
+        mask = "causal" if bool(seen.all()) else key_valid_mask(seen)  # (n, 1, 1, L+1)
         logits = self.model(x, pos=pos, cache=_cache_view(self.k, self.v, n, L), mask=mask).logits[:, -1]
         self.L = L + 1
         for s in self.rows:
