@@ -380,7 +380,8 @@ SECTION_SCHEMAS = {
     "tokenizer": {"sha256": "str", "vocab_size": "int"},
     "dflash": {"target_layer_ids": "ints", "block_size": "int", "mask_token_id": "int", "injection": "str",
                "target_features": "bool", "last_layer": "str", "target": "dict", "input_embedding_scale": "number",
-               "output_multiplier": "number", "final_logit_softcapping": "number?"},
+               "output_multiplier": "number", "final_logit_softcapping": "number?", "conv_kernel_size": "int",
+               "conv_group_size": "int", "selector_rank": "int", "selector_top_k": "int"},
 }
 _KINDS = {
     "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),

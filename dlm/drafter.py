@@ -39,6 +39,107 @@ from dlm.model import (
     Block, KVCache, RMSNorm, Transformer, block_shapes, init_weights, rope_inv_freq, run_blocks,
 )
 
+# DFlash 2 ("Keep Drafting Parallel", z-lab 2026): every draft layer wraps its attention and its MLP in a grouped
+# dynamic causal convolution over the block's positions, and a candidate selector picks each slot's token among
+# the top-k of its logits, left to right, by a low-rank bilinear score with the token before it.
+
+
+class DynamicConv(nn.Module):
+    """Grouped dynamic causal convolution over the block's positions, one before and one after a sublayer.
+
+    y_t = sum over offsets o < K of (base[i, o] + d_t[i, o, g]) * x_{t-o}: base (2, K, D) a kernel per channel,
+    d_t (2, K, D / G) one scalar per group of G channels projected from the sublayer's input x_t; i = 0 before
+    the sublayer (`prepare`), 1 after it (`finish`, with the d_t of its input); zeros before the block's first
+    position. Identity-initialised (base[:, 0] = 1, the rest and the projection 0): a DFlash 1 layer."""
+
+    def __init__(self, dim: int, kernel: int, group: int):
+        super().__init__()
+        check(kernel >= 1 and group >= 1 and dim % group == 0,
+              f"conv_kernel_size must be >= 1 and conv_group_size divide the width {dim}, got {kernel}, {group}")
+        self.kernel, self.group = kernel, group
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel, dim))
+        self.kernel_projection = nn.Linear(dim, 2 * kernel * (dim // group), bias=False)
+        self.reset_identity()
+
+    def reset_identity(self) -> None:
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def _conv(self, x: Tensor, dyn: Tensor, base: Tensor) -> Tensor:
+        B, T, D = x.shape  # dyn (B, T, K, D / G), base (K, D)
+        g = D // self.group
+        xs = x.view(B, T, g, self.group)
+        out = torch.zeros_like(xs)
+        for o in range(self.kernel):
+            v = xs if o == 0 else nn.functional.pad(xs[:, :-o], (0, 0, 0, 0, o, 0))  # x_{t-o}, zeros before 0
+            out = out + base[o].view(1, 1, g, self.group).to(x.dtype) * v
+            out = torch.addcmul(out, dyn[:, :, o, :, None], v)
+        return out.view(B, T, D)
+
+    def prepare(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The sublayer's input convolved, and the dynamic kernel its output is convolved with. (B, T, D)"""
+        dyn = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel, x.shape[-1] // self.group)
+        return self._conv(x, dyn[..., 0, :, :], self.base_kernel[0]), dyn[..., 1, :, :]
+
+    def finish(self, h: Tensor, dyn: Tensor) -> Tensor:
+        return self._conv(h, dyn, self.base_kernel[1])
+
+
+class ConvBlock(Block):
+    """The backbone's decoder layer with DFlash 2's convolutions around its attention and its MLP."""
+
+    def __init__(self, cfg: ModelConfig, kernel: int, group: int):
+        super().__init__(cfg)
+        self.attention_conv = DynamicConv(cfg.dim, kernel, group)
+        self.mlp_conv = DynamicConv(cfg.dim, kernel, group)
+
+    def layer(self, x, rope, mask, is_causal, cache, layer, write, ctx=None, ctx_rope=None) -> Tensor:
+        h, k = self.attention_conv.prepare(self.input_layernorm(x))
+        x = x + self.attention_conv.finish(self.self_attn(h, rope, mask, is_causal, cache, layer, write, ctx, ctx_rope), k)
+        h, k = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(h), k)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash 2's selector: each slot's token among the top-k of its draft logits, chosen left to right from the
+    anchor (the last committed token) by score = logit + sum_r A[prev]_r (W h_t)_r B[cand]_r, with A, B vocabulary
+    codebooks of rank R. Greedy: the argmax; temperature T: a draw from q = softmax(score / T) over the k
+    candidates (the proposal distribution the verifier reads, zero outside them). The successor codebook starts
+    at zero: the selector then picks each slot's argmax, as a DFlash 1 drafter does."""
+
+    def __init__(self, vocab: int, dim: int, rank: int, top_k: int):
+        super().__init__()
+        check(rank >= 1 and top_k >= 1, f"selector_rank and selector_top_k must be >= 1, got {rank}, {top_k}")
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Embedding(vocab, rank)
+        self.successor_codebook = nn.Embedding(vocab, rank)
+        self.hidden_projection = nn.Linear(dim, rank, bias=False)
+
+    def scores(self, h: Tensor, cand_logits: Tensor, cands: Tensor, prev: Tensor) -> Tensor:
+        """Scores (B, k) of one slot's candidates (B, k) after token prev (B,), its hidden state h (B, D)."""
+        a = self.predecessor_codebook(prev) * self.hidden_projection(h)  # (B, R)
+        return cand_logits + torch.einsum("br,bkr->bk", a, self.successor_codebook(cands))
+
+    def select(self, h: Tensor, logits: Tensor, anchor: Tensor, temperature: float,
+               gen: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """h (B, S, D), logits (B, S, V), anchor (B,) -> tokens (B, S), candidates (B, S, k), q (B, S, k) or None."""
+        unary, cands = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1, sorted=False)
+        prev, path, qs = anchor, [], []
+        for s in range(h.shape[1]):
+            sc = self.scores(h[:, s], unary[:, s], cands[:, s], prev)
+            if temperature > 0:
+                q = torch.softmax(sc.float() / temperature, -1)
+                idx = torch.multinomial(q, 1, generator=gen)[:, 0]
+                qs.append(q)
+            else:
+                idx = sc.argmax(-1)
+            prev = cands[:, s].gather(-1, idx[:, None])[:, 0]
+            path.append(prev)
+        return torch.stack(path, 1), cands, torch.stack(qs, 1) if qs else None
+
+
 INJECTIONS = ("kv", "input")
 LAST_LAYER = ("normed", "prenorm")  # how the target's last layer is read: after its final norm, or before
 
@@ -85,7 +186,8 @@ class DFlashDrafter(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_ids: list[int], block_size: int, mask_id: int,
                  injection: str = "kv", target_features: bool = True, last_layer: str = "normed",
                  input_embedding_scale: float = 1.0, output_multiplier: float = 1.0,
-                 logit_softcap: float | None = None):
+                 logit_softcap: float | None = None, conv_kernel_size: int = 0, conv_group_size: int = 16,
+                 selector_rank: int = 0, selector_top_k: int = 16):
         super().__init__()
         check(injection in INJECTIONS, f"--injection must be one of {list(INJECTIONS)}, got {injection!r}")
         check(last_layer in LAST_LAYER, f"dflash last_layer must be one of {list(LAST_LAYER)}, got {last_layer!r}")
@@ -102,13 +204,37 @@ class DFlashDrafter(nn.Module):
         self.input_embedding_scale = float(input_embedding_scale)
         self.output_multiplier = float(output_multiplier)
         self.logit_softcap = float(logit_softcap) if logit_softcap else None
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        # DFlash 2 (0 = off): the convolutions around every layer's attention and MLP, the candidate selector
+        self.conv_kernel_size, self.conv_group_size = int(conv_kernel_size), int(conv_group_size)
+        self.selector_rank, self.selector_top_k = int(selector_rank), int(selector_top_k)
+        if self.conv_kernel_size:
+            self.layers = nn.ModuleList(ConvBlock(cfg, self.conv_kernel_size, self.conv_group_size)
+                                        for _ in range(cfg.n_layers))
+        else:
+            self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         n_in = len(self.layer_ids) if target_features else 1
         self.fc = nn.Linear(n_in * cfg.dim, cfg.dim, bias=False)
         self.hidden_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.candidate_selector = (CandidateSelector(cfg.vocab_size, cfg.dim, self.selector_rank, self.selector_top_k)
+                                   if self.selector_rank else None)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         init_weights(self, cfg.n_layers)
+        self.grow_identity()
+
+    @property
+    def version(self) -> int:
+        """1: DFlash; 2: DFlash 2 (convolutions and a candidate selector)."""
+        return 2 if self.conv_kernel_size or self.candidate_selector is not None else 1
+
+    def grow_identity(self) -> None:
+        """DFlash 2's start: identity convolutions and a zero successor codebook, so the drafter computes exactly
+        the DFlash 1 drafter its other weights come from (`--init-from` a DFlash 1 drafter)."""
+        for m in self.modules():
+            if isinstance(m, DynamicConv):
+                m.reset_identity()
+        if self.candidate_selector is not None:
+            nn.init.zeros_(self.candidate_selector.successor_codebook.weight)
 
     @property
     def taps(self) -> tuple[int, ...]:
@@ -156,6 +282,10 @@ class DFlashDrafter(nn.Module):
             out["output_multiplier"] = self.output_multiplier
         if self.logit_softcap:
             out["final_logit_softcapping"] = self.logit_softcap
+        if self.conv_kernel_size:
+            out.update(conv_kernel_size=self.conv_kernel_size, conv_group_size=self.conv_group_size)
+        if self.candidate_selector is not None:
+            out.update(selector_rank=self.selector_rank, selector_top_k=self.selector_top_k)
         return out
 
     def context(self, feats: Tensor) -> Tensor:
@@ -200,7 +330,8 @@ def build_drafter(config: dict[str, Any]) -> DFlashDrafter:
                              d.get("injection", "kv"), d.get("target_features", True),
                              d.get("last_layer", "prenorm"),  # absent: trained before the public reading
                              d.get("input_embedding_scale", 1.0), d.get("output_multiplier", 1.0),
-                             d.get("final_logit_softcapping"))
+                             d.get("final_logit_softcapping"), d.get("conv_kernel_size", 0),
+                             d.get("conv_group_size", 16), d.get("selector_rank", 0), d.get("selector_top_k", 16))
     except KeyError as e:
         raise DlmError(f"dflash checkpoint config.json lacks {e}") from None
 
@@ -217,6 +348,17 @@ def drafter_shapes(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]], 
     for i in range(mc.n_layers):
         out.update(block_shapes(mc, f"layers.{i}."))
     out.update({"fc.weight": (mc.dim, n_in * mc.dim), "hidden_norm.weight": (mc.dim,), "norm.weight": (mc.dim,)})
+    K, G = d.get("conv_kernel_size", 0), d.get("conv_group_size", 16)
+    if K:
+        for i in range(mc.n_layers):
+            for conv in ("attention_conv", "mlp_conv"):
+                out[f"layers.{i}.{conv}.base_kernel"] = (2, K, mc.dim)
+                out[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * K * (mc.dim // G), mc.dim)
+    R = d.get("selector_rank", 0)
+    if R:
+        out.update({"candidate_selector.predecessor_codebook.weight": (mc.vocab_size, R),
+                    "candidate_selector.successor_codebook.weight": (mc.vocab_size, R),
+                    "candidate_selector.hidden_projection.weight": (R, mc.dim)})
     return out, {}
 
 

@@ -108,7 +108,7 @@ def drafter_config(drafter: DFlashDrafter, ck: Checkpoint, dtype: str) -> dict[s
     cfg = drafter.cfg
     out = hf_config(cfg, ck.tokenizer, dtype)
     out.update({
-        "architectures": ["DFlashDraftModel"],
+        "architectures": ["DFlash2DraftModel" if drafter.version == 2 else "DFlashDraftModel"],
         "model_type": "qwen3",
         "tie_word_embeddings": False,
         "layer_types": ["full_attention"] * cfg.n_layers,
@@ -139,7 +139,9 @@ def export_drafter(drafter: DFlashDrafter, ck: Checkpoint, out: str | os.PathLik
         raise DlmError("--format hf: only drafters with target features and K/V injection have the public DFlash "
                        "layout (this one is an ablation)")
     with write_folder(out, overwrite=overwrite, inputs=(ck.path,)) as tmp:
-        write_tensors(tmp / "model.safetensors", state_tensors(drafter, dtype), metadata={"format": "pt"})
+        tensors = {k.removesuffix(".weight") if k.removesuffix(".weight") in CODEBOOKS else k: v
+                   for k, v in state_tensors(drafter, dtype).items()}  # the public DFlash 2 names of the codebooks
+        write_tensors(tmp / "model.safetensors", tensors, metadata={"format": "pt"})
         write_json(tmp / "config.json", drafter_config(drafter, ck, str(dtype).removeprefix("torch.")))
     return Path(out)
 
@@ -308,6 +310,14 @@ def zlab_layer_ids(n_target_layers: int, n_features: int) -> list[int]:
     return [round(1 + i * span / (n_features - 1)) for i in range(n_features)]
 
 
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+
+
+def _dlm_draft_name(name: str) -> str:
+    """The public DFlash 2 layout stores the selector's codebooks without `.weight` (z-lab's loader maps them)."""
+    return name + ".weight" if name in CODEBOOKS else name
+
+
 def import_drafter(folder: str | os.PathLike, target: str | os.PathLike | None, out: str | os.PathLike,
                    overwrite: bool = False) -> Path:
     """Read a public DFlash drafter folder (config.json with dflash_config, model.safetensors) into a dlm dflash
@@ -318,9 +328,7 @@ def import_drafter(folder: str | os.PathLike, target: str | os.PathLike | None, 
 
     src, out = Path(folder), Path(out)
     hf = read_json(src / "config.json")
-    if "DFlash2DraftModel" in (hf.get("architectures") or []):
-        raise DlmError(f"--hf {src}: a DFlash 2 drafter (convolutions and a candidate selector); dlm imports DFlash "
-                       "drafters (DFlashDraftModel) so far")
+    v2 = "DFlash2DraftModel" in (hf.get("architectures") or [])
     if target is None:
         raise DlmError(f"--hf {src}: a DFlash drafter drafts for a target model: give --target, the dlm checkpoint "
                        "of that target (`dlm import --hf TARGET_FOLDER` makes one)")
@@ -356,12 +364,23 @@ def import_drafter(folder: str | os.PathLike, target: str | os.PathLike | None, 
               "input_embedding_scale": float(_draft_value(hf, "input_embedding_scale", 1.0)),
               "output_multiplier": float(_draft_value(hf, "output_multiplier", 1.0)),
               "final_logit_softcapping": float(softcap) if softcap else None}
+    if v2:  # DFlash 2: the convolutions and the candidate selector (z-lab's defaults where the config is silent)
+        for key, default in (("conv_kernel_size", 2), ("conv_group_size", 16), ("selector_rank", 256),
+                             ("selector_top_k", 16)):
+            v = _draft_value(hf, key, default)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise DlmError(f"--hf {src}: dflash_config.{key} must be a positive integer, got {v!r}")
+            dflash[key] = v
+        if cfg.dim % dflash["conv_group_size"]:
+            raise DlmError(f"--hf {src}: conv_group_size {dflash['conv_group_size']} does not divide the hidden "
+                           f"size {cfg.dim}")
     meta = {"objective": "dflash", "model": cfg.to_dict(), "imported_from": src.name, "data": "stdlib",
             "dflash": dflash}
     expected, aliases = drafter_shapes(meta)
-    shapes = {k: s for f in weight_files(src) for k, s in tensor_shapes(src / f).items() if "rotary_emb" not in k}
+    shapes = {_dlm_draft_name(k): s for f in weight_files(src) for k, s in tensor_shapes(src / f).items()
+              if "rotary_emb" not in k}
     check_shapes(expected, shapes, src, aliases)
-    raw = {k: v for k, v in read_hf_weights(src).items() if "rotary_emb" not in k}
+    raw = {_dlm_draft_name(k): v for k, v in read_hf_weights(src).items() if "rotary_emb" not in k}
     for k, v in raw.items():
         if not all_finite(v):
             raise DlmError(f"{src}: tensor {k} holds NaN or infinite values")

@@ -38,9 +38,10 @@ def _cpu_clock(monkeypatch):
     torch.set_num_threads(n)
 
 
-def reference(draft_dir: Path, target_dir: Path, ids: list[int], n: int, eos: int, block: int):
+def reference(draft_dir: Path, target_dir: Path, ids: list[int], n: int, eos: int, block: int, v2: bool = False):
     tgt = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    dft = dflash_model.DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    cls = dflash_model.DFlash2DraftModel if v2 else dflash_model.DFlashDraftModel
+    dft = cls.from_pretrained(draft_dir, dtype=torch.float32).eval()
     res = dflash_model.dflash_generate(dft, tgt, torch.tensor([ids]), n, [eos], block_size=block, return_stats=True)
     return res.output_ids[0, len(ids):].tolist(), res.acceptance_lengths
 
@@ -160,8 +161,135 @@ def test_bad_drafter_folders_are_one_line(tmp_path):
     for change, match in [({"dflash_config": {**cfg["dflash_config"], "target_layer_ids": [1, 9]}}, "not layers"),
                           ({"num_target_layers": 6}, "target of 6 layers"),
                           ({"layer_types": ["sliding_attention"] * 2}, "sliding-window"),
-                          ({"architectures": ["DFlash2DraftModel"]}, "DFlash 2")]:
+                          ({"architectures": ["DFlash2DraftModel"]}, "does not match its config.json")]:
         (tmp_path / "d" / "config.json").write_text(json.dumps({**cfg, **change}))
         with pytest.raises(DlmError, match=match):
             import_hf(tmp_path / "d", tmp_path / "x3", target=tmp_path / "t-dlm")
     assert not (tmp_path / "x3").exists()  # nothing half-written
+
+
+# DFlash 2: the convolutions and the candidate selector ------------------------------------------------------
+
+def tiny_drafter2(folder: Path, mask_id: int, vocab: int) -> None:
+    """A random DFlash 2 drafter built by the dflash package's DFlash2DraftModel, saved in the public layout (the
+    selector's codebooks without `.weight`); convolutions away from the identity, a non-zero successor codebook."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(2)
+    cfg = transformers.Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.2,
+                                   architectures=["DFlash2DraftModel"], num_target_layers=4, block_size=8,
+                                   dflash_config={"target_layer_ids": [1, 3], "mask_token_id": mask_id, "block_size": 8,
+                                                  "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8,
+                                                  "selector_top_k": 6})
+    m = dflash_model.DFlash2DraftModel(cfg).eval()
+    with torch.no_grad():
+        for layer in m.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel.copy_(torch.randn_like(conv.base_kernel) * 0.3 + 0.7)
+                conv.kernel_projection.weight.normal_(0, 0.05)
+        sel = m.candidate_selector
+        for p in (sel.predecessor_codebook.weight, sel.successor_codebook.weight, sel.hidden_projection.weight):
+            p.normal_(0, 1.0)
+    m.save_pretrained(folder)
+    w = {k.removesuffix(".weight") if "codebook" in k else k: v.contiguous()
+         for k, v in m.state_dict().items() if "rotary" not in k}
+    save_file(w, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_a_reference_dflash2_drafter_imports_and_runs_exactly(tmp_path):
+    tiny_target(tmp_path / "t")
+    _, ck = load_model(CK / "ar-small")
+    tok = ck.tokenizer
+    tiny_drafter2(tmp_path / "d", tok.mask_id, tok.vocab_size)
+    import_hf(tmp_path / "t", tmp_path / "t-dlm")
+    import_hf(tmp_path / "d", tmp_path / "d-dlm", target=tmp_path / "t-dlm")
+    tgt = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "t", dtype=torch.float32).eval()
+    dft = dflash_model.DFlash2DraftModel.from_pretrained(tmp_path / "d", dtype=torch.float32).eval()
+    assert float(dft.candidate_selector.successor_codebook.weight.abs().sum()) > 0  # the public names loaded
+    ids = tok.encode(PROMPTS[2])
+    P, B = len(ids), 8
+    with torch.inference_mode():
+        out = tgt(torch.tensor([ids]), output_hidden_states=True)
+        hidden = dflash_model.extract_context_feature(out.hidden_states, dft.target_layer_ids)
+        anchor = int(out.logits[0, -1].argmax())
+        block = torch.full((1, B), tok.mask_id)
+        block[0, 0] = anchor
+        emb = torch.nn.functional.embedding(block, tgt.get_input_embeddings().weight)
+        h = dft(target_hidden=hidden, noise_embedding=emb, position_ids=torch.arange(P + B)[None])[:, 1:]
+        want_logits = dft.compute_logits(h, tgt.lm_head)[0]
+        want_tokens, _, _ = dft.propose(h, block[:, 0], tgt.lm_head, 0.0)
+        m, mck = load_model(tmp_path / "t-dlm")
+        drafter = load_drafter(str(tmp_path / "d-dlm"), m, mck, Sampling())
+        seq = torch.tensor(ids + [anchor])
+        drafter.reset(seq[:P], _taps(m(seq[None, :P], taps=drafter.taps), drafter.taps))
+        got_tokens, q = drafter.propose(seq, B - 1)
+    assert torch.equal(got_tokens, want_tokens[0]) and q is None
+    # the selector changed the draft: a DFlash 1 reading of the same logits (each slot's argmax) differs
+    assert not torch.equal(want_logits.argmax(-1), want_tokens[0])
+    for text in PROMPTS:
+        ids = tok.encode(text)
+        assert ours(tmp_path / "t-dlm", tmp_path / "d-dlm", ids, 32, 8) == \
+            reference(tmp_path / "d", tmp_path / "t", ids, 32, tok.eos_id, 8, v2=True)
+    # export: the public DFlash 2 layout, loadable by the package, the same tensors
+    main(["export", "--model", str(tmp_path / "d-dlm"), "--format", "hf", "--out", str(tmp_path / "d2")])
+    c1, c2 = (json.loads((tmp_path / x / "config.json").read_text()) for x in ("d", "d2"))
+    assert c2["architectures"] == ["DFlash2DraftModel"] and c2["dflash_config"] == c1["dflash_config"]
+    from safetensors.torch import load_file
+
+    w1, w2 = load_file(tmp_path / "d" / "model.safetensors"), load_file(tmp_path / "d2" / "model.safetensors")
+    assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+    again = dflash_model.DFlash2DraftModel.from_pretrained(tmp_path / "d2", dtype=torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), dft.state_dict().values()))
+
+
+def test_dflash2_starts_as_the_dflash1_drafter_it_grows_from():
+    from dlm.config import ModelConfig
+    from dlm.drafter import DFlashDrafter
+
+    cfg = ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64)
+    torch.manual_seed(0)
+    d1 = DFlashDrafter(cfg, [0, 1], 8, 3)
+    d2 = DFlashDrafter(cfg, [0, 1], 8, 3, conv_kernel_size=2, conv_group_size=8, selector_rank=4, selector_top_k=5)
+    missing = d2.load_state_dict(d1.state_dict(), strict=False).missing_keys
+    assert missing and all("conv" in k or "candidate_selector" in k for k in missing)
+    x, ctx = torch.randn(1, 8, 32), torch.randn(1, 5, 32)
+    pos, cpos = torch.arange(5, 13), torch.arange(5)
+    with torch.no_grad():
+        assert torch.equal(d1(x, ctx, pos, cpos), d2(x, ctx, pos, cpos))  # identity convolutions
+        h = d2(x, ctx, pos, cpos)
+        logits = torch.randn(1, 7, 50)
+        tokens, _, _ = d2.candidate_selector.select(h[:, 1:], logits, torch.tensor([4]), 0.0, None)
+    assert torch.equal(tokens[0], logits[0].argmax(-1))  # zero successor codebook: each slot's argmax
+
+
+def test_the_selector_q_keeps_speculative_sampling_exact():
+    """At T > 0 the verifier reads the selector's q over the candidates (zero elsewhere): the first emitted token
+    follows the target's p exactly; reading the slot's softmax instead (the DFlash 1 q) does not."""
+    from test_verifier import assert_follows, chi_square
+
+    from dlm.drafter import CandidateSelector
+    from dlm.sampling.speculative import verify_sample
+
+    torch.manual_seed(0)
+    V, D = 8, 6
+    sel = CandidateSelector(V, D, rank=3, top_k=3)
+    with torch.no_grad():
+        for w in sel.parameters():
+            w.normal_(0, 1.5)
+    h, logits, anchor = torch.randn(1, 2, D), torch.randn(1, 2, V) * 2, torch.tensor([5])
+    p = torch.softmax(torch.randn(3, V), -1)  # the target's distributions at the two slots and the bonus
+    gen = torch.Generator().manual_seed(0)
+    n = 12000
+    right, wrong = torch.zeros(V), torch.zeros(V)
+    for _ in range(n):
+        tokens, cands, q = sel.select(h, logits, anchor, 1.0, gen)
+        dense = torch.zeros(2, V).scatter_(-1, cands[0], q[0])
+        k, bonus = verify_sample(tokens[0], p, dense, gen)
+        right[int(tokens[0, 0]) if k > 0 else bonus] += 1
+        k, bonus = verify_sample(tokens[0], p, torch.softmax(logits[0], -1), gen)
+        wrong[int(tokens[0, 0]) if k > 0 else bonus] += 1
+    assert_follows(right, p[0], "selector q")
+    stat, dof = chi_square(wrong, p[0])
+    assert stat > 50  # the DFlash 1 q is not the selector's proposal distribution: the output drifts

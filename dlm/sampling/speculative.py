@@ -195,6 +195,8 @@ class DFlashDraft:
     def __init__(self, drafter, target: Transformer, sampling: Sampling, capacity: int, passes: int = 1,
                  name: str = "dflash"):
         check(1 <= passes <= 3, f"--draft-passes must be 1, 2 or 3, got {passes}")
+        check(passes == 1 or drafter.candidate_selector is None,
+              f"--draft-passes {passes}: a DFlash 2 drafter's selector drafts in one pass (use 1)")
         self.d, self.target, self.sampling, self.capacity, self.passes = drafter, target, sampling, capacity, passes
         self.taps = drafter.taps
         self.forwards = 0
@@ -220,7 +222,16 @@ class DFlashDraft:
     def propose(self, seq: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
         if k == 0:
             return seq[:0], None
-        return self.sampling.draw(self.logits(seq, k))  # (k,), (k, V): slots drawn independently
+        logits = self.logits(seq, k)
+        sel = self.d.candidate_selector
+        if sel is None:
+            return self.sampling.draw(logits)  # (k,), (k, V): slots drawn independently
+        # DFlash 2: a path through each slot's top candidates, from the last committed token; its q is the
+        # selector's distribution over the candidates, zero elsewhere (what the verifier's residual needs)
+        t = self.sampling.temperature
+        tokens, cands, q = sel.select(self.hidden[None], logits[None].float(), seq[-1:], t, self.sampling.gen)
+        dense = None if q is None else torch.zeros(k, logits.shape[-1], device=q.device).scatter_(-1, cands[0], q[0])
+        return tokens[0], dense
 
     def logits(self, seq: Tensor, k: int) -> Tensor:
         """The draft's logits for the k slots after seq's last token (k >= 1); the cache takes the new
@@ -238,6 +249,7 @@ class DFlashDraft:
                    mask=dflash_draft_mask(self.d.injection, L0, C, k + 1, dev))
         self.forwards += 1
         self.pending = self.pending[:, :0]
+        self.hidden = h[0, 1:]  # (k, D): what DFlash 2's selector reads beside the logits
         logits = self.d.head(self.target, h[0, 1:])  # (k, V)
         for _ in range(self.passes - 1):  # refine: keep confident slots, re-predict the uncertain ones
             conf, guess = logits.float().softmax(-1).max(-1)  # (k,)
