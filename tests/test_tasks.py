@@ -294,7 +294,7 @@ def test_fim_documents_and_the_fim_rate(corpus_dir, tokenizer_path, tiny_ar):
     assert TrainConfig.from_dict({"objective": "ar"}).fim_rate == 0.0  # a run saved before FIM existed
     assert TrainConfig(objective="ar", data="p.csv").resolved().answer_sep == "="
     for bad, match in ((dict(objective="mdlm", fim_rate=0.5), "--fim-rate"), (dict(fim_rate=1.5), "--fim-rate"),
-                       (dict(objective="usdm", answer_sep="="), "--answer-sep")):
+                       (dict(objective="joint", answer_sep="="), "--answer-sep")):
         with pytest.raises(DlmError, match=match):
             TrainConfig(**bad).validate()
 
