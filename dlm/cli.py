@@ -73,7 +73,7 @@ def _read_text(path: str) -> str:
 SAMPLER_OPTIONS = {
     "ar": {"temperature", "top_k", "top_p", "naive", "sampler", "suffix"},
     "mdlm": {"temperature", "top_k", "top_p", "naive", "sampler", "steps", "threshold", "entropy_bound", "block_size",
-             "remasking", "suffix"},
+             "remasking", "revise", "suffix"},
     "usdm": {"temperature", "top_k", "top_p", "sampler", "steps", "entropy_bound", "block_size", "canvas_length",
              "t_max", "t_min", "stability_threshold", "confidence_threshold", "adaptive", "suffix"},
     "speculative": {"temperature", "top_k", "top_p", "block_size", "draft", "draft_passes", "lookup_ngram",
@@ -185,7 +185,7 @@ def generate_cmd(
 def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None, seq_len: int = 0, batch_size: int = 8,
              max_batches: int = 0, samples: int = 4, reference: str | None = None, json: bool = False,
              device: str = "cpu", task: str | None = None, n: int = 100, span: str = "line",
-             context: int = 0) -> None:
+             context: int = 0, clues: str | None = None) -> None:
     """Held-out loss and perplexity of a checkpoint; or, with --task, what it gets right on a task.
 
     --task complete|infill|sudoku runs the task's cases through the checkpoint's sampler with the generation
@@ -210,6 +210,8 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
         n: --task: number of cases, picked reproducibly by --seed
         span: --task infill: line (one line) or lines (1-5 lines)
         context: --task: tokens of prompt + generation at most (0 = the checkpoint's training window)
+        clues: --task sudoku: givens per puzzle, A-B: fresh held-out puzzles of that difficulty (default 40-50;
+            easy 40-50, medium 30-40, hard 22-27, extreme 17-21); with --data, only its puzzles in A-B
     """
     from dlm.checkpoint import load_model
     from dlm.config import check_seed
@@ -217,8 +219,10 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
 
     scfg = scfg or SampleConfig()
     check_seed(scfg.seed)
+    if clues is not None and task != "sudoku":
+        raise DlmError("--clues goes with --task sudoku")
     if task is not None:
-        _eval_task(model, device, scfg, task, data, n, span, context, json, split)
+        _eval_task(model, device, scfg, task, data, n, span, context, json, split, clues)
         return
     if batch_size <= 0:
         raise DlmError(f"--batch-size must be > 0, got {batch_size}")
@@ -242,7 +246,7 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
 
 
 def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: int, span: str, context: int,
-               json: bool, split: str = "test") -> None:
+               json: bool, split: str = "test", clues: str | None = None) -> None:
     from dlm.checkpoint import load_model
     from dlm.sampling import SampleConfig
     from dlm.tasks import run_task, task_module
@@ -254,7 +258,8 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
         raise DlmError(f"--context must be >= 0 (0 = the training window), got {context}")
     if data is None and task != "sudoku" and split not in ("val", "test"):
         raise DlmError(f"--split with --task: val (to tune on) or test, got {split!r}")
-    cases = mod.cases(data, n, scfg.seed, span, split)  # bad --data is refused before the model is loaded
+    extra = {"clues": clues} if clues is not None else {}
+    cases = mod.cases(data, n, scfg.seed, span, split, **extra)  # bad --data is refused before the model is loaded
     net, ck = load_model(model, device=_device(device))
     drafter = None
     if scfg.draft:
@@ -269,6 +274,8 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
     res.update(model=str(ck.path), paradigm="speculative" if drafter else ck.objective, seed=scfg.seed)
     if task == "infill":
         res["span"] = span
+    if clues is not None:
+        res["clues"] = clues
     if json:
         print(_dumps(res))
         return
