@@ -5,16 +5,20 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.dlm-installed
 TORCH  := torch==2.13.0
+DFLASH := dflash==0.1.0
 
 .PHONY: setup demo test test-all mutate bench clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "dlm needs Python 3.11+")'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	# z-lab's DFlash reference (the parity tests run it): its own requirements pin an older transformers, and its
+	# model code needs only torch and transformers, so it is installed without them
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps $(DFLASH)
 	@$(PY) -c 'import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__'
 	touch $(STAMP)
 

@@ -21,6 +21,7 @@ forward and against wall time: the Pareto plot).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import statistics
@@ -34,7 +35,7 @@ import torch
 
 from dlm.checkpoint import check_out_file, load_model
 from dlm.errors import DlmError
-from dlm.sampling import SampleConfig, stream
+from dlm.sampling import SampleConfig, options_read, stream
 from dlm.sampling.common import Result, drain
 from dlm.tasks.common import Case
 
@@ -48,6 +49,19 @@ class Method:
     cfg: SampleConfig
     settings: dict[str, Any] = field(default_factory=dict)  # what a reader needs to reproduce the row
     drafter: Any = None  # speculation: the drafter, loaded once
+
+    def __post_init__(self) -> None:
+        """A row sets only options its sampler reads (dlm.sampling.OPTIONS): a setting that would be ignored is a
+        bug in the row, not a measurement."""
+        if not isinstance(self.cfg, SampleConfig) or not hasattr(self.ck, "objective"):
+            return  # a stand-in row (the harness's tests)
+        paradigm = "speculative" if self.drafter is not None or self.cfg.draft else self.ck.objective
+        kind = getattr(self.drafter, "kind", None)
+        defaults = SampleConfig()
+        ignored = [f.name for f in dataclasses.fields(self.cfg) if getattr(self.cfg, f.name) != getattr(defaults, f.name)
+                   and f.name not in options_read(paradigm, kind)]
+        if ignored:
+            raise ValueError(f"bench row {self.name!r}: {paradigm} does not read {', '.join(ignored)}")
 
     def run(self, ids: list[int]) -> Result:
         tok = self.ck.tokenizer

@@ -333,8 +333,17 @@ class Checkpoint:
 
     @property
     def block_size(self) -> int:
-        """The block a block-diffusion checkpoint was trained with (0: the whole sequence)."""
-        return int(self.config.get("block_size", self.config.get("block_length")) or 0)
+        """The block a block-diffusion checkpoint or a DFlash drafter was trained with (0: the whole sequence). The
+        one accessor: read from the top level, else the drafter's section, else the older key `block_length`."""
+        c = self.config
+        return int(c.get("block_size") or c.get("dflash", {}).get("block_size") or c.get("block_length") or 0)
+
+    @property
+    def fim(self) -> bool:
+        """An AR checkpoint trained for fill-in-the-middle (--fim-rate > 0) with the FIM markers in its tokenizer."""
+        tok = self.tokenizer
+        markers = (tok.fim_prefix_id, tok.fim_suffix_id, tok.fim_middle_id)
+        return float(self.config.get("train", {}).get("fim_rate") or 0) > 0 and None not in markers
 
     @property
     def canvas_length(self) -> int:
@@ -369,13 +378,15 @@ SECTION_SCHEMAS = {
     "train": {"seq_len": "int", "canvas_length": "int", "init_from": "str?", "data": "str"},
     "tokenizer": {"sha256": "str", "vocab_size": "int"},
     "dflash": {"target_layer_ids": "ints", "block_size": "int", "mask_token_id": "int", "injection": "str",
-               "target_features": "bool", "last_layer": "str", "target": "dict"},
+               "target_features": "bool", "last_layer": "str", "target": "dict", "input_embedding_scale": "number",
+               "output_multiplier": "number", "final_logit_softcapping": "number?"},
 }
 _KINDS = {
     "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
     "str": ("a string", lambda v: isinstance(v, str)),
     "dict": ("an object", lambda v: isinstance(v, dict)),
     "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "number": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
     "ints": ("a list of integers", lambda v: isinstance(v, list) and all(_KINDS["int"][1](x) for x in v)),
 }
 

@@ -67,39 +67,27 @@ def _read_text(path: str) -> str:
             from None
 
 
-# the sampling options each paradigm reads (besides max_new_tokens, seed, and fill_length with <fill> markers);
-# one it does not read is ignored, and `dlm generate` says so. An option a sampler refuses (usdm's --temperature,
-# --suffix with an ar model) counts as read: its error is the message.
-SAMPLER_OPTIONS = {
-    "ar": {"temperature", "top_k", "top_p", "naive", "sampler", "suffix"},
-    "mdlm": {"temperature", "top_k", "top_p", "naive", "sampler", "steps", "threshold", "entropy_bound", "block_size",
-             "remasking", "revise", "suffix"},
-    "usdm": {"temperature", "top_k", "top_p", "sampler", "steps", "entropy_bound", "block_size", "canvas_length",
-             "t_max", "t_min", "stability_threshold", "confidence_threshold", "adaptive", "suffix"},
-    "speculative": {"temperature", "top_k", "top_p", "block_size", "draft", "draft_passes", "lookup_ngram",
-                    "check_lossless", "suffix"},
-}
-
-
 def unused_options(scfg, objective: str, prompt: str = "") -> list[str]:
     """Warnings naming the sampling options that were set (differ from their defaults) but are not read: by the
-    checkpoint's paradigm (SAMPLER_OPTIONS), or --fill-length without <fill> markers in the prompt."""
+    checkpoint's paradigm (dlm.sampling.OPTIONS, each sampler's own declaration), or --fill-length without <fill>
+    markers in the prompt."""
     import dataclasses
 
+    from dlm.sampling import OPTIONS, options_read
+    from dlm.sampling.speculative import drafter_kind
+
     paradigm = "speculative" if scfg.draft else objective
-    if paradigm not in SAMPLER_OPTIONS:
+    if paradigm not in OPTIONS:
         return []  # a checkpoint that cannot sample: its own error follows
-    reads = SAMPLER_OPTIONS[paradigm] | {"max_new_tokens", "seed", "fill_length"}
-    if paradigm == "speculative":
-        reads = reads - ({"draft_passes"} if scfg.draft == "lookup" else {"lookup_ngram"})
+    reads = options_read(paradigm, drafter_kind(scfg.draft) if scfg.draft else None) | {"fill_length"}
     defaults = type(scfg)()
     changed = {f.name for f in dataclasses.fields(scfg) if getattr(scfg, f.name) != getattr(defaults, f.name)}
     unused = [f.name for f in dataclasses.fields(scfg) if f.name in changed - reads]
     out = []
     if unused:
         names = ", ".join("--" + n.replace("_", "-") for n in unused)
-        what = {"speculative": f"speculative decoding with --draft {scfg.draft}", "ar": "an ar checkpoint",
-                "mdlm": "an mdlm checkpoint", "usdm": "a usdm checkpoint"}[paradigm]
+        what = f"speculative decoding with --draft {scfg.draft}" if paradigm == "speculative" else \
+            f"{'an' if paradigm in ('ar', 'mdlm') else 'a'} {paradigm} checkpoint"
         out.append(f"{names} {'does' if len(unused) == 1 else 'do'} not apply to {what}")
     if "fill_length" in changed and "<fill" not in prompt:
         out.append("--fill-length sizes <fill> markers, and the prompt has none")
@@ -183,7 +171,7 @@ def generate_cmd(
 
 
 def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None, seq_len: int = 0, batch_size: int = 8,
-             max_batches: int = 0, samples: int = 4, reference: str | None = None, json: bool = False,
+             max_batches: int = 0, samples: int | None = None, reference: str | None = None, json: bool = False,
              device: str = "cpu", task: str | None = None, n: int = 100, span: str = "line",
              context: int = 0, clues: str | None = None) -> None:
     """Held-out loss and perplexity of a checkpoint; or, with --task, what it gets right on a task.
@@ -200,13 +188,15 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
         seq_len: window length (default: the training sequence length)
         batch_size: windows per forward
         max_batches: stop after this many batches (0 = the whole split)
-        samples: Monte-Carlo samples per window of a diffusion checkpoint's likelihood bound (LLaDA uses 128;
-            averaged over a whole split, 4 already give a standard error of ~0.01 nats, reported)
+        samples: Monte-Carlo samples per window of a diffusion checkpoint's likelihood bound (default 4; LLaDA uses
+            128; averaged over a whole split, 4 already give a standard error of ~0.01 nats, reported); with --task:
+            samples per case, seeds --seed, --seed + 1, ... (default 1; --task code reports pass@k up to it)
         reference: AR checkpoint scored on the same windows beside a diffusion bound (default: the
             checkpoint's --init-from, else checkpoints/ar-small)
         json: print one JSON object
         device: cpu, cuda or auto
-        task: complete (next line of code), infill (a removed middle) or sudoku (solve puzzles)
+        task: complete (next line of code), infill (a removed middle), sudoku (solve puzzles), code (HumanEval /
+            MBPP jsonl: programs run against their tests, pass@k) or code-infill (HumanEval solutions with a hole)
         n: --task: number of cases, picked reproducibly by --seed
         span: --task infill: line (one line) or lines (1-5 lines)
         context: --task: tokens of prompt + generation at most (0 = the checkpoint's training window)
@@ -222,8 +212,10 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
     if clues is not None and task != "sudoku":
         raise DlmError("--clues goes with --task sudoku")
     if task is not None:
-        _eval_task(model, device, scfg, task, data, n, span, context, json, split, clues)
+        _eval_task(model, device, scfg, task, data, n, span, context, json, split, 1 if samples is None else samples,
+                   clues)
         return
+    samples = 4 if samples is None else samples
     if batch_size <= 0:
         raise DlmError(f"--batch-size must be > 0, got {batch_size}")
     if max_batches < 0:
@@ -246,7 +238,7 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
 
 
 def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: int, span: str, context: int,
-               json: bool, split: str = "test", clues: str | None = None) -> None:
+               json: bool, split: str = "test", samples: int = 1, clues: str | None = None) -> None:
     from dlm.checkpoint import load_model
     from dlm.sampling import SampleConfig
     from dlm.tasks import run_task, task_module
@@ -256,6 +248,8 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
         scfg = scfg.replace(max_new_tokens=mod.default_new_tokens(span))
     if context < 0:
         raise DlmError(f"--context must be >= 0 (0 = the training window), got {context}")
+    if samples <= 0:
+        raise DlmError(f"--samples must be > 0, got {samples}")
     if data is None and task != "sudoku" and split not in ("val", "test"):
         raise DlmError(f"--split with --task: val (to tune on) or test, got {split!r}")
     extra = {"clues": clues} if clues is not None else {}
@@ -269,10 +263,11 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
         drafter = load_drafter(scfg.draft, net, ck, Sampling(scfg.temperature, scfg.top_k, scfg.top_p,
                                                              make_generator(scfg.seed, net.device)),
                                scfg.draft_passes, scfg.lookup_ngram)
-    res = run_task(task, net, ck, scfg, drafter, data, n, scfg.seed, span, context, progress=not json, cases=cases)
+    res = run_task(task, net, ck, scfg, drafter, data, n, scfg.seed, span, context, progress=not json, cases=cases,
+                   samples=samples)
     res.pop("cases")
     res.update(model=str(ck.path), paradigm="speculative" if drafter else ck.objective, seed=scfg.seed)
-    if task == "infill":
+    if task in ("infill", "code-infill"):
         res["span"] = span
     if clues is not None:
         res["clues"] = clues
@@ -280,7 +275,9 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
         print(_dumps(res))
         return
     print(f"{task} ({res['n']} cases, {ck.path}): " + "  ".join(
-        f"{k} {res[k]:.3f}" for k in [*mod.METRICS, "tokens_per_forward"] + (["tau"] if "tau" in res else []))
+        f"{k} {res[k]:.3f}" for k in [*mod.METRICS, *(k for k in res if k.startswith("pass_at_") and k not in
+                                                       mod.METRICS), "tokens_per_forward"]
+        + (["tau"] if "tau" in res else []))
         + f"  forwards {res['forwards']}  {res['seconds']:.1f} s")
 
 
@@ -318,17 +315,19 @@ def export_cmd(model: str, out: str, format: str = "hf", dtype: str = "float32",
     print(f"exported: {path}")
 
 
-def import_cmd(hf: str, out: str, overwrite: bool = False) -> None:
-    """Import a local Qwen3 or Llama folder (safetensors, sharded or not) as a dlm AR checkpoint.
+def import_cmd(hf: str, out: str, overwrite: bool = False, target: str | None = None) -> None:
+    """Import a local Qwen3 or Llama folder (safetensors, sharded or not) as a dlm AR checkpoint, or a public DFlash
+    drafter folder (z-lab's layout: dflash_config) as a dlm drafter for --target.
 
     Args:
-        hf: the transformers folder (config.json, *.safetensors, tokenizer.json)
+        hf: the transformers folder (config.json, *.safetensors, tokenizer.json; a drafter has no tokenizer)
         out: the dlm checkpoint folder to write (must not exist or be empty)
         overwrite: --out may hold files: the files this import writes replace theirs; nothing else is deleted
+        target: a drafter's target: the dlm ar checkpoint it drafts for (its tokenizer, checked shapes)
     """
     from dlm.hf import import_hf
 
-    print(f"imported: {import_hf(hf, out, overwrite)}")
+    print(f"imported: {import_hf(hf, out, overwrite, target)}")
 
 
 def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 0,

@@ -126,6 +126,14 @@ def check_seed(seed: int, option: str = "--seed") -> None:
 
 # older spellings of options that now share one name (accepted on the command line and in --config files)
 ALIASES = {"block_length": "block_size", "gamma": "block_size", "max_denoising_steps": "steps"}
+# The block of block diffusion (mdlm, joint) and of a DFlash draft when none is given: one default, one place.
+# (The public recipes: DFlash trains with 16; Nemotron-Labs-Diffusion decodes with 32 or 16; small models use 16.)
+DEFAULT_BLOCK_SIZE = 16
+
+
+def block_size_of(cfg: Any) -> int:
+    """A run's block (joint, dflash): --block-size, else DEFAULT_BLOCK_SIZE."""
+    return DEFAULT_BLOCK_SIZE if cfg.block_size is None else cfg.block_size
 
 
 # Presets. vocab_size is filled from the tokenizer when a model is built for training.

@@ -41,7 +41,6 @@ from dlm.model import (
 
 INJECTIONS = ("kv", "input")
 LAST_LAYER = ("normed", "prenorm")  # how the target's last layer is read: after its final norm, or before
-DEFAULT_BLOCK_SIZE = 16
 
 
 # target layers ------------------------------------------------------------------------------------
@@ -84,7 +83,9 @@ class DFlashDrafter(nn.Module):
     """Decoder layers + fc + hidden_norm + norm; embedding and LM head come from the target."""
 
     def __init__(self, cfg: ModelConfig, layer_ids: list[int], block_size: int, mask_id: int,
-                 injection: str = "kv", target_features: bool = True, last_layer: str = "normed"):
+                 injection: str = "kv", target_features: bool = True, last_layer: str = "normed",
+                 input_embedding_scale: float = 1.0, output_multiplier: float = 1.0,
+                 logit_softcap: float | None = None):
         super().__init__()
         check(injection in INJECTIONS, f"--injection must be one of {list(INJECTIONS)}, got {injection!r}")
         check(last_layer in LAST_LAYER, f"dflash last_layer must be one of {list(LAST_LAYER)}, got {last_layer!r}")
@@ -96,6 +97,11 @@ class DFlashDrafter(nn.Module):
         self.injection = injection
         self.target_features = target_features
         self.last_layer = last_layer
+        # the public drafters' numerics (z-lab's dflash_config): the block's embeddings scaled, the logits
+        # multiplied, then soft-capped (tanh(x / c) * c)
+        self.input_embedding_scale = float(input_embedding_scale)
+        self.output_multiplier = float(output_multiplier)
+        self.logit_softcap = float(logit_softcap) if logit_softcap else None
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         n_in = len(self.layer_ids) if target_features else 1
         self.fc = nn.Linear(n_in * cfg.dim, cfg.dim, bias=False)
@@ -126,6 +132,31 @@ class DFlashDrafter(nn.Module):
         D = target.cfg.dim
         j = self.layer_ids.index(last) * D
         return torch.cat((feats[..., :j], target.norm(feats[..., j:j + D]), feats[..., j + D:]), dim=-1)
+
+    def embed(self, target: Transformer, ids: Tensor) -> Tensor:
+        """The block's input: the target's embeddings of ids (..., T) -> (..., T, D), times the input scale."""
+        x = target.embed_tokens(ids)
+        return x * self.input_embedding_scale if self.input_embedding_scale != 1.0 else x
+
+    def head(self, target: Transformer, h: Tensor) -> Tensor:
+        """Draft logits from normed hidden states: the target's LM head, the output multiplier, the soft-cap."""
+        logits = target.lm_head(h)
+        if self.output_multiplier != 1.0:
+            logits = logits * self.output_multiplier
+        if self.logit_softcap:
+            logits = torch.tanh(logits.float() / self.logit_softcap).to(logits.dtype) * self.logit_softcap
+        return logits
+
+    def numerics(self) -> dict[str, Any]:
+        """The config entries of the numerics that differ from the plain DFlash ones."""
+        out: dict[str, Any] = {}
+        if self.input_embedding_scale != 1.0:
+            out["input_embedding_scale"] = self.input_embedding_scale
+        if self.output_multiplier != 1.0:
+            out["output_multiplier"] = self.output_multiplier
+        if self.logit_softcap:
+            out["final_logit_softcapping"] = self.logit_softcap
+        return out
 
     def context(self, feats: Tensor) -> Tensor:
         """fc + hidden_norm: one context feature per position. (B, C, F) -> (B, C, D)"""
@@ -177,7 +208,9 @@ def build_drafter(config: dict[str, Any]) -> DFlashDrafter:
         d = config["dflash"]
         return DFlashDrafter(mc, d["target_layer_ids"], d["block_size"], d["mask_token_id"],
                              d.get("injection", "kv"), d.get("target_features", True),
-                             d.get("last_layer", "prenorm"))  # absent: trained before the public reading
+                             d.get("last_layer", "prenorm"),  # absent: trained before the public reading
+                             d.get("input_embedding_scale", 1.0), d.get("output_multiplier", 1.0),
+                             d.get("final_logit_softcapping"))
     except KeyError as e:
         raise DlmError(f"dflash checkpoint config.json lacks {e}") from None
 

@@ -107,7 +107,7 @@ def drafter_config(drafter: DFlashDrafter, ck: Checkpoint, dtype: str) -> dict[s
         "block_size": drafter.block_size,  # top level, where the z-lab checkpoints keep it
         "num_target_layers": ck.config["dflash"]["target"]["model"]["n_layers"],
         "dflash_config": {"target_layer_ids": drafter.layer_ids, "mask_token_id": drafter.mask_id,
-                          "block_size": drafter.block_size},
+                          "block_size": drafter.block_size, **drafter.numerics()},
     })
     return out
 
@@ -232,8 +232,10 @@ def dlm_name(name: str, cfg: ModelConfig, src: Path) -> str | None:
     raise DlmError(f"{src}: unexpected tensor {name!r}")
 
 
-def import_hf(folder: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Path:
-    """Read a local Qwen3/Llama folder into a dlm checkpoint (objective "ar"), in the dtype it is stored in.
+def import_hf(folder: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False,
+              target: str | os.PathLike | None = None) -> Path:
+    """Read a local Qwen3/Llama folder into a dlm checkpoint (objective "ar"), in the dtype it is stored in; a
+    public DFlash drafter folder into a dflash checkpoint for `target` (`import_drafter`).
 
     The weights are memory-mapped and written out tensor by tensor: importing a model takes little memory beyond
     the pages the kernel maps (docs/scale.md has the figures for Qwen3-0.6B and Llama-3.2-1B shapes)."""
@@ -241,6 +243,8 @@ def import_hf(folder: str | os.PathLike, out: str | os.PathLike, overwrite: bool
     if not src.is_dir():
         raise DlmError(f"--hf: folder not found: {src}")
     hf = read_json(src / "config.json")
+    if is_drafter(hf):
+        return import_drafter(src, target, out, overwrite)
     cfg = model_config_from_hf(hf, src / "config.json")
     tok = Tokenizer.from_file(src / "tokenizer.json")
     # the config against the weights' headers (names and shapes) before anything is read or allocated
@@ -264,4 +268,93 @@ def import_hf(folder: str | os.PathLike, out: str | os.PathLike, overwrite: bool
     with write_folder(out, overwrite=overwrite, inputs=(src,)) as tmp:
         save_checkpoint(tmp, model, tok, {"objective": "ar", "model": cfg.to_dict(), "imported_from": src.name,
                                           "data": "stdlib"}, dtype=dtype)
+    return out
+
+
+# public DFlash drafters ----------------------------------------------------------------------------------
+
+DFLASH_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+
+
+def is_drafter(hf: dict[str, Any]) -> bool:
+    """A transformers folder holding a DFlash drafter (z-lab's layout), not a model of its own."""
+    return bool(set(hf.get("architectures") or []) & set(DFLASH_ARCHITECTURES)) or "dflash_config" in hf
+
+
+def _draft_value(hf: dict[str, Any], key: str, default: Any = None) -> Any:
+    """A drafter setting: from `dflash_config`, else the top level (where z-lab's package reads it too)."""
+    return (hf.get("dflash_config") or {}).get(key, hf.get(key, default))
+
+
+def zlab_layer_ids(n_target_layers: int, n_features: int) -> list[int]:
+    """z-lab's default target layers: one -> the middle one; more -> evenly spread over 1 .. N - 3."""
+    if n_features == 1:
+        return [n_target_layers // 2]
+    span = n_target_layers - 4
+    return [round(1 + i * span / (n_features - 1)) for i in range(n_features)]
+
+
+def import_drafter(folder: str | os.PathLike, target: str | os.PathLike | None, out: str | os.PathLike,
+                   overwrite: bool = False) -> Path:
+    """Read a public DFlash drafter folder (config.json with dflash_config, model.safetensors) into a dlm dflash
+    checkpoint for `target` (a dlm AR checkpoint: the drafter has no embedding, head or tokenizer of its own).
+    Hidden size, vocabulary, the target layers it reads and its mask token are checked against the target."""
+    from dlm.checkpoint import load_model, open_checkpoint
+    from dlm.drafter import drafter_shapes, target_fingerprint
+
+    src, out = Path(folder), Path(out)
+    hf = read_json(src / "config.json")
+    if "DFlash2DraftModel" in (hf.get("architectures") or []):
+        raise DlmError(f"--hf {src}: a DFlash 2 drafter (convolutions and a candidate selector); dlm imports DFlash "
+                       "drafters (DFlashDraftModel) so far")
+    if target is None:
+        raise DlmError(f"--hf {src}: a DFlash drafter drafts for a target model: give --target, the dlm checkpoint "
+                       "of that target (`dlm import --hf TARGET_FOLDER` makes one)")
+    tck = open_checkpoint(target, "--target")
+    if tck.objective != "ar":
+        raise DlmError(f"--target {target}: a drafter's target is an ar checkpoint, got objective {tck.objective!r}")
+    tc = tck.model_config
+    layer_types = set(hf.get("layer_types") or ["full_attention"])
+    if layer_types != {"full_attention"} or hf.get("use_sliding_window") or _draft_value(hf, "is_causal"):
+        raise DlmError(f"--hf {src}: sliding-window or causal draft layers are not supported (full-attention "
+                       "bidirectional draft layers are)")
+    cfg = model_config_from_hf({**hf, "model_type": "qwen3", "vocab_size": hf.get("vocab_size", tc.vocab_size)},
+                               src / "config.json")
+    if cfg.dim != tc.dim:
+        raise DlmError(f"--hf {src}: hidden size {cfg.dim} differs from the target's {tc.dim}")
+    if cfg.vocab_size != tc.vocab_size:
+        raise DlmError(f"--hf {src}: vocabulary {cfg.vocab_size} differs from the target's {tc.vocab_size}")
+    n_target = hf.get("num_target_layers", tc.n_layers)
+    if n_target != tc.n_layers:
+        raise DlmError(f"--hf {src}: drafts for a target of {n_target} layers, the target has {tc.n_layers}")
+    layer_ids = _draft_value(hf, "target_layer_ids") or zlab_layer_ids(tc.n_layers, cfg.n_layers)
+    bad = [i for i in layer_ids if not isinstance(i, int) or not 0 <= i < tc.n_layers]
+    if bad:
+        raise DlmError(f"--hf {src}: target_layer_ids {bad} are not layers of the target (0 .. {tc.n_layers - 1})")
+    mask_id = _draft_value(hf, "mask_token_id")
+    if not isinstance(mask_id, int) or not 0 <= mask_id < tc.vocab_size:
+        raise DlmError(f"--hf {src}: dflash_config.mask_token_id must be a token id of the target, got {mask_id!r}")
+    block = _draft_value(hf, "block_size", 16)
+    softcap = _draft_value(hf, "final_logit_softcapping")
+    dflash = {"target_layer_ids": list(layer_ids), "block_size": int(block), "mask_token_id": mask_id,
+              "injection": "kv", "target_features": True,
+              "last_layer": "normed",  # public engines read the last layer after the target's final norm
+              "input_embedding_scale": float(_draft_value(hf, "input_embedding_scale", 1.0)),
+              "output_multiplier": float(_draft_value(hf, "output_multiplier", 1.0)),
+              "final_logit_softcapping": float(softcap) if softcap else None}
+    meta = {"objective": "dflash", "model": cfg.to_dict(), "imported_from": src.name, "data": "stdlib",
+            "dflash": dflash}
+    expected, aliases = drafter_shapes(meta)
+    shapes = {k: s for f in weight_files(src) for k, s in tensor_shapes(src / f).items() if "rotary_emb" not in k}
+    check_shapes(expected, shapes, src, aliases)
+    raw = {k: v for k, v in read_hf_weights(src).items() if "rotary_emb" not in k}
+    for k, v in raw.items():
+        if not all_finite(v):
+            raise DlmError(f"{src}: tensor {k} holds NaN or infinite values")
+    net, _ = load_model(tck.path)
+    dflash["target"] = {"name": tck.path.name, "model": tc.to_dict(), "tokenizer_sha256": tck.tokenizer.sha256,
+                        "fingerprint": target_fingerprint(net)}
+    dtype = next(iter(raw.values())).dtype
+    with write_folder(out, overwrite=overwrite, inputs=(src,)) as tmp:
+        save_checkpoint(tmp, raw, tck.tokenizer, meta, dtype=dtype)
     return out

@@ -95,3 +95,30 @@ def test_bad_sampling_inputs(tiny_ar):
             generate(m, ck, "def f():", cfg)
     with pytest.raises(DlmError, match="context"):
         generate(m, ck, "x " * 600, SampleConfig(max_new_tokens=4))
+
+
+def test_a_fim_trained_ar_checkpoint_infills_with_a_suffix():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "checkpoints"
+    m, ck = load_model(root / "ar-small-fim")
+    tok = ck.tokenizer
+    assert ck.fim
+    prefixes = ["def add(a, b):\n    return", "import os\n"]
+    suffix = "\n\nprint(add(1, 2))\n"
+    res = generate(m, ck, prefixes, SampleConfig(max_new_tokens=12, suffix=suffix))
+    for row, prefix in enumerate(prefixes):
+        # the middle is the model's own greedy continuation of the PSM prompt, written here by hand
+        psm = [tok.fim_prefix_id, *tok.encode(prefix), tok.fim_suffix_id, *tok.encode(suffix), tok.fim_middle_id]
+        ref = tokens(decode(m, [psm], 12, eos_id=tok.eos_id))
+        middle = ref[:ref.index(tok.eos_id)] if tok.eos_id in ref else ref
+        assert res.tokens[row] == middle + tok.encode(suffix)
+        assert res.texts[row].endswith(suffix)  # the suffix comes out byte-exact
+    assert res.stats.new_tokens == sum(len(t) - len(tok.encode(suffix)) for t in res.tokens)
+    # a checkpoint trained without FIM refuses, and a FIM checkpoint fills one hole only
+    m2, ck2 = load_model(root / "ar-small")
+    assert not ck2.fim
+    with pytest.raises(DlmError, match="cannot infill"):
+        generate(m2, ck2, "x", SampleConfig(suffix="y"))
+    with pytest.raises(DlmError, match="one hole"):
+        generate(m, ck, "a <fill> b <fill> c", SampleConfig())

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dlm.checkpoint import load_model, load_weights, open_checkpoint
-from dlm.config import ModelConfig, TrainConfig
+from dlm.config import ModelConfig, TrainConfig, block_size_of
 from dlm.drafter import (
-    DEFAULT_BLOCK_SIZE, INJECTIONS, DFlashDrafter, check_target, default_draft_layers, default_features, mask_token_id,
+    INJECTIONS, DFlashDrafter, check_target, default_draft_layers, default_features, mask_token_id,
     target_fingerprint, target_layer_ids,
 )
 from dlm.errors import DlmError, check
@@ -27,11 +27,6 @@ from dlm.model import run_blocks
 from dlm.objectives.base import ALL, Objective, share
 
 GAMMA_W = {16: 7.0, 10: 5.0, 8: 4.0}  # loss decay of the paper, per block size
-
-
-def block_size_of(cfg: TrainConfig) -> int:
-    """The drafter's block: --block-size, default 16 (the paper's)."""
-    return DEFAULT_BLOCK_SIZE if cfg.block_size is None else cfg.block_size
 
 
 def gamma_w(block_size: int) -> float:

@@ -45,14 +45,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dlm.config import TrainConfig
+from dlm.config import TrainConfig, block_size_of
 from dlm.errors import DlmError, check
 from dlm.noise import mask_corrupt
 from dlm.objectives.base import ALL, Objective, share
 from dlm.objectives.mdlm import block_ids, masked_logits, stratified_t
-
-DEFAULT_BLOCK_SIZE = 16  # the public recipe trains with 64 and decodes with 32 or 16; small models use 16
-
 
 def joint_mask(T: int, L: int, device: torch.device | str = "cpu") -> Tensor:
     """(2T, 2T) bool attention mask over [x_t | x_0] (True = may attend)."""
@@ -62,10 +59,6 @@ def joint_mask(T: int, L: int, device: torch.device | str = "cpu") -> Tensor:
     causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
     clean = torch.cat([torch.zeros(T, T, dtype=torch.bool, device=device), causal], dim=1)  # the AR half
     return torch.cat([noisy, clean], dim=0)
-
-
-def block_size_of(cfg: TrainConfig) -> int:
-    return DEFAULT_BLOCK_SIZE if cfg.block_size is None else cfg.block_size
 
 
 class Joint(Objective):

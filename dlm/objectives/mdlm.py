@@ -126,12 +126,15 @@ class MDLM(Objective):
 # likelihood bound --------------------------------------------------------------------------------
 
 @torch.inference_mode()
-def elbo_nll(model: nn.Module, x0: Tensor, L: int, mask_id: int, samples: int, gen: torch.Generator) -> Tensor:
+def elbo_nll(model: nn.Module, x0: Tensor, L: int, mask_id: int, samples: int, gen: torch.Generator,
+             fixed: Tensor | None = None) -> Tensor:
     """Monte-Carlo negative ELBO (nats, summed over tokens) of each window x0 (B, T): (samples, B).
 
     Per block and sample, l ~ U{1..L} positions are masked uniformly at random; the masked tokens'
     cross-entropy is weighted by L / l (LLaDA's estimator of the 1/t-weighted ELBO). With blocks, the
     clean context's K/V are computed once (block-causal, as at sampling) and read by every sample.
+    fixed (B, T) bool: positions that are never masked (a condition: the bound is then of the other tokens
+    given them, LLaDA's conditional likelihood); L counts a block's free positions only.
     """
     B, T = x0.shape
     L = L if 0 < L < T else T
@@ -145,11 +148,17 @@ def elbo_nll(model: nn.Module, x0: Tensor, L: int, mask_id: int, samples: int, g
         model(x0, pos=torch.arange(T, device=dev), cache=cache, mask=block_causal_mask(T, L, dev), head=False)
         # noisy block b reads the clean blocks < b from the cache, and itself
         noisy_mask = torch.cat([blk[:, None] > blk[None, :], blk[:, None] == blk[None, :]], dim=1)  # (T, 2T)
+    free = size[None].expand(B, nb)  # (B, nb) positions that may be masked per block
+    if fixed is not None:
+        free = free - torch.zeros(B, nb, device=dev).index_add_(1, blk, fixed.float())
     out = torch.zeros(samples, B, device=dev, dtype=torch.float64)
     for s in range(samples):
-        l = (torch.rand(B, nb, generator=gen, device=dev) * size).floor() + 1  # (B, nb) in 1..size
-        # position i is masked when it is among the l first of its block in a random order
+        l = (torch.rand(B, nb, generator=gen, device=dev) * free).floor() + 1  # (B, nb) in 1..free
+        l = torch.where(free > 0, l, torch.zeros_like(l))  # a block with nothing free masks nothing
+        # position i is masked when it is among the l first of its block in a random order (fixed ones last)
         key = blk[None].float() * 2 + torch.rand(B, T, generator=gen, device=dev)  # by block, then at random
+        if fixed is not None:
+            key = key + fixed.float()
         order = key.argsort(1).argsort(1)  # global rank; block b holds ranks start_b .. start_b + size_b - 1
         start = torch.cat([torch.zeros(1, device=dev), size.cumsum(0)[:-1]])  # (nb,)
         masked = (order - start[blk][None]) < l[:, blk]  # (B, T)
@@ -160,7 +169,7 @@ def elbo_nll(model: nn.Module, x0: Tensor, L: int, mask_id: int, samples: int, g
             h = model(xt, pos=torch.arange(T, device=dev), cache=cache, mask=noisy_mask, write=False, head=False).last
         ce = torch.zeros(B, T, device=dev, dtype=torch.float64)
         ce[masked] = F.cross_entropy(masked_logits(model, h[masked], mask_id), x0[masked], reduction="none").double()
-        out[s] = (ce * (size[blk][None] / l[:, blk])).sum(1)
+        out[s] = (ce * (free[:, blk] / l[:, blk].clamp(min=1))).sum(1)
     return out
 
 
@@ -185,4 +194,4 @@ def mdlm_eval(model, ck, corpus, split: str, seq_len: int, batch_size: int, max_
     nll = float(per_tok.mean())
     stderr = float(per_tok.std() / math.sqrt(samples)) if samples > 1 else float("nan")
     return {"loss_bound": nll, "perplexity_bound": math.exp(nll), "loss_bound_stderr": stderr, "samples": samples,
-            "block_length": L, "tokens": count, "seed": seed}
+            "block_size": L, "block_length": L, "tokens": count, "seed": seed}  # block_length: the older key

@@ -34,6 +34,20 @@ from dlm.sampling.infill import encode_prompt
 
 SAMPLERS = {"ar": ar, "mdlm": mdlm, "usdm": usdm, "joint": joint}
 
+# The one table of options: the SampleConfig fields each paradigm's sampler reads, as each sampler declares them
+# next to its code. `dlm generate`'s warnings, the server's 400s and the bench's method options derive from it.
+# An option a sampler reads to refuse (usdm's --temperature) counts as read: its error is the message.
+OPTIONS = {name: s.OPTIONS for name, s in SAMPLERS.items()} | {"speculative": speculative.OPTIONS}
+EVERY = frozenset({"max_new_tokens", "seed"})  # read by every sampler
+
+
+def options_read(paradigm: str, drafter_kind: str | None = None) -> frozenset[str]:
+    """The options a paradigm's sampler reads (speculative decoding: less those another kind of drafter reads)."""
+    reads = OPTIONS[paradigm] | EVERY
+    if paradigm == "speculative" and drafter_kind is not None:
+        reads -= {o for o, (kind, _) in speculative.DRAFTER_OPTIONS.items() if kind != drafter_kind}
+    return reads
+
 
 @dataclass
 class SampleConfig:

@@ -11,20 +11,32 @@ from typing import Iterator, Sequence
 
 import torch
 
+from dlm.data.tokens import fim_prompt_ids
 from dlm.errors import DlmError, check
 from dlm.model import Transformer
 from dlm.sampling.common import (
-    Clock, Commit, Event, Prompt, Stats, check_fits, check_sampling, make_generator, sample_token,
+    Clock, Commit, Done, Event, Prompt, Stats, check_fits, check_sampling, make_generator, sample_token,
 )
 
 
-def check_options(model: Transformer, prompts: Sequence[Prompt], cfg, what: str = "an ar checkpoint") -> None:
-    """Refuse what an AR decoder cannot do (cfg: SampleConfig)."""
+# the SampleConfig fields this sampler reads (dlm.sampling.OPTIONS gathers every sampler's: the CLI's warnings, the
+# server's 400s and the bench derive from them); max_new_tokens and seed are read by every sampler
+OPTIONS = frozenset({"temperature", "top_k", "top_p", "naive", "sampler", "suffix"})
+
+
+def check_options(model: Transformer, prompts: Sequence[Prompt], cfg, what: str = "an ar checkpoint",
+                  fim: bool = False) -> None:
+    """Refuse what an AR decoder cannot do (cfg: SampleConfig); fim: the checkpoint fills one hole (--suffix)."""
     check_sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     check(cfg.max_new_tokens > 0, f"--max-new-tokens must be > 0, got {cfg.max_new_tokens}")
     for p in prompts:
-        if p.canvas is not None:
-            raise DlmError(f"--suffix / <fill> markers: {what} cannot infill (use an mdlm or usdm checkpoint)")
+        if p.canvas is not None and not fim:
+            raise DlmError(f"--suffix / <fill> markers: {what} cannot infill (use an mdlm or usdm checkpoint, "
+                           "or an ar checkpoint trained with --fim-rate)")
+        if p.canvas is not None and (None in p.canvas[p.canvas.index(None) + p.canvas.count(None):]
+                                     or p.canvas[0] is not None):
+            raise DlmError("<fill> markers: an ar checkpoint trained for fill-in-the-middle fills one hole right "
+                           "after the prompt (use --suffix)")
         check(len(p.ids) > 0, "--prompt is empty: give at least one token of prompt")
         check_fits(model.cfg.max_seq_len, p, cfg.max_new_tokens)
 
@@ -33,14 +45,60 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg) -> Iterator[Event
     """The AR sampler (cfg: SampleConfig)."""
     if cfg.sampler not in ("auto", "ar"):
         raise DlmError(f"--sampler {cfg.sampler} does not belong to an ar checkpoint (allowed: auto)")
-    check_options(model, prompts, cfg)
+    check_options(model, prompts, cfg, fim=ck.fim)
     tok = ck.tokenizer
+    if any(p.canvas is not None for p in prompts):
+        return fill_in_the_middle(model, ck, prompts, cfg)
     ids = [p.ids for p in prompts]
     if cfg.naive:
         return decode_naive(model, ids, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed,
                             tok.eos_id)
     return decode(model, ids, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, tok.eos_id,
                   tok.pad_id)
+
+
+def fill_in_the_middle(model: Transformer, ck, prompts: list[Prompt], cfg) -> Iterator[Event]:
+    """Infilling with an AR checkpoint trained for it (PSM: <fim_prefix> P <fim_suffix> S <fim_middle>, then the
+    middle up to <eos>): each row's output is its middle (at most the hole's length), then its suffix, pinned,
+    byte-exact, as a diffusion sampler's canvas. Rows without a hole are plain continuations."""
+    tok = ck.tokenizer
+    ids, suffixes = [], []
+    for p in prompts:
+        suffix = [] if p.canvas is None else [t for t in p.canvas if t is not None]
+        ids.append(p.ids if p.canvas is None else fim_prompt_ids(tok, p.ids, suffix))
+        suffixes.append(None if p.canvas is None else suffix)
+    budget = [cfg.max_new_tokens if p.canvas is None else p.canvas.count(None) for p in prompts]
+    for p, n in zip(ids, budget):
+        check_fits(model.cfg.max_seq_len, Prompt(p), n)
+    inner = (decode_naive(model, ids, max(budget), cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, tok.eos_id)
+             if cfg.naive else
+             decode(model, ids, max(budget), cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, tok.eos_id, tok.pad_id))
+    made = [0] * len(prompts)  # new tokens per row (a middle's ending <eos> is not output)
+    ended = [False] * len(prompts)
+    for ev in inner:
+        if isinstance(ev, Commit):
+            row = ev.row
+            for t in ev.tokens:
+                if ended[row]:
+                    break
+                if suffixes[row] is not None and t == tok.eos_id:  # the middle is over: the suffix follows
+                    ended[row] = True
+                    yield Commit(list(suffixes[row]), row=row)
+                    break
+                yield Commit([t], row=row)
+                made[row] += 1
+                if made[row] == budget[row] or t == tok.eos_id:
+                    ended[row] = True
+                    if suffixes[row] is not None:
+                        yield Commit(list(suffixes[row]), row=row)
+        elif isinstance(ev, Done):
+            for row, s in enumerate(suffixes):
+                if not ended[row] and s is not None:
+                    yield Commit(list(s), row=row)
+            ev.stats.new_tokens = sum(made)
+            yield ev
+        else:
+            yield ev
 
 
 def prefill(model: Transformer, prompts: Sequence[Sequence[int]], capacity: int, pad_id: int):

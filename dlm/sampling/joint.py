@@ -31,6 +31,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import Tensor
 
+from dlm.config import DEFAULT_BLOCK_SIZE
 from dlm.errors import DlmError, check
 from dlm.model import Transformer
 from dlm.sampling import ar, mdlm, speculative
@@ -40,6 +41,9 @@ from dlm.sampling.speculative import Sampling, SpecStats, spec_stats, target_gre
 SELF_SPEC = ("self-spec-linear", "self-spec-linear-ar", "self-spec-quadratic")
 DIFFUSION = mdlm.RULES
 SAMPLERS = ("auto", "ar", *SELF_SPEC, *DIFFUSION)
+# the SampleConfig fields this sampler reads (see dlm.sampling.OPTIONS): its AR mode's, its diffusion mode's and
+# self-speculation's
+OPTIONS = ar.OPTIONS | mdlm.OPTIONS | frozenset({"check_lossless"})
 
 
 class SelfDraft:
@@ -55,6 +59,7 @@ class SelfDraft:
     """
 
     taps: tuple[int, ...] = ()
+    kind = "self"
 
     def __init__(self, model: Transformer, mask_id: int, block_size: int, sampling: Sampling, ar_first: bool = False):
         self.model, self.mask_id, self.sampling, self.ar_first = model, mask_id, sampling, ar_first
@@ -174,7 +179,7 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg) -> Iterator[Event
     if sampler == "ar":
         return ar.stream(model, ck, prompts, cfg.replace(sampler="auto"))
     tok = ck.tokenizer
-    B = cfg.block_size if cfg.block_size is not None else (ck.block_size or 16)
+    B = cfg.block_size if cfg.block_size is not None else (ck.block_size or DEFAULT_BLOCK_SIZE)
     check(2 <= B <= speculative.MAX_BLOCK, f"--block-size must be in [2, {speculative.MAX_BLOCK}], got {B}")
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, make_generator(cfg.seed, model.device))
     if sampler in ("self-spec-linear", "self-spec-linear-ar"):

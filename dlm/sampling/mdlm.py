@@ -54,6 +54,9 @@ from dlm.sampling.common import (
 
 RULES = ("confidence", "threshold", "entropy_bound")
 MAX_REVISIONS = 3  # --revise: times one position may be sent back to <mask> (so a block always ends)
+# the SampleConfig fields this sampler reads (see dlm.sampling.OPTIONS)
+OPTIONS = frozenset({"temperature", "top_k", "top_p", "naive", "sampler", "steps", "threshold", "entropy_bound",
+                     "block_size", "remasking", "revise", "suffix", "fill_length"})
 
 
 # the acceptance rules (plain functions over one block's positions) ------------------------------

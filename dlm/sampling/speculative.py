@@ -51,10 +51,16 @@ from dlm.sampling.common import (
 AR_DRAFT_BLOCK = 5  # default block of an AR draft model: 4 proposals + the bonus
 LOOKUP_BLOCK = 8
 MAX_BLOCK = 64  # the largest block of a cycle
+# the SampleConfig fields speculative decoding reads (see dlm.sampling.OPTIONS); DRAFTER_OPTIONS: those only one
+# kind of drafter reads (option -> the kind's name in `--draft`, and in words)
+OPTIONS = frozenset({"temperature", "top_k", "top_p", "block_size", "draft", "draft_passes", "lookup_ngram",
+                     "check_lossless", "suffix"})
+DRAFTER_OPTIONS = {"draft_passes": ("dflash", "a DFlash drafter"), "lookup_ngram": ("lookup", "prompt lookup")}
 
 
 class Drafter(Protocol):
     taps: tuple[int, ...]
+    kind: str  # lookup | ar | dflash | self: which of DRAFTER_OPTIONS it reads
     name: str
     default_block_size: int
     forwards: int  # forward passes of the drafter's model so far
@@ -87,6 +93,7 @@ class PromptLookup:
     """
 
     taps: tuple[int, ...] = ()
+    kind = "lookup"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         check(max_ngram >= 1, f"--lookup-ngram must be >= 1, got {max_ngram}")
@@ -117,6 +124,7 @@ class ARDraft:
     """A small AR model (same tokenizer) drafting one token per forward with its own KV cache."""
 
     taps: tuple[int, ...] = ()
+    kind = "ar"
 
     def __init__(self, model: Transformer, sampling: Sampling, capacity: int, name: str = "ar-draft"):
         self.model, self.sampling, self.capacity = model, sampling, capacity
@@ -152,6 +160,8 @@ class ARDraft:
 
 class DFlashDraft:
     """A DFlash drafter: one bidirectional pass over [last token, masks] conditioned on target features."""
+
+    kind = "dflash"
 
     def __init__(self, drafter, target: Transformer, sampling: Sampling, capacity: int, passes: int = 1,
                  name: str = "dflash"):
@@ -192,20 +202,20 @@ class DFlashDraft:
         block[0, 0] = seq[-1]
         pos = torch.arange(start, start + k + 1, device=dev)
         L0 = self.cache.length
-        h = self.d(self.target.embed_tokens(block), ctx, pos, ctx_pos, cache=self.cache,
+        h = self.d(self.d.embed(self.target, block), ctx, pos, ctx_pos, cache=self.cache,
                    mask=self.d.draft_mask(L0, C, k + 1))
         self.forwards += 1
         self.pending = self.pending[:, :0]
-        logits = self.target.lm_head(h[0, 1:])  # (k, V)
+        logits = self.d.head(self.target, h[0, 1:])  # (k, V)
         for _ in range(self.passes - 1):  # refine: keep confident slots, re-predict the uncertain ones
             conf, guess = logits.float().softmax(-1).max(-1)  # (k,)
             keep = conf >= 0.9
             if bool(keep.all()) or not bool(keep.any()):
                 break
             block[0, 1:] = torch.where(keep, guess, self.d.mask_id)
-            h = self.d(self.target.embed_tokens(block), None, pos, None, cache=self.cache, mask="full")
+            h = self.d(self.d.embed(self.target, block), None, pos, None, cache=self.cache, mask="full")
             self.forwards += 1
-            logits = torch.where(keep[:, None], logits, self.target.lm_head(h[0, 1:]))
+            logits = torch.where(keep[:, None], logits, self.d.head(self.target, h[0, 1:]))
         return logits
 
     def accept(self, ids: Tensor, feats: Tensor | None) -> None:
@@ -393,6 +403,17 @@ def load_drafter(spec: str, target: Transformer, ck, sampling: Sampling, passes:
     return DFlashDraft(model, target, sampling, capacity, passes, name=f"dflash ({Path(spec).name})")
 
 
+def drafter_kind(spec: str) -> str | None:
+    """The kind of drafter `--draft SPEC` names (lookup, ar, dflash), None for a spec that is no drafter."""
+    if spec == "lookup":
+        return "lookup"
+    try:
+        objective = open_checkpoint(spec, "--draft").objective
+    except DlmError:
+        return None
+    return objective if objective in ("ar", "dflash") else None
+
+
 def resolve_block_size(drafter: Drafter, block_size: int | None) -> int:
     """The block of a cycle: --block-size, else the drafter's default."""
     if block_size is None:
@@ -434,7 +455,7 @@ def spec_stats(spec: SpecStats, drafter: str, block_size: int, new: int, draft_f
         "tau": spec.committed / spec.cycles if spec.cycles else 0.0,
         "acceptance_histogram": spec.histogram + [0] * (block_size + 1 - len(spec.histogram)),
         "cycles": spec.cycles, "draft_seconds": spec.draft_seconds, "verify_seconds": spec.verify_seconds,
-        "gamma": block_size, "drafter": drafter})
+        "block_size": block_size, "gamma": block_size, "drafter": drafter})  # gamma: the older key
 
 
 def _run(model, ck, drafter, ids, block_size, sampling, cfg) -> Iterator[Event]:

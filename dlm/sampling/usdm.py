@@ -46,6 +46,11 @@ from dlm.sampling.common import (
 )
 
 DEFAULT_STEPS = 48  # DiffusionGemma's max_denoising_steps
+# the SampleConfig fields this sampler reads (see dlm.sampling.OPTIONS); --temperature is read to be refused with
+# its own message (the temperature follows the t_max -> t_min schedule)
+OPTIONS = frozenset({"temperature", "top_k", "top_p", "sampler", "steps", "entropy_bound", "canvas_length", "t_max",
+                     "t_min", "stability_threshold", "confidence_threshold", "adaptive", "self_cond_input", "suffix",
+                     "fill_length"})
 
 
 # plain functions (each testable on hand-made inputs) -----------------------------------------

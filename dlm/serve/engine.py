@@ -225,7 +225,8 @@ class Engine:
     def start(self, served: Served, rows: list[Row], loop: asyncio.AbstractEventLoop | None = None) -> Job:
         job = Job(rows, loop)
         logprobs = any(r.logprobs is not None for r in rows)
-        if served.batcher is not None and (served.drafter is None or logprobs):
+        infill = any(r.prompt.canvas is not None for r in rows)  # FIM rows: the AR sampler's own infilling
+        if served.batcher is not None and (served.drafter is None or logprobs) and not infill:
             served.batcher.submit(job)
         else:
             threading.Thread(target=self._run, args=(served, job), daemon=True,

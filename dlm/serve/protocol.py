@@ -24,9 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dlm.config import ALIASES
 from dlm.errors import DlmError
-from dlm.sampling import SampleConfig, encode
+from dlm.sampling import SampleConfig, encode, options_read
 from dlm.sampling.common import Commit, Done, Event, Prompt, Step, Verified
 from dlm.sampling.infill import FILL_RE
+from dlm.sampling.speculative import DRAFTER_OPTIONS
 from dlm.serve.engine import Engine, Row, Scored, Served
 
 MAX_N = 16  # choices per prompt
@@ -40,13 +41,10 @@ MAX_TEMPERATURE = 100.0  # (OpenAI allows 2; far above, float32 logits / T under
 TEMPERATURE_RANGE = (1e-4, 100.0)  # usdm's t_min, t_max
 
 # dlm's sampler options accepted as extra body fields, and the paradigms each applies to
-PARADIGM_OPTIONS: dict[str, set[str]] = {
-    "ar": {"top_k"},
-    "speculative": {"top_k", "block_size", "draft_passes", "lookup_ngram"},
-    "mdlm": {"top_k", "sampler", "steps", "threshold", "entropy_bound", "block_size", "remasking", "fill_length"},
-    "usdm": {"top_k", "sampler", "steps", "entropy_bound", "canvas_length", "t_max", "t_min", "stability_threshold",
-             "confidence_threshold", "adaptive", "fill_length"},
-}
+def served_options(paradigm: str) -> frozenset[str]:
+    """The request fields of dlm's sampler options that a paradigm reads (dlm.sampling.OPTIONS, one table)."""
+    return options_read(paradigm) & (set(DlmFields.model_fields) - set(ALIASES) - {"dlm_stream_steps"})
+
 
 CHAT_TEMPLATE_STOP = "\n### "
 
@@ -130,6 +128,7 @@ class DlmFields(_Strict):
     entropy_bound: float | None = None
     block_size: int | None = None
     remasking: str | None = None
+    revise: float | None = None
     canvas_length: int | None = None
     t_max: float | None = None
     t_min: float | None = None
@@ -249,18 +248,16 @@ def _sample_config(served: Served, req: _Common, max_tokens: int) -> SampleConfi
                 raise ApiError(400, f"{old} is another name for {new}; they were given different values "
                                     f"({v} and {given[new]})", old, "invalid_value")
             given[new] = v
-    allowed = PARADIGM_OPTIONS[served.paradigm]
+    allowed = served_options(served.paradigm)
     for name in given:
         if name not in allowed:
             raise ApiError(400, f"{name} does not apply to {served.id} (paradigm {served.paradigm}; its options: "
                                 f"{', '.join(sorted(allowed))})", name, "unsupported_parameter")
-    kind = type(served.drafter).__name__ if served.drafter is not None else ""
-    if "draft_passes" in given and kind != "DFlashDraft":
-        raise ApiError(400, f"draft_passes applies to a DFlash drafter; {served.id} drafts with {served.draft}",
-                       "draft_passes", "unsupported_parameter")
-    if "lookup_ngram" in given and kind != "PromptLookup":
-        raise ApiError(400, f"lookup_ngram applies to prompt lookup; {served.id} drafts with {served.draft}",
-                       "lookup_ngram", "unsupported_parameter")
+    kind = served.drafter.kind if served.drafter is not None else ""
+    for name, (needs, words) in DRAFTER_OPTIONS.items():
+        if name in given and kind != needs:
+            raise ApiError(400, f"{name} applies to {words}; {served.id} drafts with {served.draft}", name,
+                           "unsupported_parameter")
     for name in ("t_min", "t_max"):  # a temperature the logits are divided by in float32
         if name in given and not TEMPERATURE_RANGE[0] <= given[name] <= TEMPERATURE_RANGE[1]:
             raise ApiError(400, f"{name} must be in [{TEMPERATURE_RANGE[0]}, {TEMPERATURE_RANGE[1]}], got {given[name]}",
@@ -383,10 +380,17 @@ def plan_completion(engine: Engine, served: Served, req: CompletionRequest) -> P
         for j in range(req.n):
             rows.append(Row(pr, cfg.replace(seed=cfg.seed + j), req.logprobs))
             echo.append(echoes[i] if req.echo else "")
-            middle.append(max_tokens if req.suffix is not None else None)
+            middle.append(None if req.suffix is None else _middle(served, pr, max_tokens))
     return Plan(served, "completion", rows, sum(len(pr.ids) for pr in prompts), stops, req.stream,
                 bool(req.stream_options and req.stream_options.include_usage), req.dlm_stream_steps,
                 req.logprobs, echo, middle, f"cmpl-{secrets.token_hex(12)}", int(time.time()))
+
+
+def _middle(served: Served, prompt: Prompt, max_tokens: int) -> int:
+    """What a suffix request returns of a row's tokens: a diffusion canvas's first max_tokens (the hole); an AR
+    checkpoint trained for FIM writes a middle of its own length then the suffix: all but the suffix's tokens."""
+    pinned = sum(t is not None for t in prompt.canvas or [])
+    return -pinned if served.paradigm == "ar" and served.ck.fim and pinned else max_tokens
 
 
 def plan_chat(engine: Engine, served: Served, req: ChatRequest) -> Plan:

@@ -3,6 +3,8 @@
     complete   line-level code completion (CodeXGLUE): exact_match, edit_similarity
     infill     fill-in-the-middle of one line or 1-5 lines: exact_match, edit_similarity
     sudoku     solving puzzles (Ye et al. 2024): accuracy, cell_accuracy, valid
+    code       HumanEval / MBPP programs run against their tests: pass@k
+    code-infill  Bavarian et al.'s single- and multi-line infilling of HumanEval solutions: pass@1
 
 `run_task` runs one method (a checkpoint with a SampleConfig, a drafter for speculation) over a
 task's cases through the sampler contract, every paradigm alike, and reports the task's metrics (means
@@ -14,23 +16,23 @@ that committed n tokens, from which the acceptance rate of each draft slot follo
 from __future__ import annotations
 
 import time
-from types import ModuleType
 from typing import Any
 
 from dlm.errors import DlmError
-from dlm.tasks import complete, infill, sudoku
+from dlm.tasks import code, complete, infill, sudoku
 from dlm.tasks.common import Case, style_of, window
 
-TASKS: dict[str, ModuleType] = {"complete": complete, "infill": infill, "sudoku": sudoku}
+TASKS: dict[str, Any] = {"complete": complete, "infill": infill, "sudoku": sudoku, "code": code,
+                         "code-infill": code.Infill}
 
 
-def task_module(name: str) -> ModuleType:
+def task_module(name: str) -> Any:
     if name not in TASKS:
         raise DlmError(f"--task must be one of {sorted(TASKS)}, got {name!r}")
     return TASKS[name]
 
 
-def run_case(task: ModuleType, case: Case, model, ck, cfg, drafter=None, context: int = 0) -> dict[str, Any]:
+def run_case(task: Any, case: Case, model, ck, cfg, drafter=None, context: int = 0) -> dict[str, Any]:
     """One case: the request for the method's paradigm, the answer, its metrics and the call's statistics."""
     from dlm.sampling import stream
     from dlm.sampling.common import drain
@@ -44,7 +46,7 @@ def run_case(task: ModuleType, case: Case, model, ck, cfg, drafter=None, context
             **res.stats.as_dict(), "tokens": res.tokens[0], "prompt": req.prompt.ids}
 
 
-def summarize(task: ModuleType, rows: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(task: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The task's metrics (means over cases) and the statistics summed over cases."""
     n = len(rows)
     out: dict[str, Any] = {"task": task.NAME, "n": n}
@@ -52,6 +54,9 @@ def summarize(task: ModuleType, rows: list[dict[str, Any]]) -> dict[str, Any]:
     new, fwd = sum(r["new_tokens"] for r in rows), sum(r["forwards"] for r in rows)
     out.update(tokens_per_forward=new / fwd if fwd else 0.0, forwards=fwd, new_tokens=new,
                seconds=sum(r["seconds"] for r in rows))
+    if getattr(task, "PASS_AT_K", None):  # several samples per problem: pass@k by problem
+        out.update(code.pass_at_ks(rows))
+        out["problems"] = len({r["case"] for r in rows})
     if any("tau" in r for r in rows):
         cycles = sum(r.get("cycles", 0) for r in rows)
         out["tau"] = sum(r["tau"] * r.get("cycles", 0) for r in rows) / cycles if cycles else 0.0
@@ -63,20 +68,24 @@ def summarize(task: ModuleType, rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_task(name: str, model, ck, cfg, drafter=None, data: str | None = None, n: int = 100, seed: int = 0,
              span: str = "line", context: int = 0, progress: bool = False,
-             cases: list[Case] | None = None) -> dict[str, Any]:
-    """Every case of the task (`cases`, else the task's cases of data, n, seed, span) through one method; returns
-    the summary with the per-case rows under "cases"."""
+             cases: list[Case] | None = None, samples: int = 1) -> dict[str, Any]:
+    """Every case of the task (`cases`, else the task's cases of data, n, seed, span) through one method, `samples`
+    times each (seeds seed, seed + 1, ...: pass@k); returns the summary with the per-case rows under "cases"."""
     task = task_module(name)
+    if samples < 1:
+        raise DlmError(f"--samples must be >= 1, got {samples}")
     cases = cases if cases is not None else task.cases(data, n, seed, span)
     rows = []
     t0 = time.perf_counter()
     from rich.progress import Progress
 
     with Progress(disable=not progress, transient=True) as bar:
-        job = bar.add_task(f"{name}", total=len(cases))
+        job = bar.add_task(f"{name}", total=len(cases) * samples)
         for case in cases:
-            rows.append(run_case(task, case, model, ck, cfg, drafter, context))
-            bar.advance(job)
+            for j in range(samples):
+                rows.append(run_case(task, case, model, ck, cfg if j == 0 else cfg.replace(seed=cfg.seed + j), drafter,
+                                     context))
+                bar.advance(job)
     out = summarize(task, rows)
     out["wall_seconds"] = time.perf_counter() - t0
     out["cases"] = [{k: v for k, v in r.items() if k not in ("tokens", "prompt")} for r in rows]

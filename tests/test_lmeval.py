@@ -1,0 +1,109 @@
+"""The lm-evaluation-harness adapter (`--model dlm`): its scores held against direct computations, and a local
+task file run through lm_eval itself (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+
+from lm_eval.api.instance import Instance  # noqa: E402
+
+from dlm.lmeval import DlmLM  # noqa: E402
+from dlm.sampling import SampleConfig, generate  # noqa: E402
+
+CK = Path(__file__).resolve().parents[1] / "checkpoints"
+
+
+def req(kind: str, *args) -> Instance:
+    return Instance(request_type=kind, doc={}, arguments=args, idx=0)
+
+
+@pytest.fixture(scope="module")
+def ar():
+    return DlmLM(path=str(CK / "ar-small"))
+
+
+def test_ar_loglikelihood_is_the_sum_of_next_token_log_probs(ar):
+    ctx, cont = "def add(a, b):\n    return", " a + b"
+    (ll, greedy), = ar.loglikelihood([req("loglikelihood", ctx, cont)])
+    tok, model = ar.tok, ar.model
+    c, w = tok.encode(ctx), tok.encode(ctx + cont)
+    assert w[:len(c)] == c
+    want, all_argmax = 0.0, True
+    with torch.inference_mode():
+        for k in range(len(c), len(w)):  # one prefix at a time: no slicing shared with the adapter
+            logits = model(torch.tensor([w[:k]])).logits[0, -1].float()
+            want += float(torch.log_softmax(logits, -1)[w[k]])
+            all_argmax &= int(logits.argmax()) == w[k]
+    assert ll == pytest.approx(want, abs=1e-4) and greedy == all_argmax
+    (ll2, _), = ar.loglikelihood([req("loglikelihood", ctx, " )))(((")])
+    assert ll2 < ll  # a worse continuation scores lower
+    # rolling: a text that fits one window is its loglikelihood after the document boundary
+    (roll,) = ar.loglikelihood_rolling([req("loglikelihood_rolling", ctx + cont)])
+    (whole, _), = ar.loglikelihood([req("loglikelihood", "", ctx + cont)])
+    assert roll == pytest.approx(whole, abs=1e-4)
+
+
+def test_mdlm_loglikelihood_is_the_conditional_elbo():
+    lm = DlmLM(path=str(CK / "mdlm-small"), samples=4)
+    tok, model = lm.tok, lm.model
+    ctx = "import os\nimport sys\n\ndef main():\n    x ="
+    cont_ids = tok.encode(ctx + " 1")[len(tok.encode(ctx)):]
+    assert len(cont_ids) == 1
+    # one token: every sample masks exactly it, so the bound is exact: log p(token | context, <mask>)
+    (ll, greedy), = lm.loglikelihood([req("loglikelihood", ctx, tok.decode(cont_ids))])
+    ids = tok.encode(ctx) + cont_ids
+    x = torch.tensor([ids[:-1] + [tok.mask_id]])
+    from dlm.objectives.mdlm import block_causal_mask, masked_logits
+
+    L = lm.ck.block_size
+    with torch.inference_mode():
+        h = model(x, mask=block_causal_mask(len(ids), L) if 0 < L < len(ids) else "full", head=False).last
+        logp = torch.log_softmax(masked_logits(model, h[0, -1:], tok.mask_id).float(), -1)[0]
+    assert ll == pytest.approx(float(logp[cont_ids[0]]), abs=1e-4)
+    assert greedy == (int(logp.argmax()) == cont_ids[0])
+    # longer continuations: a seeded Monte-Carlo estimate, the same for the same seed
+    a = lm.loglikelihood([req("loglikelihood", ctx, " os.path.join(a, b)")])[0][0]
+    b = DlmLM(path=str(CK / "mdlm-small"), samples=4).loglikelihood([req("loglikelihood", ctx, " os.path.join(a, b)")])
+    assert a == b[0][0] and a < 0
+
+
+def test_generate_until_is_the_sampler_cut_at_the_stop(ar):
+    ctx = "def read_config(path):\n    "
+    full = generate(ar.model, ar.ck, ctx, SampleConfig(max_new_tokens=24)).text
+    stop = full[3:6]
+    (out,) = ar.generate_until([req("generate_until", ctx, {"until": [stop], "max_gen_toks": 24})])
+    assert out == full[:full.find(stop)]
+
+
+def test_a_local_task_through_lm_eval(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in [
+        {"q": "import", "choices": [" os", " )))"], "gold": 0},
+        {"q": "def f(x):\n    return", "choices": [" x", " ]]]"], "gold": 0}]))
+    (tmp_path / "dlm_local.yaml").write_text(
+        "task: dlm_local\ndataset_path: json\ndataset_kwargs:\n  data_files: " + str(data) + "\n"
+        "test_split: train\noutput_type: multiple_choice\ndoc_to_text: \"{{q}}\"\ndoc_to_choice: \"{{choices}}\"\n"
+        "doc_to_target: \"{{gold}}\"\nmetric_list:\n  - metric: acc\n")
+    out = tmp_path / "out"
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "dlm.lmeval", "--model", "dlm", "--model_args",
+                        f"path={CK / 'ar-small'}", "--tasks", "dlm_local", "--include_path", str(tmp_path),
+                        "--device", "cpu", "--output_path", str(out)], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (res,) = list(out.rglob("results_*.json"))
+    acc = json.loads(res.read_text())["results"]["dlm_local"]["acc,none"]
+    assert 0.0 <= acc <= 1.0
+    bad = subprocess.run([sys.executable, "-m", "dlm.lmeval", "--model", "dlm", "--model_args",
+                          f"path={CK / 'dflash-small'}", "--tasks", "dlm_local", "--include_path", str(tmp_path),
+                          "--device", "cpu"], capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and "cannot be evaluated on its own" in bad.stderr
