@@ -237,6 +237,8 @@ def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: in
     """Events of one sequence, block by block; counts forwards, steps, canvases and new tokens in `stats`
     (and, with revise > 0, the tokens sent back to <mask> in stats.extra["revisions"])."""
     stats = stats if stats is not None else Stats()
+    if revise > 0:
+        stats.extra.setdefault("revisions", 0)
     state = Denoising(model, job, mask_id, naive)
     seq, hole, P = state.seq, state.hole, job.prefix_len
     index = 0  # canvases (blocks with holes) of this row so far
@@ -261,7 +263,7 @@ def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: in
                 if bool(back.any()):
                     seq[s:e] = torch.where(back, mask_id, seq[s:e])
                     left -= back.long()
-                    stats.extra["revisions"] = stats.extra.get("revisions", 0) + int(back.sum())
+                    stats.extra["revisions"] += int(back.sum())
                 else:
                     back = None
             free = masked if back is None else masked & ~back  # a revised position is proposed from the next pass
