@@ -177,24 +177,28 @@ def _minimise(rng: random.Random, g: list[int]) -> list[int]:
     return g
 
 
-def make_sparse(rng: random.Random, clues: int, band: tuple[int, int], tries: int = 20,
-                rounds: int = 300) -> tuple[str, str]:
-    """(quiz, solution) with `clues` givens if the search finds them within `rounds`, else the fewest it found
-    within the band (low, high); one solution. Local search over minimal puzzles of one grid, then a new grid."""
+def make_sparse(rng: random.Random, clues: int, band: tuple[int, int], tries: int = 20, rounds: int = 300,
+                patience: int = 40) -> tuple[str, str]:
+    """(quiz, solution) with `clues` givens if the search finds them within `rounds` (stopping after `patience`
+    rounds without fewer clues), else the fewest it found within the band (low, high); one solution. Local search
+    over minimal puzzles of one grid, then a new grid."""
     least, most = band
     for _ in range(tries):
         solution = random_grid(rng)
         best = _minimise(rng, list(solution))
         n_best = sum(1 for v in best if v)
+        since = 0
         for _ in range(rounds):
-            if n_best <= clues:
+            if n_best <= clues or since >= patience:
                 break
+            since += 1
             g = list(best)
             for i in rng.sample([i for i in range(81) if not g[i]], 2):  # give two cells back, blank again
                 g[i] = solution[i]
             g = _minimise(rng, g)
             n = sum(1 for v in g if v)
             if least <= n <= n_best:
+                since = 0 if n < n_best else since
                 best, n_best = g, n
         if least <= n_best <= most:
             return "".join(map(str, best)), "".join(map(str, solution))
