@@ -174,7 +174,7 @@ def generate_cmd(
 def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None, seq_len: int = 0, batch_size: int = 8,
              max_batches: int = 0, samples: int | None = None, reference: str | None = None, json: bool = False,
              device: str = "cpu", task: str | None = None, n: int = 100, span: str = "line",
-             context: int = 0) -> None:
+             context: int = 0, clues: str | None = None) -> None:
     """Held-out loss and perplexity of a checkpoint; or, with --task, what it gets right on a task.
 
     --task complete|infill|sudoku runs the task's cases through the checkpoint's sampler with the generation
@@ -201,6 +201,8 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
         n: --task: number of cases, picked reproducibly by --seed
         span: --task infill: line (one line) or lines (1-5 lines)
         context: --task: tokens of prompt + generation at most (0 = the checkpoint's training window)
+        clues: --task sudoku: givens per puzzle, A-B: fresh held-out puzzles of that difficulty (default 40-50;
+            easy 40-50, medium 30-40, hard 22-27, extreme 17-21); with --data, only its puzzles in A-B
     """
     from dlm.checkpoint import load_model
     from dlm.config import check_seed
@@ -208,8 +210,11 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
 
     scfg = scfg or SampleConfig()
     check_seed(scfg.seed)
+    if clues is not None and task != "sudoku":
+        raise DlmError("--clues goes with --task sudoku")
     if task is not None:
-        _eval_task(model, device, scfg, task, data, n, span, context, json, split, 1 if samples is None else samples)
+        _eval_task(model, device, scfg, task, data, n, span, context, json, split, 1 if samples is None else samples,
+                   clues)
         return
     samples = 4 if samples is None else samples
     if batch_size <= 0:
@@ -234,7 +239,7 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
 
 
 def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: int, span: str, context: int,
-               json: bool, split: str = "test", samples: int = 1) -> None:
+               json: bool, split: str = "test", samples: int = 1, clues: str | None = None) -> None:
     from dlm.checkpoint import load_model
     from dlm.sampling import SampleConfig
     from dlm.tasks import run_task, task_module
@@ -248,7 +253,8 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
         raise DlmError(f"--samples must be > 0, got {samples}")
     if data is None and task != "sudoku" and split not in ("val", "test"):
         raise DlmError(f"--split with --task: val (to tune on) or test, got {split!r}")
-    cases = mod.cases(data, n, scfg.seed, span, split)  # bad --data is refused before the model is loaded
+    extra = {"clues": clues} if clues is not None else {}
+    cases = mod.cases(data, n, scfg.seed, span, split, **extra)  # bad --data is refused before the model is loaded
     net, ck = load_model(model, device=_device(device))
     drafter = None
     if scfg.draft:
@@ -265,6 +271,8 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
     res.update(model=str(ck.path), paradigm="speculative" if drafter else ck.objective, seed=scfg.seed)
     if task in ("infill", "code-infill"):
         res["span"] = span
+    if clues is not None:
+        res["clues"] = clues
     if json:
         print(_dumps(res))
         return

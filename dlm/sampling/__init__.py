@@ -66,6 +66,7 @@ class SampleConfig:
         entropy_bound: entropy-bound acceptance: cumulative entropy minus its largest entropy <= this
         block_size: a block of positions: mdlm's semi-autoregressive block (default: the checkpoint's training block, else the whole generation); speculative: the block of one verify cycle, the last committed token + block_size-1 proposals (default: the drafter's: its block size for DFlash, 5 for an AR draft, 8 for lookup)
         remasking: mdlm: low_confidence | random
+        revise: mdlm revision (ReMDM-style): a committed token whose probability under a later pass falls below this goes back to <mask> and is predicted again (at most 3 times per position); 0 = off
         canvas_length: usdm: tokens per canvas (default: the checkpoint's)
         t_max: usdm: temperature of the first step
         t_min: usdm: temperature approached at the last step
@@ -94,6 +95,7 @@ class SampleConfig:
     entropy_bound: float = 0.1
     block_size: int | None = None
     remasking: str = "low_confidence"
+    revise: float = 0.0
     canvas_length: int | None = None
     t_max: float = 0.8
     t_min: float = 0.4

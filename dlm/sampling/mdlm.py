@@ -15,9 +15,19 @@ position and commits some of them by a rule:
                  entropy minus its largest entropy <= `--entropy-bound` (at least one)
 
 With `--steps` the adaptive rules commit at least the budget of the step too, so a block never takes
-more than `--steps` passes. Pinned tokens (the prompt's tail, a suffix, a template's text) are never
-masked and come out byte-exact. A continuation stops at its first committed <eos>: the rest of that
-block is not denoised and no block follows.
+more than `--steps` passes (without `--revise`).
+
+`--revise P` (revision, in the spirit of ReMDM, Wang et al. 2025): masked diffusion commits a token for
+good, so an early mistake stays and the cells after it are fitted around it. With revision, each pass
+also reads the probability the model now gives to every token this block has already committed (the
+logits at its position, where the token is visible; no extra forward); a committed token whose
+probability has fallen below P goes back to <mask>, and is proposed again from the next pass on (not in
+the pass that revised it). A position is sent back at most `MAX_REVISIONS` times, so a block ends; a
+committed <eos>, the prompt's tokens and pinned tokens are never revised. Off (0), nothing changes.
+
+Pinned tokens (the prompt's tail, a suffix, a template's text) are never masked and come out
+byte-exact. A continuation stops at its first committed <eos>: the rest of that block is not denoised
+and no block follows.
 
 A finished block is written to the cache with the block-causal mask of training (it sees itself and
 the blocks before). That write is folded into the next block's first denoising pass: one forward
@@ -44,9 +54,10 @@ from dlm.sampling.common import (
 )
 
 RULES = ("confidence", "threshold", "entropy_bound")
+MAX_REVISIONS = 3  # --revise: times one position may be sent back to <mask> (so a block always ends)
 # the SampleConfig fields this sampler reads (see dlm.sampling.OPTIONS)
 OPTIONS = frozenset({"temperature", "top_k", "top_p", "naive", "sampler", "steps", "threshold", "entropy_bound",
-                     "block_size", "remasking", "suffix", "fill_length"})
+                     "block_size", "remasking", "revise", "suffix", "fill_length"})
 
 
 # the acceptance rules (plain functions over one block's positions) ------------------------------
@@ -129,6 +140,14 @@ def denoise_step(logits: Tensor, x: Tensor, masked: Tensor, rule: Rule, k: int, 
     return torch.where(chosen, cand, x), chosen, float(ent[masked].mean())
 
 
+def select_revisions(logits: Tensor, x: Tensor, committed: Tensor, threshold: float,
+                     left: Tensor) -> Tensor:
+    """Revision: bool (N,), the committed positions whose token's probability under this pass (logits (N, V),
+    tokens x (N,)) is below threshold and that may still be revised (left (N,) > 0)."""
+    p = torch.softmax(logits.float(), dim=-1).gather(-1, x[:, None])[:, 0]
+    return committed & (left > 0) & (p < threshold)
+
+
 # one sequence, block by block -------------------------------------------------------------------
 
 def plan_blocks(prefix_len: int, total: int, grid: int, one_tail: bool = False) -> list[tuple[int, int]]:
@@ -200,10 +219,14 @@ class Denoising:
 def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: int, eos_id: int, *,
                      temperature: float, top_k: int, top_p: float, gen: torch.Generator | None,
                      naive: bool = False, row: int = 0, clock: Clock | None = None,
-                     stats: Stats | None = None, step_events: bool = True) -> Iterator[Event]:
-    """Events of one sequence, block by block; counts forwards, steps, canvases and new tokens in `stats`.
+                     stats: Stats | None = None, revise: float = 0.0,
+                     step_events: bool = True) -> Iterator[Event]:
+    """Events of one sequence, block by block; counts forwards, steps, canvases and new tokens in `stats`
+    (and, with revise > 0, the tokens sent back to <mask> in stats.extra["revisions"]).
     step_events: a Step event (the canvas, read back from the device) after every denoising step."""
     stats = stats if stats is not None else Stats()
+    if revise > 0:
+        stats.extra.setdefault("revisions", 0)
     state = Denoising(model, job, mask_id, naive)
     seq, hole, P = state.seq, state.hole, job.prefix_len
     index = 0  # canvases (blocks with holes) of this row so far
@@ -213,6 +236,7 @@ def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: in
         budget = step_budget(n, steps or n) if n else []
         step = 0
         g = max(s, P)  # the block's generated part starts here
+        left = torch.full_like(masked, MAX_REVISIONS, dtype=torch.long) if revise > 0 else None
         while bool(masked.any()):
             logits = state.logits(s, e)  # (Lb, V)
             stats.forwards += 1
@@ -220,8 +244,24 @@ def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: in
             if job.forbid_eos:
                 logits[:, eos_id] = float("-inf")
             k = budget[step] if step < len(budget) else 1
-            x, chosen, ent = denoise_step(logits, seq[s:e], masked, rule, k, temperature, top_k, top_p, gen)
+            back = None
+            if left is not None:  # revision: committed tokens the model no longer believes go back to <mask>
+                committed = hole[s:e] & ~masked & (seq[s:e] != mask_id) & (seq[s:e] != eos_id)
+                back = select_revisions(logits, seq[s:e], committed, revise, left)
+                if bool(back.any()):
+                    seq[s:e] = torch.where(back, mask_id, seq[s:e])
+                    left -= back.long()
+                    stats.extra["revisions"] += int(back.sum())
+                else:
+                    back = None
+            free = masked if back is None else masked & ~back  # a revised position is proposed from the next pass
+            if bool(free.any()):
+                x, chosen, ent = denoise_step(logits, seq[s:e], free, rule, k, temperature, top_k, top_p, gen)
+            else:
+                x, chosen, ent = seq[s:e], torch.zeros_like(free), None
             seq[s:e] = x
+            if back is not None:
+                masked |= back
             masked &= ~chosen
             if job.stop_at_eos:  # what follows a committed <eos> is dropped: no need to denoise it
                 ends = (chosen & (x == eos_id)).nonzero()
@@ -268,6 +308,8 @@ def check_options(cfg) -> Rule:
           f"--remasking must be low_confidence or random, got {cfg.remasking!r}")
     check(cfg.remasking == "low_confidence" or sampler == "confidence",
           f"--remasking random goes with --sampler confidence, got --sampler {sampler}")
+    revise = getattr(cfg, "revise", 0.0)
+    check(0 <= revise < 1, f"--revise must be in [0, 1) (0 = off), got {revise}")
     return Rule(sampler, cfg.threshold, cfg.entropy_bound, cfg.remasking == "random")
 
 
@@ -306,6 +348,7 @@ def _run(model, jobs: list[Job], rule: Rule, cfg, mask_id: int, eos_id: int,
     for row, job in enumerate(jobs):
         yield from denoise_sequence(model, job, rule, cfg.steps, mask_id, eos_id, temperature=cfg.temperature,
                                     top_k=cfg.top_k, top_p=cfg.top_p, gen=gen, naive=cfg.naive, row=row,
-                                    clock=clock, stats=stats, step_events=step_events)
+                                    clock=clock, stats=stats, revise=getattr(cfg, "revise", 0.0),
+                                    step_events=step_events)
     stats.extra["forwards_per_canvas"] = stats.forwards / stats.canvases if stats.canvases else 0.0
     yield clock.finish(stats)

@@ -128,6 +128,7 @@ class DlmFields(_Strict):
     entropy_bound: float | None = None
     block_size: int | None = None
     remasking: str | None = None
+    revise: float | None = None
     canvas_length: int | None = None
     t_max: float | None = None
     t_min: float | None = None

@@ -57,6 +57,8 @@ def summarize(task: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
     if getattr(task, "PASS_AT_K", None):  # several samples per problem: pass@k by problem
         out.update(code.pass_at_ks(rows))
         out["problems"] = len({r["case"] for r in rows})
+    if any("revisions" in r for r in rows):  # mdlm --revise: committed tokens sent back to <mask>, all cases
+        out["revisions"] = sum(r.get("revisions", 0) for r in rows)
     if any("tau" in r for r in rows):
         cycles = sum(r.get("cycles", 0) for r in rows)
         out["tau"] = sum(r["tau"] * r.get("cycles", 0) for r in rows) / cycles if cycles else 0.0

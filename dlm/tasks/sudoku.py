@@ -4,8 +4,13 @@
 random order while the puzzle keeps exactly one solution, until it has the number of clues drawn
 for it (uniformly from the range). A blanked cell whose digit is forced by its row, column and box
 (a naked single) keeps the solution unique at no cost; any other is checked by counting solutions
-(up to 2) with a bitmask solver. Puzzles come out in the public CSV layout (`quizzes,solutions`, 81
-digits, 0 = blank; dlm.data.csvtask), so public sets drop in and training reads them as documents.
+(up to 2) with a bitmask solver. That greedy pass stops at a minimal puzzle, seldom below 24 clues; a
+puzzle drawn with fewer (22-23 of the hard band, 17-21 of the extreme band) comes from a local search instead
+(`make_sparse`): from a minimal puzzle, give back two of the solution's cells and blank greedily again,
+keeping the result when it has no more clues, until it reaches the drawn count (a few seconds each; 20-21
+clues are reached, 17-19 seldom: such a puzzle then has the fewest clues the search found within the
+band). Puzzles come out in the public CSV layout (`quizzes,solutions`, 81 digits, 0 = blank;
+dlm.data.csvtask), so public sets drop in and training reads them as documents.
 
 Metrics of `dlm eval --task sudoku` (per puzzle, averaged): `accuracy` (the whole grid equals the
 solution), `cell_accuracy` (the blanks filled correctly, over all blanks), `valid` (the output is a
@@ -155,8 +160,50 @@ def make_puzzle(rng: random.Random, clues: int, tries: int = 50) -> tuple[str, s
                 g[i] = v
         if left == clues:
             return "".join(map(str, g)), "".join(map(str, solution))
-    raise DlmError(f"--clues: could not make a puzzle with a unique solution and {clues} clues in {tries} tries "
-                   "(fewer than ~22 clues is rarely reachable this way)")
+    raise DlmError(f"--clues: could not make a puzzle with a unique solution and {clues} clues in {tries} tries")
+
+
+SPARSE = 24  # fewer clues than this: make_sparse (the greedy pass of make_puzzle seldom gets there)
+
+
+def _minimise(rng: random.Random, g: list[int]) -> list[int]:
+    """Blank the givens of g in a random order while the puzzle keeps exactly one solution (a minimal puzzle)."""
+    order = [i for i in range(81) if g[i]]
+    rng.shuffle(order)
+    for i in order:
+        v, g[i] = g[i], 0
+        if not (forced(g, i) or count_solutions(g, 2) == 1):
+            g[i] = v
+    return g
+
+
+def make_sparse(rng: random.Random, clues: int, band: tuple[int, int], tries: int = 20, rounds: int = 300,
+                patience: int = 40) -> tuple[str, str]:
+    """(quiz, solution) with `clues` givens if the search finds them within `rounds` (stopping after `patience`
+    rounds without fewer clues), else the fewest it found within the band (low, high); one solution. Local search
+    over minimal puzzles of one grid, then a new grid."""
+    least, most = band
+    for _ in range(tries):
+        solution = random_grid(rng)
+        best = _minimise(rng, list(solution))
+        n_best = sum(1 for v in best if v)
+        since = 0
+        for _ in range(rounds):
+            if n_best <= clues or since >= patience:
+                break
+            since += 1
+            g = list(best)
+            for i in rng.sample([i for i in range(81) if not g[i]], 2):  # give two cells back, blank again
+                g[i] = solution[i]
+            g = _minimise(rng, g)
+            n = sum(1 for v in g if v)
+            if least <= n <= n_best:
+                since = 0 if n < n_best else since
+                best, n_best = g, n
+        if least <= n_best <= most:
+            return "".join(map(str, best)), "".join(map(str, solution))
+    raise DlmError(f"--clues: could not make a puzzle with a unique solution and {least}-{most} clues in {tries} "
+                   "grids")
 
 
 def parse_clues(spec: str) -> tuple[int, int]:
@@ -172,14 +219,20 @@ def parse_clues(spec: str) -> tuple[int, int]:
 
 
 def generate(n: int, clues: tuple[int, int], seed: int = 0) -> list[tuple[str, str]]:
-    """n puzzles, reproducible for (n, clues, seed); puzzle k depends on (seed, k) only."""
+    """n puzzles, reproducible for (n, clues, seed); puzzle k depends on (seed, k) only. A drawn count below
+    SPARSE clues goes to make_sparse (at most that many clues, within the band)."""
     if n <= 0:
         raise DlmError(f"--n must be > 0, got {n}")
     out = []
     for k in range(n):
         rng = random.Random(f"sudoku:{seed}:{k}")
-        out.append(make_puzzle(rng, rng.randint(*clues)))
+        target = rng.randint(*clues)
+        out.append(make_puzzle(rng, target) if target >= SPARSE else make_sparse(rng, target, clues))
     return out
+
+
+def clues_of(quiz: str) -> int:
+    return sum(1 for c in quiz if c != "0")
 
 
 # the rules and the metrics -----------------------------------------------------------------------
@@ -226,18 +279,24 @@ def default_new_tokens(span: str) -> int:
     return 81
 
 
-def cases(data: str | None, n: int, seed: int, span: str = "line", split: str = "test") -> list:
-    """Puzzles of a CSV in the public layout (n of them, picked by seed), else n fresh 40-50-clue puzzles (held
-    out by construction: `split` does not apply)."""
+def cases(data: str | None, n: int, seed: int, span: str = "line", split: str = "test",
+          clues: str | None = None) -> list:
+    """Puzzles of a CSV in the public layout (n of them, picked by seed; with `clues` 'A-B', only those with A to B
+    givens), else n fresh puzzles of `clues` givens (default 40-50; held out by construction: `split` does not
+    apply)."""
     from dlm.data.csvtask import read_pairs
     from dlm.tasks.common import Case, check_n, pick, rng_for
 
     check_n(n)
+    band = parse_clues(clues) if clues is not None else None
     if data is None:
-        pairs = generate(n, HELDOUT_CLUES, HELDOUT_SEED + seed)
+        pairs = generate(n, band or HELDOUT_CLUES, HELDOUT_SEED + seed)
         return [Case(f"generated:{HELDOUT_SEED + seed}:{k}", q, s) for k, (q, s) in enumerate(pairs)]
     pairs = read_pairs(data)
-    rows = pick(rng_for(NAME, seed), list(range(len(pairs))), n)
+    keep = [r for r, (q, _) in enumerate(pairs) if band is None or band[0] <= clues_of(q) <= band[1]]
+    if not keep:
+        raise DlmError(f"--data {data}: no puzzle has {clues} clues")
+    rows = pick(rng_for(NAME, seed), keep, n)
     return [Case(f"{Path(data).name}:{r + 2}", *pairs[r]) for r in rows]
 
 

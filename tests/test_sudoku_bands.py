@@ -1,0 +1,152 @@
+"""Sudoku by difficulty and revision for masked diffusion: the sparse-puzzle generator (hard and extreme bands),
+`dlm eval --task sudoku --clues`, and mdlm's `--revise` (a committed token sent back to <mask>) on a hand-made
+model."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dlm.errors import DlmError
+from dlm.sampling import SampleConfig
+from dlm.sampling.common import Commit, Stats, Step
+from dlm.sampling.mdlm import MAX_REVISIONS, Job, Rule, check_options, denoise_sequence
+from dlm.tasks import sudoku
+from test_tasks import _cli, count_by_backtracking
+
+# the hand-made model --------------------------------------------------------------------------------------------
+
+V, EOS, MASK = 8, 1, 3
+A, B, C, D = 4, 5, 6, 7
+PA, PB, PC = 1, 2, 3  # positions of the three holes after a one-token prompt
+
+
+class Fickle(torch.nn.Module):
+    """A model written by hand. Position PA, masked, is A for sure while PB is masked and C once PB holds B;
+    PB is B (p ~ 0.95), PC is D (less sure), so PA commits first, then PB, then PC. A visible token is itself
+    for sure, except A at PA once PB holds B (then C); `always`: a masked PA is always A, a visible A never believed."""
+
+    def __init__(self, always: bool = False):
+        super().__init__()
+        self.always = always
+        self.cfg = SimpleNamespace(max_seq_len=16)
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+
+    @property
+    def device(self):
+        return self.dummy.device
+
+    def new_cache(self, *a, **kw):
+        return None
+
+    def forward(self, tokens, *, pos, **kw):
+        x = tokens[0]
+        logits = torch.zeros(1, len(x), V)
+        for j, p in enumerate(pos.tolist()):
+            if p == PA:
+                if x[j] == MASK:
+                    logits[0, j, A if x[PB] == MASK or self.always else C] = 12.0
+                elif x[j] == A and (self.always or x[PB] == B):
+                    logits[0, j, C] = 12.0
+                else:
+                    logits[0, j, x[j]] = 12.0
+            elif p in (PB, PC) and x[j] == MASK:
+                logits[0, j, B if p == PB else D] = 5.0 if p == PB else 2.0
+            else:
+                logits[0, j, x[j]] = 12.0
+        return SimpleNamespace(logits=logits)
+
+
+def run(model, revise: float):
+    job = Job([2, None, None, None], 1, [(0, 4)], stop_at_eos=False, forbid_eos=True)
+    stats = Stats()
+    events = list(denoise_sequence(model, job, Rule(), None, MASK, EOS, temperature=0.0, top_k=0, top_p=1.0,
+                                   gen=None, naive=True, stats=stats, revise=revise))
+    out = [t for e in events if isinstance(e, Commit) for t in e.tokens]
+    return out, stats, [e for e in events if isinstance(e, Step)]
+
+
+def test_revise_sends_a_committed_token_back_and_off_changes_nothing():
+    out, stats, steps = run(Fickle(), 0.0)
+    assert out == [A, B, D] and stats.forwards == 3 and "revisions" not in stats.extra  # masked diffusion: A stays
+    assert all(all(b >= a for a, b in zip(s.fixed, t.fixed)) for s, t in zip(steps, steps[1:]))  # never unmasked
+    again, same, _ = run(Fickle(), 1e-12)  # on, but nothing falls below: the same tokens and passes
+    assert again == out and same.forwards == stats.forwards and same.extra["revisions"] == 0
+    out, stats, steps = run(Fickle(), 0.5)
+    assert out == [C, B, D]  # A was committed first, then sent back once B made it unlikely, and re-predicted
+    assert stats.extra["revisions"] == 1 and stats.forwards == 4
+    assert steps[1].fixed[0] and not steps[2].fixed[0] and steps[2].canvas[0] == MASK  # committed, then revised
+
+
+def test_revision_ends_when_the_model_never_believes_a_token(monkeypatch):
+    from dlm.sampling import mdlm
+
+    out, stats, _ = run(Fickle(always=True), 0.5)  # A, sent back while holes remain; the last hole ends the block
+    assert 1 <= stats.extra["revisions"] <= MAX_REVISIONS and out == [A, B, D]
+    assert stats.forwards == 3 + stats.extra["revisions"]  # a pass that revises commits another hole
+    monkeypatch.setattr(mdlm, "MAX_REVISIONS", 1)  # the cap binds: A is sent back once, then kept
+    out, stats, _ = run(Fickle(always=True), 0.5)
+    assert stats.extra["revisions"] == 1 and out == [A, B, D] and stats.forwards == 4
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.0, float("nan")])
+def test_bad_revise_is_refused(bad):
+    with pytest.raises(DlmError, match="--revise must be in"):
+        check_options(SampleConfig(revise=bad))
+
+
+# difficulty bands ------------------------------------------------------------------------------------------------
+
+def test_sparse_puzzles_have_one_solution_and_the_band_s_clues():
+    import random
+
+    for k in range(2):  # the local search of the hard and extreme bands (a mild band here: the test stays quick)
+        quiz, solution = sudoku.make_sparse(random.Random(k), 24, (23, 25))
+        assert 23 <= sudoku.clues_of(quiz) <= 25
+        assert count_by_backtracking([int(c) for c in quiz]) == 1
+        assert all(q == "0" or q == s for q, s in zip(quiz, solution))
+        assert (quiz, solution) == sudoku.make_sparse(random.Random(k), 24, (23, 25))
+    assert sudoku.SPARSE > 23  # generate() sends a draw of 23 clues there
+
+
+def test_eval_clues_band(tmp_path):
+    from dlm.data.csvtask import write_pairs
+
+    data = tmp_path / "mixed.csv"
+    pairs = sudoku.generate(3, (44, 46), seed=1) + sudoku.generate(3, (30, 32), seed=1)
+    write_pairs(data, pairs)
+    hard = sudoku.cases(str(data), 10, 0, clues="30-35")
+    assert len(hard) == 3 and all(30 <= sudoku.clues_of(c.prefix) <= 32 for c in hard)
+    fresh = sudoku.cases(None, 2, 0, clues="36-38")
+    assert all(36 <= sudoku.clues_of(c.prefix) <= 38 for c in fresh)
+    with pytest.raises(DlmError, match="no puzzle has 20-21 clues"):
+        sudoku.cases(str(data), 10, 0, clues="20-21")
+    for args, needle in ((["--task", "complete"], "--clues goes with --task sudoku"),
+                         (["--task", "sudoku", "--data", str(data)], "--clues must")):
+        code, _, err = _cli("eval", "--model", str(tmp_path), "--clues", "9", *args)
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def tiny_sudoku_mdlm(tmp_path_factory):
+    """A tiny mdlm on 100 puzzles with the character tokenizer, two steps (the pipeline, not skill)."""
+    from dlm.config import TrainConfig
+    from dlm.data.csvtask import write_pairs
+    from dlm.train import train
+
+    root = tmp_path_factory.mktemp("sudoku-bands")
+    write_pairs(root / "train.csv", sudoku.generate(100, (40, 50), seed=0))
+    cfg = TrainConfig(objective="mdlm", preset="tiny", tokenizer="char", data=str(root / "train.csv"), seq_len=164,
+                      batch_size=4, max_steps=2, eval_every=2, eval_batches=1, save_every=2, log_every=1)
+    return train(cfg, root / "mdlm", quiet=True)
+
+
+def test_eval_clues_reports_the_band(tiny_sudoku_mdlm):
+    code, out, err = _cli("eval", "--task", "sudoku", "--clues", "44-45", "--n", "1", "--json", "--model",
+                          str(tiny_sudoku_mdlm), "--steps", "8", "--revise", "0.3")
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["clues"] == "44-45" and res["n"] == 1 and res["forwards"] >= 8 and res["revisions"] >= 0
