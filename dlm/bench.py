@@ -33,7 +33,8 @@ from typing import Any, Callable
 
 import torch
 
-from dlm.checkpoint import check_out_file, load_model
+from dlm.checkpoint import load_model
+from dlm.files import check_out_file
 from dlm.errors import DlmError
 from dlm.sampling import SampleConfig, options_read, stream
 from dlm.sampling.common import Result, drain
@@ -162,7 +163,7 @@ def environment() -> dict[str, Any]:
 
 
 def write_json(path: str | os.PathLike, report: dict[str, Any]) -> None:
-    from dlm.checkpoint import write_json as atomic_write
+    from dlm.files import write_json as atomic_write
 
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)

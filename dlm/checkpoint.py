@@ -7,30 +7,29 @@ config.json:
   {"format": "dlm", "version": 1, "objective": "ar", "model": {ModelConfig}, "train": {TrainConfig},
    "tokenizer": {"file": "tokenizer.json", "sha256": ..., "vocab_size": ...}, "step": N, ...objective extras}
 
-Training state for --resume lives in OUT/state/ (model + optimizer in safetensors, trainer.json),
-swapped in as a whole folder so a kill at any moment leaves either the old or the new state.
+This module holds the checkpoint format (its config schema, the weight checks, opening and loading); the files
+it is written with are dlm.files (atomic writes, JSON, safetensors), the device choice dlm.device, the training
+state for --resume dlm.trainstate.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import re
 import shutil
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 from torch import nn
 
 from dlm.config import ModelConfig
+from dlm.files import (
+    mmap_tensors, read_json, read_tensors, tensor_shapes, write_folder, write_json, write_tensors,
+)
 from dlm.drafter import build_drafter, drafter_shapes
-from dlm.errors import DlmError, check
+from dlm.errors import DlmError
 from dlm.model import Transformer, param_shapes, rope_inv_freq
 from dlm.tokenizer import Tokenizer
 
@@ -39,185 +38,6 @@ DEFAULT_CANVAS = 256  # usdm canvas length when a checkpoint records none (Diffu
 CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
 FORMAT_VERSION = 1
 
-
-# atomic file helpers -------------------------------------------------------------------------
-
-def _fsync_replace(tmp: Path, dst: Path) -> None:
-    os.chmod(tmp, 0o644)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, dst)
-
-
-def write_json(path: Path, obj: Any) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    _fsync_replace(tmp, path)
-
-
-# safetensors dtype names (https://github.com/huggingface/safetensors: the format is an 8-byte little-endian header
-# length, a JSON header of name -> dtype, shape, data_offsets, then the tensors' bytes back to back)
-SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-                      torch.bool: "BOOL"}
-_DTYPES_BY_NAME = {v: k for k, v in SAFETENSORS_DTYPES.items()}
-
-
-def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    """A safetensors file, written tensor by tensor from the tensors' own memory: no copy of the whole model is
-    made (a real-size checkpoint is written with one tensor in flight at a time)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for name, t in sorted(tensors.items()):
-        if t.dtype not in SAFETENSORS_DTYPES:
-            raise DlmError(f"{path}: tensor {name} has dtype {t.dtype}, which safetensors cannot hold")
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
-    with open(tmp, "wb") as fh:
-        fh.write(len(head).to_bytes(8, "little") + head)
-        for name, t in sorted(tensors.items()):
-            if t.numel():
-                fh.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
-    _fsync_replace(tmp, path)
-
-
-def mmap_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file, memory-mapped (copy-on-write): nothing is read until it is used, and
-    pages the process never writes stay the file's (the kernel may drop and reread them)."""
-    import mmap
-
-    path = Path(path)
-    bad = f"{path}: truncated or corrupt safetensors file"
-    if not path.is_file():
-        raise DlmError(f"{path}: missing")
-    try:
-        with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            n = int.from_bytes(fh.read(8), "little")
-            if size < 8 or n > size - 8:
-                raise DlmError(f"{bad} (header of {n} bytes in a file of {size})")
-            header = json.loads(fh.read(n))
-            buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if size > 8 + n else b""
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError, ValueError) as e:
-        raise DlmError(f"{bad} ({str(e).splitlines()[0][:160]})") from None
-    if not isinstance(header, dict):
-        raise DlmError(f"{bad} (its header is not an object)")
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape = _DTYPES_BY_NAME[info["dtype"]], tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise DlmError(f"{bad} (tensor {name!r}: unknown dtype or bad shape/offsets)") from None
-        count = math.prod(shape)
-        start = 8 + n + begin
-        if begin < 0 or end != begin + count * dtype.itemsize or start + count * dtype.itemsize > size:
-            raise DlmError(f"{bad} (tensor {name!r} lies outside the file or has the wrong size)")
-        if count == 0:
-            out[name] = torch.empty(shape, dtype=dtype)
-        elif start % dtype.itemsize:  # not aligned to its element size: read a copy
-            out[name] = torch.frombuffer(bytearray(buf[start:start + count * dtype.itemsize]), dtype=dtype).view(shape)
-        else:
-            out[name] = torch.frombuffer(buf, dtype=dtype, count=count, offset=start).view(shape)
-    return out
-
-
-def read_json(path: Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise DlmError(f"{path}: missing")
-    try:
-        obj = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DlmError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise DlmError(f"{path}: expected a JSON object")
-    return obj
-
-
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    path = Path(path)
-    if not path.is_file():
-        raise DlmError(f"{path}: missing")
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise DlmError(f"{path}: truncated or corrupt safetensors file ({str(e).splitlines()[0][:160]})") from None
-
-
-@contextmanager
-def write_folder(out: str | os.PathLike, *, overwrite: bool = False, inputs: tuple[str | os.PathLike, ...] = (),
-                 option: str = "--out") -> Iterator[Path]:
-    """Build a folder under a temporary name beside `out`, then move it into place.
-
-    `out` must not exist, or be empty, unless `overwrite`; even then only the files this write
-    produced replace their namesakes in `out`: nothing else there is deleted. `out` may never be
-    one of `inputs`, inside one, or hold one (an ancestor of an input). A failed build leaves
-    nothing behind.
-    """
-    out = Path(out)
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
-        raise DlmError(f"{option} {out}: exists and is not a folder")
-    dst = out.resolve()
-    for src in inputs:
-        src = Path(src).resolve()
-        if dst == src or dst in src.parents or src in dst.parents:
-            raise DlmError(f"{option} {out}: overlaps the input {src} (write somewhere else)")
-    existed = dst.exists()
-    if existed and any(dst.iterdir()) and not overwrite:
-        raise DlmError(f"{option} {out}: exists and is not empty; choose another folder, or pass --overwrite "
-                       "to replace the files this command writes there (nothing else is deleted)")
-    tmp = dst.parent / f".{dst.name or 'out'}.{os.getpid()}.tmp"
-    try:
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    except OSError as e:
-        raise DlmError(f"{option} {out}: cannot create it ({e.strerror})") from None
-    try:
-        yield tmp
-        if not existed:  # the usual case: the whole folder appears at once
-            os.replace(tmp, dst)
-            return
-        # an existing folder (empty, or --overwrite; `.` too): our files move in one by one, config.json last
-        # (a folder with a config.json is complete); nothing else there is touched
-        files = sorted(tmp.iterdir(), key=lambda f: (f.name == CONFIG, f.name))
-        for f in files:
-            there = dst / f.name
-            if there.is_dir() and not there.is_symlink():
-                raise DlmError(f"{option} {out}: holds a folder named {f.name}, a file this command writes")
-        for f in files:
-            os.replace(f, dst / f.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def check_out_file(path: str | os.PathLike, option: str = "--out") -> Path:
-    """A file that a command will write at its end (a report, a .jsonl), checked before any work is done."""
-    p = Path(path)
-    if not str(path) or p.name in ("", ".", "..") or str(path).endswith(os.sep):
-        raise DlmError(f"{option} {str(path)!r}: must name a file, not a folder")
-    if p.is_dir():
-        raise DlmError(f"{option} {path}: is a folder; give a file name (e.g. {p / 'out.json'})")
-    if p.exists() and not p.is_file():
-        raise DlmError(f"{option} {path}: exists and is not a regular file")
-    parent = p.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise DlmError(f"{option} {path}: {parent} is a file, not a folder")
-    return p
-
-
-# model weights -------------------------------------------------------------------------------
 
 def state_tensors(model: nn.Module | dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The model's tensors (or a state dict's: a sharded model's gathered weights), shared ones (a tied LM head)
@@ -230,20 +50,6 @@ def state_tensors(model: nn.Module | dict[str, torch.Tensor], dtype: torch.dtype
         seen.add(t.data_ptr())
         out[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     return out
-
-
-def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of a safetensors file's tensors, from its header alone (no tensor is read)."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    if not path.is_file():
-        raise DlmError(f"{path}: missing")
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            return {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise DlmError(f"{path}: truncated or corrupt safetensors file ({str(e).splitlines()[0][:160]})") from None
 
 
 def check_shapes(expected: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]], source: Path,
@@ -463,21 +269,6 @@ def open_checkpoint(path: str | os.PathLike, option: str = "--model") -> Checkpo
     return Checkpoint(p, cfg, tok)
 
 
-def resolve_device(name: str) -> torch.device:
-    """--device: auto (CUDA when there is one), cpu, cuda or cuda:N."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    index = name.partition(":")[2]
-    check(name in ("cpu", "cuda") or (name.startswith("cuda:") and index.isdigit() and index.isascii()),
-          f"--device must be auto, cpu, cuda or cuda:N, got {name!r}")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise DlmError(f"--device {name}: no CUDA device is available")
-    if index and int(index) >= torch.cuda.device_count():
-        raise DlmError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices (cuda:0 .. "
-                       f"cuda:{torch.cuda.device_count() - 1})")
-    return torch.device(name)
-
-
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = torch.float32, option: str = "--model") -> tuple[nn.Module, Checkpoint]:
     """Build the model a checkpoint describes and load its weights (in eval mode).
@@ -521,51 +312,3 @@ def export_dlm(model: nn.Module, ck: Checkpoint, out: str | os.PathLike, dtype: 
         if (ck.path / "metrics.jsonl").is_file():
             shutil.copy(ck.path / "metrics.jsonl", tmp / "metrics.jsonl")
     return Path(out)
-
-
-# training state ------------------------------------------------------------------------------
-
-def optimizer_tensors(opt: torch.optim.Optimizer | dict) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """An optimizer's state (or its state_dict(): a sharded optimizer's gathered state) as tensors + JSON."""
-    sd = opt if isinstance(opt, dict) else opt.state_dict()
-    tensors = {}
-    for idx, st in sd["state"].items():
-        for k, v in st.items():
-            tensors[f"state.{idx}.{k}"] = v if torch.is_tensor(v) else torch.tensor(v)
-    return tensors, {"param_groups": sd["param_groups"]}
-
-
-def restore_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for name, v in tensors.items():
-        _, idx, k = name.split(".", 2)
-        state.setdefault(int(idx), {})[k] = v
-    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-
-
-def save_state(out: Path, model: nn.Module | dict[str, torch.Tensor], opt: torch.optim.Optimizer | dict,
-               trainer: dict[str, Any]) -> None:
-    """Write OUT/state as a whole: build state.tmp, then swap it in. (model and opt: objects, or their state dicts.)"""
-    out = Path(out)
-    tmp, cur, old = out / "state.tmp", out / "state", out / "state.old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    write_tensors(tmp / WEIGHTS, state_tensors(model))
-    t, m = optimizer_tensors(opt)
-    write_tensors(tmp / "optimizer.safetensors", t)
-    write_json(tmp / "optimizer.json", m)
-    write_json(tmp / "trainer.json", trainer)
-    if cur.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(cur, old)
-    os.replace(tmp, cur)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def find_state(out: Path) -> Path | None:
-    """The newest complete state folder (state/, or state.old/ if a swap was cut short)."""
-    for name in ("state", "state.old"):
-        p = Path(out) / name
-        if (p / "trainer.json").is_file():
-            return p
-    return None

@@ -16,7 +16,7 @@ from dlm.errors import DlmError  # (the module imports little: main's handlers c
 
 
 def _device(name: str):
-    from dlm.checkpoint import resolve_device
+    from dlm.device import resolve_device
 
     return resolve_device(name)
 

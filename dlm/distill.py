@@ -70,7 +70,9 @@ def distill(target: str, out: str, data: str = "stdlib", prompts: int = 4096, ma
     """Generate the target's continuations of train-split prompts into a .jsonl file; returns a summary."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from dlm.checkpoint import check_out_file, load_model, resolve_device
+    from dlm.checkpoint import load_model
+    from dlm.files import check_out_file
+    from dlm.device import resolve_device
     from dlm.config import check_seed
     from dlm.sampling import SampleConfig, stream
     from dlm.sampling.common import Commit

@@ -19,10 +19,8 @@ from typing import Any
 
 import torch
 
-from dlm.checkpoint import (
-    Checkpoint, all_finite, check_shapes, mmap_tensors, read_json, save_checkpoint, state_tensors, tensor_shapes,
-    write_folder, write_json, write_tensors,
-)
+from dlm.checkpoint import Checkpoint, all_finite, check_shapes, save_checkpoint, state_tensors
+from dlm.files import mmap_tensors, read_json, tensor_shapes, write_folder, write_json, write_tensors
 from dlm import hf_gemma
 from dlm.config import ModelConfig
 from dlm.drafter import DFlashDrafter

@@ -146,7 +146,8 @@ def import_folder(src, out, overwrite: bool, hf: dict[str, Any], read_weights) -
 
     import torch
 
-    from dlm.checkpoint import all_finite, check_shapes, save_checkpoint, write_folder
+    from dlm.checkpoint import all_finite, check_shapes, save_checkpoint
+    from dlm.files import write_folder
     from dlm.model import Transformer, param_shapes
     from dlm.tokenizer import Tokenizer
 
@@ -233,7 +234,7 @@ def export_folder(model, tok, tmp, dtype, source_config: dict[str, Any] | None, 
     import shutil
     from pathlib import Path
 
-    from dlm.checkpoint import write_json, write_tensors
+    from dlm.files import write_json, write_tensors
 
     tensors, config = hf_tensors(model, dtype)
     src = source_config or {}

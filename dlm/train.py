@@ -26,10 +26,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from dlm.checkpoint import (
-    find_state, load_weights, open_checkpoint, read_json, read_tensors, resolve_device, restore_optimizer,
-    save_checkpoint, save_state,
-)
+from dlm.checkpoint import load_weights, open_checkpoint, save_checkpoint
+from dlm.trainstate import find_state, restore_optimizer, save_state
+from dlm.files import read_json, read_tensors
+from dlm.device import resolve_device
 from dlm.config import TrainConfig
 from dlm.data.corpus import Corpus
 from dlm.data.tokens import Batches, PairedBatches, load_flags, load_tokens

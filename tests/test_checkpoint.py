@@ -6,7 +6,8 @@ import shutil
 import pytest
 import torch
 
-from dlm.checkpoint import export_dlm, load_model, read_tensors
+from dlm.checkpoint import export_dlm, load_model
+from dlm.files import read_tensors
 from dlm.errors import DlmError
 
 

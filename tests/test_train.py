@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from conftest import tiny_train_config
-from dlm.checkpoint import find_state, load_model, open_checkpoint
+from dlm.checkpoint import load_model, open_checkpoint
+from dlm.trainstate import find_state
 from dlm.errors import DlmError
 from dlm.config import TrainConfig
 from dlm.train import lr_at, train

@@ -391,7 +391,7 @@ def serve(models: list[str], draft: str | None = None, host: str = "127.0.0.1", 
           max_concurrency: int = 8, max_queue: int = 32, api_key: str | None = None, max_body: int = MAX_BODY,
           device: str = "cpu", log_level: str = "info") -> None:
     """Load the models and serve until interrupted (what `dlm serve` runs)."""
-    from dlm.checkpoint import resolve_device
+    from dlm.device import resolve_device
 
     engine = Engine(models, draft, device=resolve_device(device), max_batch=max(64, max_concurrency * 4))
     app = create_app(engine, max_concurrency=max_concurrency, max_queue=max_queue, api_key=api_key,
