@@ -484,7 +484,8 @@ def test_bench_has_mdlm_rows_and_a_plot(tiny_ar, tiny_mdlm, corpus_dir, tmp_path
 def test_bench_infill_column_fits_a_long_completion_run(tiny_ar, corpus_dir):
     """A completion run as long as the window (e.g. --max-new-tokens 256 on a 256-token model) still gets its
     infill column: the infill cases run with at most 64 new tokens, leaving room for the hole's two sides."""
-    from dlm.bench import INFILL_NEW_TOKENS, run_bench
+    from dlm.bench import run_bench
+    from dlm.bench.methods import INFILL_NEW_TOKENS
     from dlm.checkpoint import load_model
     from dlm.tasks.common import window
 
@@ -499,7 +500,7 @@ def test_bench_infill_column_fits_a_long_completion_run(tiny_ar, corpus_dir):
 
 
 def test_equal_quality_interpolates_the_confidence_curve():
-    from dlm.bench import equal_quality
+    from dlm.bench.stats import equal_quality
 
     def row(sampler, forwards, ppl, block=32):
         return {"method": f"{sampler} {forwards}", "paradigm": "mdlm", "forwards": forwards, "gen_ppl": ppl,

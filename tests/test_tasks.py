@@ -464,7 +464,7 @@ def test_code_tasks_tune_on_the_val_split_apart_from_test():
 # the bench -------------------------------------------------------------------------------------------------------
 
 def test_bench_interleaves_round_robin_and_rotates_each_repetition():
-    from dlm.bench import Item, Method, run_interleaved, schedule
+    from dlm.bench.harness import Item, Method, run_interleaved, schedule
 
     assert schedule(3, 2, 3) == [(0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 1, 1), (0, 1, 2),
                                  (1, 0, 1), (1, 0, 2), (1, 0, 0), (1, 1, 1), (1, 1, 2), (1, 1, 0),
@@ -485,7 +485,9 @@ def test_bench_interleaves_round_robin_and_rotates_each_repetition():
 
 
 def test_bench_reports_medians_min_max_and_same_round_ratios():
-    from dlm.bench import Method, cell, summarize
+    from dlm.bench.harness import Method
+    from dlm.bench.stats import summarize
+    from dlm.bench.tables import cell
 
     def row(sec, tokens=10):
         return {"tokens_per_second": tokens / sec, "tokens_per_forward": 1.0, "ttft": 0.01, "new_tokens": tokens,

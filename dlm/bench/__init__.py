@@ -1,0 +1,157 @@
+"""The side-by-side harness: every paradigm on the same held-out task cases, measured the same way.
+
+A `Method` is a model, its checkpoint and one SampleConfig (and a drafter for speculation). The bench
+prompts are task cases (dlm.tasks): line completion of held-out files, with fill-in-the-middle cases
+alongside, so the quality columns are task metrics (completion edit similarity and exact match,
+infill exact match); generated-text perplexity under the AR reference stays as a secondary column.
+
+Timings that can be trusted (`run_interleaved`):
+- every method is warmed up on its own first;
+- the timed runs are interleaved case by case: for each repetition, for each case, every method in
+  turn (round-robin), the order of the methods rotated by one each repetition (`schedule`), so a burst
+  of machine noise falls on all methods alike;
+- `repeat` repetitions: a figure is the median over repetitions of the median over cases, shown with
+  its min-max over repetitions; ratios (vs AR, speculative speedup) are per-case ratios against the
+  AR baseline's run of the same case in the same round.
+
+Each paradigm contributes methods (`ar_methods`, `mdlm_methods`, `usdm_methods`, `spec_methods`).
+
+The package: harness.py (methods, cases, the interleaved schedule), methods.py (the catalogue of rows each paradigm
+contributes), stats.py (medians, ratios, generated-text quality, Pareto fronts), tables.py (tables and plots);
+`run_bench` here puts them together.
+`--task NAME` sweeps the diffusion samplers over that task's cases instead (quality against tokens per
+forward and against wall time: the Pareto plot).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dlm.bench.harness import (
+    check_positive,
+    environment,
+    run_interleaved,
+    run_item,
+    write_json,
+)
+from dlm.bench.methods import (
+    INFILL_NEW_TOKENS,
+    bench_items,
+    build_methods,
+    infill_method,
+)
+from dlm.bench.stats import (
+    equal_quality,
+    gen_perplexity,
+    median,
+    noise,
+    summarize,
+    summarize_spec,
+    unigram_entropy,
+)
+from dlm.bench.tables import plot_blocks, plot_pareto, print_report
+from dlm.checkpoint import load_model
+from dlm.errors import DlmError
+from dlm.files import check_out_file
+
+
+def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str | None = None, data: str | None = None,
+              warmup: int = 1, naive: bool = True, quiet: bool = False, mdlm: str | None = None,
+              usdm: str | None = None, sweep: bool = False, draft: list[str] | None = None,
+              temperatures: tuple[float, ...] = (0.0, 1.0), block_size: int | None = None, repeat: int = 3,
+              task: str | None = None, span: str = "line", joint: str | None = None,
+              joint_blocks: tuple[int, ...] = (16,)) -> dict[str, Any]:
+    """Run every method on the same held-out cases, interleaved and repeated; print the tables, write the JSON
+    report (and the PNG of quality against tokens per forward and wall time beside it).
+
+    Without `task`: line-completion cases timed (`prompts` of them, `repeat` rounds), infill cases alongside (once)
+    for the infill column. With `task` (complete, infill, sudoku): that task's cases, the diffusion samplers swept.
+    With `draft` (drafter checkpoints and/or 'lookup'), each drafter runs in the speculative loop at every
+    temperature beside the target alone at that temperature (speedup, tau, lossless fraction).
+    """
+    from dlm.tasks import task_module
+    from dlm.tasks.common import window
+
+    check_positive("prompts", prompts)
+    check_positive("max-new-tokens", max_new_tokens)
+    check_positive("repeat", repeat)
+    if warmup < 0:
+        raise DlmError(f"--warmup must be >= 0, got {warmup}")
+    if task:
+        task_module(task)
+        sweep = True
+    if out:
+        check_out_file(out)  # before the run, not after it
+    net, ck = load_model(model)
+    if ck.objective != "ar":  # its rows would be labelled "ar (KV cache)" and it would judge the quality column
+        hint = f" (pass it as --{ck.objective})" if ck.objective in ("mdlm", "usdm", "joint") else ""
+        raise DlmError(f"--model {model}: objective {ck.objective!r}; bench's --model is the ar baseline, speculation "
+                       f"target and quality judge, an ar checkpoint{hint}")
+    items, infill_items = bench_items(task, data, prompts, span)
+    methods, spec_groups = build_methods(net, ck, max_new_tokens, naive, mdlm, usdm, sweep, draft, temperatures,
+                                         block_size, joint, joint_blocks)
+    context = min(window(m.ck, m.model) for m in methods)  # every method gets the same prompt tokens
+
+    from rich.progress import Progress
+
+    total = len(methods) * (len(items) * repeat + len(infill_items))
+    with Progress(disable=quiet, transient=True) as bar:
+        job = bar.add_task("bench", total=total)
+        rows = run_interleaved(methods, items, repeat, warmup, lambda m, it: run_item(m, it, context),
+                               lambda: bar.advance(job))
+        infill_rows = (run_interleaved([infill_method(m) for m in methods], infill_items, 1, 0,
+                                       lambda m, it: run_item(m, it, context),
+                                       lambda: bar.advance(job)) if infill_items else None)
+    metrics = items[0].task.METRICS
+    prefix = "" if task else "complete_"
+    summaries = []
+    for k, m in enumerate(methods):
+        s = summarize(m, rows[k], rows[0], metrics, prefix)
+        if infill_rows:
+            from dlm.tasks import infill
+
+            s.update({f"infill_{q}": sum(r[q] for r in infill_rows[k][0]) / len(infill_items) for q in infill.METRICS})
+            s["infill_tokens_per_forward"] = median([r["tokens_per_forward"] for r in infill_rows[k][0]])
+        if not task:
+            first = rows[k][0]
+            s["gen_ppl"] = median([gen_perplexity(net, r["prompt"], r["tokens"], ck.tokenizer.eos_id) for r in first])
+            s["entropy"] = median([unigram_entropy(r["tokens"]) for r in first])
+        summaries.append(s)
+    by_name = {s["method"]: s for s in summaries}
+    index = {m.name: k for k, m in enumerate(methods)}
+    for t, base_m, group in spec_groups:
+        by_name[base_m.name].update(temperature=t, speedup=1.0, speedup_range=[1.0, 1.0])
+        for m in group:
+            by_name[m.name].update(summarize_spec(rows[index[m.name]], rows[index[base_m.name]], t))
+    per_case = {m.name: [{**{k: v for k, v in r.items() if k not in ("tokens", "prompt")},
+                          "seconds_per_repetition": [rows[k][rr][i]["seconds"] for rr in range(repeat)]}
+                         for i, r in enumerate(rows[k][0])] for k, m in enumerate(methods)}
+    report = {"environment": environment(), "model": str(ck.path), "max_new_tokens": max_new_tokens,
+              "task": task, "span": span if task == "infill" else None, "cases": len(items), "repeat": repeat,
+              "warmup": warmup, "context": context,
+              "order": "interleaved: each case runs every method in turn, the order rotated by one each repetition",
+              "prompts": [it.case.name for it in items], "infill_cases": len(infill_items),
+              "infill_max_new_tokens": min(max_new_tokens, INFILL_NEW_TOKENS) if infill_items else None,
+              "summaries": summaries, "noise": noise(summaries), "per_case": per_case}
+    if infill_rows:
+        report["per_infill_case"] = {m.name: [{k: v for k, v in r.items() if k not in ("tokens", "prompt")}
+                                              for r in infill_rows[k][0]] for k, m in enumerate(methods)}
+    if mdlm and not task:
+        report["equal_quality"] = equal_quality(summaries)
+    if not quiet:
+        print_report(report, [by_name[m.name] for t, b, g in spec_groups for m in [b] + g])
+    if out:
+        png = Path(out).with_suffix(".png")
+        key = task_module(task).PRIMARY if task else "complete_edit_similarity"
+        label = f"{task} {key.replace('_', ' ')}" if task else "completion edit similarity"
+        note = plot_pareto(summaries, key, label, png)
+        report["plot"] = None if note else str(png)
+        if note:
+            report["plot_note"] = note
+        if joint and len(joint_blocks) > 1:
+            blocks_png = Path(out).with_suffix(".blocks.png")
+            if plot_blocks(summaries, blocks_png) is None:
+                report["blocks_plot"] = str(blocks_png)
+        write_json(out, report)
+    return report
