@@ -218,6 +218,13 @@ class TrainConfig:
         target_layers: dflash: target layer ids read by the drafter (default: spread over the target)
         injection: dflash ablation: kv (context K/V in every layer) or input (context as input tokens)
         target_features: dflash ablation: off = context from token embeddings, not target hidden states
+        conv_kernel_size: dflash: DFlash 2's grouped dynamic causal convolution around each draft layer's attention and MLP, over this many block positions (0 = off, a DFlash 1 drafter; DFlash 2: 2); starts as the identity
+        conv_group_size: dflash: channels per group of the DFlash 2 convolution's dynamic kernel (must divide the width)
+        selector_rank: dflash: DFlash 2's candidate selector, the rank of its bilinear predecessor/successor score (0 = off; DFlash 2: 256); its successor codebook starts at zero, so the drafter starts as the DFlash 1 one
+        selector_top_k: dflash: candidates per slot of the selector (the top-k of the slot's draft logits)
+        selector_weight: dflash, with --selector-rank: weight w of the selector's loss (cross-entropy of the gold token among the top-k candidates, the gold token before it as predecessor, slots whose gold is not a candidate dropped, the slot decay)
+        selector_ramp: dflash, with --selector-rank: share of --max-steps over which the selector's weight rises linearly from 0 to --selector-weight (0 = the full weight from step 0)
+        distill_logits: dflash: the draft loss is the soft cross-entropy against the target's softmax at each slot (self logit distillation), not the hard next token
         ar_weight: joint: weight of the AR (clean half) loss
         dlm_weight: joint: weight of the masked-diffusion (noisy half) loss
         dlm_data: joint: a second corpus for the diffusion loss alone (e.g. a `dlm distill` .jsonl of the AR mode's own greedy continuations: the drafts learn what the verifier will accept), while the AR loss keeps reading --data; each step reads --batch-size windows of each
@@ -273,6 +280,13 @@ class TrainConfig:
     target_layers: list[int] = dataclasses.field(default_factory=list)
     injection: str = "kv"
     target_features: bool = True
+    conv_kernel_size: int = 0
+    conv_group_size: int = 16
+    selector_rank: int = 0
+    selector_top_k: int = 16
+    selector_weight: float = 1.0
+    selector_ramp: float = 0.2
+    distill_logits: bool = False
     # joint AR + diffusion (joint)
     ar_weight: float = 1.0
     dlm_weight: float = 0.3
@@ -318,6 +332,10 @@ class TrainConfig:
         check(self.grow_layers >= 0, f"--grow-layers must be >= 0, got {self.grow_layers}")
         check(not self.grow_layers or (self.init_from is not None and self.objective != "dflash"),
               "--grow-layers adds layers to an --init-from checkpoint (not to a DFlash drafter: see --draft-layers)")
+        dflash2 = {"conv_kernel_size": 0, "selector_rank": 0, "distill_logits": False}
+        for f, off in dflash2.items():
+            check(getattr(self, f) == off or self.objective == "dflash",
+                  f"--{f.replace('_', '-')} applies to --objective dflash, got {self.objective}")
         check(self.dlm_data is None or self.objective == "joint",
               f"--dlm-data applies to --objective joint, got {self.objective}")
         check(not self.draft_rate or self.objective == "joint",

@@ -397,6 +397,7 @@ def _loop(run: Run, quiet: bool, par: Dist = Dist()) -> None:
                                  val=float("nan"), tps=0.0)
         for step in range(run.start_step, cfg.max_steps):
             batch, sup = run.train_batches.batch_sup(step)
+            objective.step = step
             loss, gnorm, lr, extra = step_fn(step, batch.to(device, non_blocking=True),
                                              None if sup is None else sup.to(device, non_blocking=True))
             loss_acc += loss

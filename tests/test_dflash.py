@@ -470,3 +470,128 @@ def test_init_from_continues_a_drafter_and_refuses_a_mismatch(tiny_ar, tiny_dfla
         objective(init_from=str(tiny_dflash), block_size=4).build_model()
     with pytest.raises(DlmError, match="starts from a dflash drafter"):
         objective(init_from=str(tiny_ar)).build_model()
+
+
+# DFlash 2 training, --init-from DFlash 1, --distill-logits -----------------------------------------------------
+
+def test_selector_terms_train_what_the_selector_drafts():
+    """The selector's term, teacher-forced: a slot's pick is the greedy path's token as long as the path follows the
+    gold; a gold token outside the top-k is dropped; with a zero successor codebook and k = V the term is the plain
+    cross-entropy of the logits."""
+    import torch.nn.functional as F
+
+    from dlm.drafter import CandidateSelector
+    from dlm.objectives.dflash import selector_terms
+
+    torch.manual_seed(0)
+    V, D, S = 12, 8, 5
+    sel = CandidateSelector(V, D, rank=4, top_k=4)
+    with torch.no_grad():
+        for w in sel.parameters():
+            w.normal_(0, 2.0)
+    h, logits, anchor = torch.randn(1, S, D), torch.randn(1, S, V), torch.tensor([3])
+    path, cands, _ = sel.select(h, logits, anchor, 0.0, None)
+    gold = path.clone()
+    other = [int(c) for c in cands[0, 2] if int(c) != int(path[0, 2])][0]
+    gold[0, 2] = other  # the gold leaves the path at slot 2 (still a candidate)
+    gold[0, 4] = [t for t in range(V) if t not in cands[0, 4].tolist()][0]  # and is no candidate at slot 4
+    ce, is_cand, picked = selector_terms(sel, h, logits, anchor, gold)
+    assert picked[0, :2].all() and not picked[0, 2]
+    assert is_cand[0, :4].all() and not is_cand[0, 4] and ce[0, 4] == 0 and (ce[0, :4] > 0).all()
+    # teacher forcing: slot 3 is scored after the gold token of slot 2, not after the path's
+    sc = sel.scores(h[:, 3], *torch.topk(logits[:, 3], 4), gold[:, 2])
+    assert bool(picked[0, 3]) == (int(torch.topk(logits[:, 3], 4).indices[0, sc.argmax(-1)]) == int(gold[0, 3]))
+    with torch.no_grad():
+        sel.successor_codebook.weight.zero_()
+    sel.top_k = V
+    ce, is_cand, _ = selector_terms(sel, h, logits, anchor, gold)
+    assert is_cand.all()
+    torch.testing.assert_close(ce[0], F.cross_entropy(logits[0], gold[0], reduction="none"))
+
+
+def _objective(tiny_ar, tiny_draft_data, corpus_dir, tokenizer_path, **kw):
+    from dlm.tokenizer import Tokenizer
+
+    cfg = tiny_train_config(corpus_dir, tokenizer_path, objective="dflash", target=str(tiny_ar), tokenizer=None,
+                            data=str(tiny_draft_data), seq_len=96, **{"block_size": 8, **kw})
+    return DFlash(cfg, Tokenizer.from_file(tiny_ar / "tokenizer.json"))
+
+
+def test_dflash2_grown_from_a_dflash1_drafter_starts_as_it(tiny_ar, tiny_dflash, tiny_draft_data, corpus_dir,
+                                                           tokenizer_path):
+    """--init-from a DFlash 1 drafter with the convolutions and the selector on: the same logits (the same loss and
+    training acceptance) at step 0; the selector's term then enters as its weight ramps, and trains the codebooks."""
+    dflash2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=64, selector_ramp=0.5)
+    o1 = _objective(tiny_ar, tiny_draft_data, corpus_dir, tokenizer_path, init_from=str(tiny_dflash))
+    o2 = _objective(tiny_ar, tiny_draft_data, corpus_dir, tokenizer_path, init_from=str(tiny_dflash), **dflash2)
+    m1, m2 = o1.build_model(), o2.build_model()
+    assert m1.version == 1 and m2.version == 2
+    batch = torch.tensor([[t] + target_greedy(o1.target, [t], 96, None) for t in (5, 9)])  # what it was trained on
+    l1, x1 = o1.loss(m1, batch, torch.Generator().manual_seed(1))
+    l2, x2 = o2.loss(m2, batch, torch.Generator().manual_seed(1))
+    assert torch.equal(l1, l2) and x1["tau_train"] == x2["tau_train"] and x1["acc_slot1"] == x2["acc_slot1"]
+    assert o2.selector_weight() == 0.0
+    o2.step = o2.cfg.max_steps // 4  # half way up the ramp
+    assert o2.selector_weight() == pytest.approx(0.5)
+    l3, x3 = o2.loss(m2, batch, torch.Generator().manual_seed(1))
+    assert float(l3.detach()) > float(l1.detach()) and x3["selector_ce"] > 0 and 0 < x3["gold_in_top_k"] <= 1
+    l3.backward()
+    sel = m2.candidate_selector
+    assert float(sel.successor_codebook.weight.grad.abs().sum()) > 0  # the zero codebook starts to learn
+    assert float(m2.layers[0].attention_conv.base_kernel.grad.abs().sum()) > 0
+
+
+def test_distill_logits_reads_the_targets_next_token_distribution(tiny_ar, tiny_dflash, tiny_draft_data, corpus_dir,
+                                                                  tokenizer_path, monkeypatch):
+    """The soft label of a slot is the target's softmax at the position before it: on the target's own greedy text
+    its argmax is the slot's token (an off-by-one would read the next or the previous one)."""
+    import dlm.objectives.dflash as mod
+
+    seen = []
+    mod_soft = mod.soft_cross_entropy
+    monkeypatch.setattr(mod, "soft_cross_entropy", lambda l, t: (seen.append(t), mod_soft(l, t))[1])
+    o = _objective(tiny_ar, tiny_draft_data, corpus_dir, tokenizer_path, init_from=str(tiny_dflash),
+                   distill_logits=True, anchors=1000)
+    m = o.build_model()
+    text = [5] + target_greedy(o.target, [5], 47, None)
+    batch = torch.tensor([text])
+    loss, _ = o.loss(m, batch, torch.Generator().manual_seed(0))
+    (teacher,) = seen
+    g, n_pos = 8, len(text) - 8 + 1
+    labels = torch.stack([batch[0, a + 1:a + g] for a in range(n_pos)])  # every anchor, in order
+    assert teacher.shape[:3] == (1, n_pos, g - 1)
+    assert (teacher[0].argmax(-1) == labels).float().mean() > 0.98
+    hard = _objective(tiny_ar, tiny_draft_data, corpus_dir, tokenizer_path, init_from=str(tiny_dflash), anchors=1000)
+    h_loss, _ = hard.loss(m, batch, torch.Generator().manual_seed(0))
+    assert abs(float(loss.detach()) - float(h_loss.detach())) > 1e-3  # soft labels: another loss than the hard ones
+
+
+def test_dflash2_trains_by_the_cli_and_drafts_losslessly(tiny_ar, tiny_dflash, tiny_draft_data, corpus_dir,
+                                                         tokenizer_path, tmp_path):
+    out = tmp_path / "d2"
+    run_cli("train", "--objective", "dflash", "--target", str(tiny_ar), "--data", str(tiny_draft_data),
+            "--init-from", str(tiny_dflash), "--block-size", "8", "--seq-len", "96", "--batch-size", "4",
+            "--max-steps", "4", "--eval-every", "4", "--eval-batches", "1", "--save-every", "4", "--log-every", "2",
+            "--conv-kernel-size", "2", "--selector-rank", "8", "--selector-top-k", "4", "--distill-logits",
+            "--out", str(out), "--quiet", check=True)
+    cfg = json.loads((out / "config.json").read_text())
+    d = cfg["dflash"]
+    assert (d["conv_kernel_size"], d["conv_group_size"], d["selector_rank"], d["selector_top_k"]) == (2, 16, 8, 4)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("selector_ce" in r for r in rows)
+    target, ck = load_model(tiny_ar)
+    drafter, _ = load_model(out)
+    assert drafter.version == 2
+    ids = ck.tokenizer.encode("def main(")
+    dd = DFlashDraft(drafter, target, Sampling(), capacity=256)
+    got = [t for e in speculate(target, dd, ids, block_size=8, max_new_tokens=24) if hasattr(e, "tokens")
+           for t in e.tokens]
+    assert got == target_greedy(target, ids, 24, None)
+    # continuing it needs its own DFlash 2 options; options of another objective are refused
+    r = run_cli("train", "--objective", "dflash", "--target", str(tiny_ar), "--data", str(tiny_draft_data),
+                "--init-from", str(out), "--block-size", "8", "--seq-len", "96", "--max-steps", "2",
+                "--out", str(tmp_path / "d3"), "--quiet")
+    assert r.returncode == 2 and "conv_kernel_size 2" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("train", "--objective", "ar", "--data", str(corpus_dir), "--selector-rank", "4", "--max-steps", "1",
+                "--out", str(tmp_path / "a"), "--quiet")
+    assert r.returncode == 2 and "--selector-rank applies to --objective dflash" in r.stderr

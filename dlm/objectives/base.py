@@ -70,6 +70,7 @@ class Objective(ABC):
     name = "base"
     self_cond = False  # the model carries a self-conditioning module (usdm)
     uses_every_param = True  # every trainable parameter gets a gradient at every step (DDP: no unused-param search)
+    step = 0  # the optimizer step being computed (set by the training loop; a loss may ramp a weight with it)
 
     def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer):
         self.cfg = cfg

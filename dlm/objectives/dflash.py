@@ -5,6 +5,15 @@ its own generations (`dlm distill`), anchors are drawn at random positions, each
 block whose labels are the next B-1 tokens, and all blocks of a window are trained in one forward
 under a mask where a block sees the context strictly before its anchor and itself
 (`dlm.masks.dflash_train_mask`). The loss at slot k is weighted exp(-(k-1)/gamma_w), normalised.
+
+--distill-logits: the loss at a slot is the soft cross-entropy against the target's softmax at the same
+position (self logit distillation), not the hard next token.
+
+DFlash 2 (--conv-kernel-size, --selector-rank): the drafter's convolutions start as the identity and the
+selector's successor codebook at zero, so `--init-from` a DFlash 1 drafter starts as exactly that drafter.
+The selector adds w x the cross-entropy of the gold token among each slot's top-k candidates, scored
+after the gold token before it (teacher forcing), slots whose gold token is not a candidate dropped,
+with the same slot weights; w rises linearly over --selector-ramp of the run.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ from torch import Tensor, nn
 from dlm.checkpoint import load_model, load_weights, open_checkpoint
 from dlm.config import ModelConfig, TrainConfig, block_size_of
 from dlm.drafter import (
-    INJECTIONS, DFlashDrafter, check_target, default_draft_layers, default_features, mask_token_id,
+    INJECTIONS, CandidateSelector, DFlashDrafter, check_target, default_draft_layers, default_features, mask_token_id,
     target_fingerprint, target_layer_ids,
 )
 from dlm.errors import DlmError, check
@@ -42,6 +51,30 @@ def slot_weights(block_size: int, device: torch.device | str = "cpu") -> Tensor:
     return w / w.sum()
 
 
+def selector_terms(selector: CandidateSelector, h: Tensor, logits: Tensor, anchor: Tensor,
+                   labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The selector's training term, teacher-forced: slots' hidden states h (..., S, D), draft logits (..., S, V),
+    the anchor tokens (...,) and the gold tokens (..., S) -> the cross-entropy of the gold token among the slot's
+    top-k candidates, scored after the gold token before it (0 where the gold is not a candidate), whether it is a
+    candidate, and whether the selector picks it (the greedy path, as long as it follows the gold). Each (..., S)."""
+    unary, cands = torch.topk(logits, min(selector.top_k, logits.shape[-1]), dim=-1)
+    prev = torch.cat((anchor[..., None], labels[..., :-1]), dim=-1)
+    k = cands.shape[-1]
+    score = selector.scores(h.reshape(-1, h.shape[-1]), unary.reshape(-1, k), cands.reshape(-1, k),
+                            prev.reshape(-1)).float()
+    gold = cands.reshape(-1, k) == labels.reshape(-1, 1)
+    is_cand = gold.any(-1)
+    idx = gold.int().argmax(-1)
+    ce = F.cross_entropy(score, idx, reduction="none") * is_cand
+    picked = (score.argmax(-1) == idx) & is_cand
+    return ce.view(labels.shape), is_cand.view(labels.shape), picked.view(labels.shape)
+
+
+def soft_cross_entropy(logits: Tensor, teacher_logits: Tensor) -> Tensor:
+    """-sum_v softmax(teacher)_v log softmax(logits)_v over the last dimension."""
+    return -(torch.softmax(teacher_logits.float(), -1) * torch.log_softmax(logits.float(), -1)).sum(-1)
+
+
 # the objective ------------------------------------------------------------------------------------
 
 class DFlash(Objective):
@@ -58,6 +91,12 @@ class DFlash(Objective):
         check(cfg.injection in INJECTIONS, f"--injection must be one of {list(INJECTIONS)}, got {cfg.injection!r}")
         check(cfg.draft_layers >= 0, f"--draft-layers must be >= 0 (0 = default), got {cfg.draft_layers}")
         check(cfg.anchors >= 0, f"--anchors must be >= 0 (0 = default), got {cfg.anchors}")
+        for f in ("conv_kernel_size", "selector_rank"):
+            check(getattr(cfg, f, 0) >= 0, f"--{f.replace('_', '-')} must be >= 0 (0 = off), got {getattr(cfg, f)}")
+        check(getattr(cfg, "conv_group_size", 16) >= 1, f"--conv-group-size must be >= 1, got {cfg.conv_group_size}")
+        check(getattr(cfg, "selector_top_k", 16) >= 1, f"--selector-top-k must be >= 1, got {cfg.selector_top_k}")
+        check(getattr(cfg, "selector_weight", 1.0) >= 0, f"--selector-weight must be >= 0, got {cfg.selector_weight}")
+        check(0 <= getattr(cfg, "selector_ramp", 0.0) <= 1, f"--selector-ramp must be in [0, 1], got {cfg.selector_ramp}")
         tck = open_checkpoint(cfg.target, "--target")
         if tck.objective != "ar":
             raise DlmError(f"--target {cfg.target}: a DFlash target must be an AR checkpoint, "
@@ -85,25 +124,57 @@ class DFlash(Objective):
 
     def build_model(self) -> DFlashDrafter:
         tc = self.target.cfg
+        g = lambda name, default: getattr(self.cfg, name, default)  # noqa: E731 (duck-typed configs)
+        dflash2 = dict(conv_kernel_size=g("conv_kernel_size", 0), conv_group_size=g("conv_group_size", 16),
+                       selector_rank=g("selector_rank", 0), selector_top_k=g("selector_top_k", 16))
+        ck, d, kw = None, {}, {}
         mc = ModelConfig(**{**tc.to_dict(), "n_layers": self.n_layers, "qk_norm": True, "self_cond": False,
                             "tie_embeddings": False})
-        model = DFlashDrafter(mc, self.layer_ids, self.block_size, self.mask_id, self.cfg.injection,
-                              self.cfg.target_features)
-        with torch.no_grad():  # the drafter's output feeds the target's head: start at the target's scale
-            model.norm.weight.copy_(self.target.norm.weight)
-        if self.cfg.init_from:  # warm start: continue a drafter of the same shape (e.g. longer, or on more data)
+        if self.cfg.init_from:  # warm start: continue a drafter (longer, on more data), or grow DFlash 1 into DFlash 2
             ck = open_checkpoint(self.cfg.init_from, "--init-from")
             if ck.objective != "dflash":
                 raise DlmError(f"--init-from {ck.path}: a dflash run starts from a dflash drafter, "
                                f"not from objective {ck.objective!r}")
             d = ck.config["dflash"]
             check_target(d, self.target, self.target_ck.tokenizer.sha256, str(ck.path))
-            if (d["target_layer_ids"], d["block_size"], d["injection"]) != (self.layer_ids, self.block_size,
-                                                                              self.cfg.injection):
+            if (d["target_layer_ids"], d["block_size"], d.get("injection", "kv")) != (
+                    self.layer_ids, self.block_size, self.cfg.injection):
                 raise DlmError(f"--init-from {ck.path}: target layers {d['target_layer_ids']}, block size "
-                               f"{d['block_size']}, injection {d['injection']!r}; this run has {self.layer_ids}, "
-                               f"{self.block_size}, {self.cfg.injection!r}")
-            load_weights(model, ck.tensors(), ck.path / "model.safetensors")
+                               f"{d['block_size']}, injection {d.get('injection', 'kv')!r}; this run has "
+                               f"{self.layer_ids}, {self.block_size}, {self.cfg.injection!r}")
+            for name, default in (("conv_kernel_size", 0), ("selector_rank", 0)):
+                had = d.get(name, default)
+                if had and had != dflash2[name]:
+                    raise DlmError(f"--init-from {ck.path}: a DFlash 2 drafter with {name} {had}; this run has "
+                                   f"--{name.replace('_', '-')} {dflash2[name]} (give the drafter's own to continue it)")
+            for name, default in (("conv_group_size", 16), ("selector_top_k", 16)):
+                lead = "conv_kernel_size" if name.startswith("conv") else "selector_rank"
+                if d.get(lead, 0) and d.get(name, default) != dflash2[name]:
+                    raise DlmError(f"--init-from {ck.path}: {name} {d.get(name, default)}; this run has "
+                                   f"--{name.replace('_', '-')} {dflash2[name]}")
+            # the drafter's own shape and numerics (an imported public drafter keeps its scales and soft-cap)
+            mc = ModelConfig.from_dict({**ck.config["model"], "max_seq_len": max(ck.config["model"].get(
+                "max_seq_len", 0), self.cfg.seq_len)})
+            if self.cfg.draft_layers and self.cfg.draft_layers != mc.n_layers:
+                raise DlmError(f"--init-from {ck.path}: a drafter of {mc.n_layers} layers; this run has "
+                               f"--draft-layers {self.cfg.draft_layers}")
+            kw = dict(last_layer=d.get("last_layer", "prenorm"),
+                      input_embedding_scale=d.get("input_embedding_scale", 1.0),
+                      output_multiplier=d.get("output_multiplier", 1.0),
+                      logit_softcap=d.get("final_logit_softcapping"))
+        model = DFlashDrafter(mc, self.layer_ids, self.block_size, self.mask_id, self.cfg.injection,
+                              self.cfg.target_features, **kw, **dflash2)
+        if ck is None:
+            with torch.no_grad():  # the drafter's output feeds the target's head: start at the target's scale
+                model.norm.weight.copy_(self.target.norm.weight)
+        else:
+            tensors = ck.tensors()
+            # DFlash 1 -> 2: the parts the checkpoint lacks keep their start (identity convolutions, the selector
+            # with a zero successor codebook): the drafter computes what the checkpoint's did
+            tensors.update({k: v for k, v in model.state_dict().items()
+                            if k not in tensors and ("_conv." in k or k.startswith("candidate_selector."))})
+            load_weights(model, tensors, ck.path / "model.safetensors")
+        self.numerics = {"last_layer": model.last_layer, **model.numerics()}
         return model
 
     def trainable(self, model: nn.Module) -> list[nn.Parameter]:
@@ -136,32 +207,55 @@ class DFlash(Objective):
         n_blocks = max(1, int(keep[:, :, 0].sum())) / share(batch, rows)  # the batch's blocks, as this slice's share
         batch, anchors, keep = batch[rows], anchors[rows], keep[rows]  # this slice's rows: the target runs over them
         B = batch.shape[0]
+        distill = getattr(self.cfg, "distill_logits", False)
+        idx = anchors[:, :, None] + torch.arange(g, device=dev)  # (B, A, g) positions of each block
         with torch.no_grad():  # the frozen target's features, once per batch, without gradient
             taps: dict[int, Tensor] = {}
-            if model.target_features:  # only as deep as the deepest tap
+            if distill:  # the whole target: its next-token logits at each slot's position are the soft labels
+                out = tgt(batch, taps=model.taps, head=False)
+                taps = out.taps
+                teacher = tgt.lm_head(out.last.gather(1, idx[:, :, :-1].reshape(B, -1, 1).expand(
+                    -1, -1, out.last.shape[-1]))).float().view(B, A, g - 1, -1)
+            elif model.target_features:  # only as deep as the deepest tap
                 x = tgt.embed_tokens(batch)
                 _, taps = run_blocks(tgt.layers[:max(model.layer_ids) + 1], tgt.inv_freq, x, taps=model.layer_ids)
             feats = model.features(tgt, batch, taps)  # (B, T1, F)
         ctx = model.context(feats)  # (B, T1, D)
-        idx = anchors[:, :, None] + torch.arange(g, device=dev)  # (B, A, g) positions of each block
         block = torch.full((B, A, g), model.mask_id, dtype=torch.long, device=dev)
         block[:, :, 0] = batch.gather(1, anchors)
         labels = batch.gather(1, idx[:, :, 1:].reshape(B, -1)).view(B, A, g - 1)
         with torch.no_grad():
-            x = tgt.embed_tokens(block.view(B, A * g))  # (B, A*g, D)
+            x = model.embed(tgt, block.view(B, A * g))  # (B, A*g, D)
         mask = dflash_train_mask(anchors, T1, g, causal_ctx=model.injection == "input")
         h = model(x, ctx, pos=idx.view(B, A * g), ctx_pos=torch.arange(T1, device=dev), mask=mask)
         h = h.view(B, A, g, -1)[:, :, 1:]  # (B, A, g-1, D): slot 0 is the anchor, unsupervised
-        logits = tgt.lm_head(h).float()  # (B, A, g-1, V)
-        ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(B, A, g - 1)
+        logits = model.head(tgt, h).float()  # (B, A, g-1, V)
+        if distill:
+            ce = soft_cross_entropy(logits, teacher)
+        else:
+            ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(B, A, g - 1)
         w = slot_weights(g, dev)
         loss = (ce * w * keep).sum() / n_blocks
+        extra: dict[str, float] = {}
+        sel = model.candidate_selector
+        if sel is not None:
+            sce, is_cand, picked = selector_terms(sel, h, logits, block[:, :, 0], labels)
+            loss = loss + self.selector_weight() * (sce * w * keep).sum() / n_blocks
+            kept = keep.sum().clamp(min=1)
+            extra = {"selector_ce": float((sce.detach() * keep).sum() / (is_cand & keep).sum().clamp(min=1)),
+                     "gold_in_top_k": float((is_cand & keep).sum() / kept)}
         with torch.no_grad():
-            hit = (logits.argmax(-1) == labels) & keep  # (B, A, g-1)
+            hit = (picked if sel is not None else logits.argmax(-1) == labels) & keep  # (B, A, g-1)
             accepted = hit.int().cumprod(-1).sum(-1).float()[keep[:, :, 0]]  # greedy acceptance of each block
             first = hit[:, :, 0][keep[:, :, 0]].float()
         return loss, {"acc_slot1": float(first.mean()) if first.numel() else 0.0,
-                      "tau_train": 1.0 + (float(accepted.mean()) if accepted.numel() else 0.0)}
+                      "tau_train": 1.0 + (float(accepted.mean()) if accepted.numel() else 0.0), **extra}
+
+    def selector_weight(self) -> float:
+        """w at this step: --selector-weight, reached linearly over the first --selector-ramp share of the run."""
+        full = getattr(self.cfg, "selector_weight", 1.0)
+        ramp = getattr(self.cfg, "selector_ramp", 0.0) * self.cfg.max_steps
+        return full if ramp <= 0 else full * min(1.0, self.step / ramp)
 
     def meta(self) -> dict[str, Any]:
         tc = self.target.cfg
@@ -169,6 +263,7 @@ class DFlash(Objective):
             "target_layer_ids": self.layer_ids, "block_size": self.block_size, "mask_token_id": self.mask_id,
             "injection": self.cfg.injection, "target_features": self.cfg.target_features,
             "last_layer": "normed",  # the target's last layer after its final norm, as public engines feed it
+            **getattr(self, "numerics", {}),  # a warm start keeps its drafter's reading and numerics; DFlash 2's parts
             "gamma_w": gamma_w(self.block_size),
             # the target by its folder's name: a checkpoint records no path of the machine it was trained on
             # (the target is given again at inference, and checked by its shapes, tokenizer and fingerprint)
