@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dlm.errors import DlmError, check
+from dlm.rope import apply_rope, rope_cos_sin
 
 ARCH_KEYS = {"family", "layer_types", "sliding_window", "full_head_dim", "full_kv_heads", "full_rope_theta",
              "full_partial_rotary", "k_eq_v", "moe", "final_softcap", "layer_scalar"}
@@ -89,18 +90,6 @@ def inv_freqs(cfg) -> dict[str, Tensor]:
     rot = 1.0 / (a.get("full_rope_theta", cfg.rope_theta) ** (torch.arange(0, 2 * n_rot, 2, dtype=torch.int64).float() / hd))
     out["full"] = torch.cat((rot, torch.zeros(hd // 2 - n_rot)))
     return out
-
-
-def rope_cos_sin(inv_freq: Tensor, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """pos (B, T) -> cos, sin (B, 1, T, hd), in fp32 then cast (rotate-half layout)."""
-    freqs = pos.float()[..., None] * inv_freq.float()  # (B, T, hd/2)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class Attention(nn.Module):

@@ -33,6 +33,7 @@ from dlm import gemma4
 from dlm.config import ModelConfig
 from dlm.errors import DlmError
 from dlm.masks import Mask, sdpa_mask
+from dlm.rope import apply_rope, rope_cos_sin
 
 
 class RMSNorm(nn.Module):
@@ -68,18 +69,6 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
         medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
         inv_freq = torch.where(medium, smoothed, scaled)
     return inv_freq
-
-
-def rope_cos_sin(inv_freq: Tensor, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """pos (B, T) -> cos, sin (B, 1, T, hd), computed in fp32 like transformers."""
-    freqs = pos.float()[..., None] * inv_freq.float()  # (B, T, hd/2)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class KVCache:

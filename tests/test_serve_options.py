@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -32,12 +31,7 @@ VALUES = {"top_k": 5, "steps": 4, "threshold": 0.8, "entropy_bound": 0.2, "block
 SAMPLER = {"ar": "ar", "mdlm": "confidence", "usdm": "entropy_bound", "joint": "self-spec-linear"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def served_ids() -> list[tuple[str, list[str], str | None]]:

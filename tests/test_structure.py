@@ -13,8 +13,8 @@ import dlm
 
 ROOT = Path(dlm.__file__).parent
 # the model layer: what every paradigm's model, checkpoint and tokenizer need, and nothing above it
-MODEL_LAYER = {"dlm.config", "dlm.errors", "dlm.files", "dlm.device", "dlm.masks", "dlm.model", "dlm.drafter",
-               "dlm.checkpoint", "dlm.tokenizer", "dlm.hf", "dlm.noise"}
+MODEL_LAYER = {"dlm.config", "dlm.errors", "dlm.files", "dlm.device", "dlm.masks", "dlm.rope", "dlm.model",
+               "dlm.gemma4", "dlm.drafter", "dlm.checkpoint", "dlm.tokenizer", "dlm.hf", "dlm.hf_gemma", "dlm.noise"}
 TRAINING = ("dlm.objectives", "dlm.train", "dlm.cli", "dlm.distill")  # dlm.train covers dlm.trainstate
 
 
