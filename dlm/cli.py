@@ -9,7 +9,6 @@ import os
 import signal
 import sys
 import threading
-from pathlib import Path
 from typing import Literal
 
 from dlm.errors import DlmError  # (the module imports little: main's handlers cover the rest)

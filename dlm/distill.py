@@ -17,7 +17,6 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 

@@ -33,7 +33,7 @@ from dlm.device import resolve_device
 from dlm.config import TrainConfig
 from dlm.data.corpus import Corpus
 from dlm.data.tokens import Batches, PairedBatches, load_flags, load_tokens
-from dlm.errors import DlmError, check
+from dlm.errors import DlmError
 from dlm.objectives import Objective, make_objective, objective_class
 from dlm.parallel import (
     Dist, check_world, full_optimizer_state, full_state, grad_sync, scalar, shard_optimizer_state, wrap,
