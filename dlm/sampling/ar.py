@@ -69,13 +69,18 @@ def fill_in_the_middle(model: Transformer, ck, prompts: list[Prompt], cfg) -> It
         ids.append(p.ids if p.canvas is None else fim_prompt_ids(tok, p.ids, suffix))
         suffixes.append(None if p.canvas is None else suffix)
     budget = [cfg.max_new_tokens if p.canvas is None else p.canvas.count(None) for p in prompts]
-    for p, n in zip(ids, budget):
+    for p, n in zip(ids, budget):  # the FIM markers take room too: refused here, before any work
         check_fits(model.cfg.max_seq_len, Prompt(p), n)
+    return _fim_rows(model, ids, suffixes, budget, cfg, tok)
+
+
+def _fim_rows(model: Transformer, ids: list[list[int]], suffixes: list, budget: list[int], cfg,
+              tok) -> Iterator[Event]:
     inner = (decode_naive(model, ids, max(budget), cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, tok.eos_id)
              if cfg.naive else
              decode(model, ids, max(budget), cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, tok.eos_id, tok.pad_id))
-    made = [0] * len(prompts)  # new tokens per row (a middle's ending <eos> is not output)
-    ended = [False] * len(prompts)
+    made = [0] * len(ids)  # new tokens per row (a middle's ending <eos> is not output)
+    ended = [False] * len(ids)
     for ev in inner:
         if isinstance(ev, Commit):
             row = ev.row
