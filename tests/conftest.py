@@ -131,12 +131,3 @@ def tiny_ar(corpus_dir, tokenizer_path, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ckpt") / "tiny-ar"
     train(tiny_train_config(corpus_dir, tokenizer_path), out, quiet=True)
     return out
-
-
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    """The references run in this thread: one torch thread (two spin badly on a busy 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)

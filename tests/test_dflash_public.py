@@ -28,14 +28,13 @@ CK = Path(__file__).resolve().parents[1] / "checkpoints"
 PROMPTS = ["def read_config(path):\n    ", "import os\nimport sys\n\n", "class Stack:\n    def push(self, item):\n        "]
 
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 @pytest.fixture(autouse=True)
 def _cpu_clock(monkeypatch):
     # dflash_generate(return_stats=True) times itself with torch.cuda.synchronize(); on a CPU: the plain clock
     monkeypatch.setattr(dflash_model, "_cuda_time", time.perf_counter)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def reference(draft_dir: Path, target_dir: Path, ids: list[int], n: int, eos: int, block: int, v2: bool = False):

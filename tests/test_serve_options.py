@@ -31,7 +31,7 @@ VALUES = {"top_k": 5, "steps": 4, "threshold": 0.8, "entropy_bound": 0.2, "block
 SAMPLER = {"ar": "ar", "mdlm": "confidence", "usdm": "entropy_bound", "joint": "self-spec-linear"}
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def served_ids() -> list[tuple[str, list[str], str | None]]:
