@@ -71,11 +71,10 @@ class DynamicConv(nn.Module):
         B, T, D = x.shape  # dyn (B, T, K, D / G), base (K, D)
         g = D // self.group
         xs = x.view(B, T, g, self.group)
-        out = torch.zeros_like(xs)
-        for o in range(self.kernel):
-            v = xs if o == 0 else nn.functional.pad(xs[:, :-o], (0, 0, 0, 0, o, 0))  # x_{t-o}, zeros before 0
-            out = out + base[o].view(1, 1, g, self.group).to(x.dtype) * v
-            out = torch.addcmul(out, dyn[:, :, o, :, None], v)
+        coef = base.to(x.dtype).view(1, 1, self.kernel, g, self.group) + dyn[..., None]  # (B, T, K, g, G)
+        out = xs * coef[:, :, 0]
+        for o in range(1, min(self.kernel, T)):  # + coef_o * x_{t-o}; zeros before the block's first position
+            out = torch.cat((out[:, :o], torch.addcmul(out[:, o:], coef[:, o:, o], xs[:, :-o])), dim=1)
         return out.view(B, T, D)
 
     def prepare(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -124,20 +123,44 @@ class CandidateSelector(nn.Module):
 
     def select(self, h: Tensor, logits: Tensor, anchor: Tensor, temperature: float,
                gen: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor | None]:
-        """h (B, S, D), logits (B, S, V), anchor (B,) -> tokens (B, S), candidates (B, S, k), q (B, S, k) or None."""
+        """h (B, S, D), logits (B, S, V), anchor (B,) -> tokens (B, S), candidates (B, S, k), q (B, S, k) or None.
+
+        All scores are computed in one pass: slot 0's after the anchor (B, k), and for each later slot a table
+        (B, S-1, k, k) of every candidate after every candidate of the slot before; the walk left to right then
+        only reads rows of those tables (a Python loop over S small lists, no tensor work per slot)."""
         unary, cands = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1, sorted=False)
-        prev, path, qs = anchor, [], []
-        for s in range(h.shape[1]):
-            sc = self.scores(h[:, s], unary[:, s], cands[:, s], prev)
-            if temperature > 0:
-                q = torch.softmax(sc.float() / temperature, -1)
-                idx = torch.multinomial(q, 1, generator=gen)[:, 0]
-                qs.append(q)
-            else:
-                idx = sc.argmax(-1)
-            prev = cands[:, s].gather(-1, idx[:, None])[:, 0]
-            path.append(prev)
-        return torch.stack(path, 1), cands, torch.stack(qs, 1) if qs else None
+        B, S, k = cands.shape
+        hp = self.hidden_projection(h)  # (B, S, R)
+        succ = self.successor_codebook(cands)  # (B, S, k, R)
+        first = unary[:, 0] + torch.einsum("br,bkr->bk", self.predecessor_codebook(anchor) * hp[:, 0], succ[:, 0])
+        table = unary[:, 1:, None, :] + torch.einsum(
+            "bsir,bsjr->bsij", self.predecessor_codebook(cands[:, :-1]) * hp[:, 1:, None, :], succ[:, 1:])
+        if temperature > 0:
+            qf = torch.softmax(first.float() / temperature, -1)  # (B, k)
+            qt = torch.softmax(table.float() / temperature, -1)  # (B, S-1, k, k)
+            u = torch.rand(B, S, generator=gen, device=h.device, dtype=torch.float64).tolist()
+            cf, ct = qf.double().cumsum(-1).tolist(), qt.double().cumsum(-1).tolist()
+        else:
+            cf, ct = first.tolist(), table.tolist()
+        idx = []
+        for b in range(B):
+            row, path = cf[b], []
+            for s in range(S):
+                if s:
+                    row = ct[b][s - 1][path[-1]]
+                if temperature > 0:  # inverse CDF of the row at a uniform draw
+                    j = next((i for i, c in enumerate(row) if u[b][s] < c), k - 1)
+                else:
+                    j = max(range(k), key=row.__getitem__)
+                path.append(j)
+            idx.append(path)
+        idx_t = torch.tensor(idx, dtype=torch.long, device=cands.device)  # (B, S) positions among the candidates
+        tokens = cands.gather(-1, idx_t[..., None])[..., 0]
+        if temperature <= 0:
+            return tokens, cands, None
+        prev = idx_t[:, :-1, None, None].expand(-1, -1, 1, k)
+        q = torch.cat((qf[:, None], qt.gather(2, prev)[:, :, 0]), dim=1)  # (B, S, k): the rows the walk read
+        return tokens, cands, q
 
 
 INJECTIONS = ("kv", "input")
