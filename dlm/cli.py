@@ -484,7 +484,7 @@ def serve_cmd(model: list[str], draft: str | None = None, host: str = "127.0.0.1
 
 
 def task_cmd(name: Literal["sudoku"], out: str, n: int = 1000,
-             clues: str = "40-50", seed: int = 0) -> None:
+             clues: str = "40-50", seed: int = 0, source: str | None = None, augment: int = 1) -> None:
     """Write task data: `dlm task sudoku` writes puzzles with exactly one solution as a CSV in the public layout
     (`quizzes,solutions`, 81 digits each, 0 = blank), for `dlm train --data` and `dlm eval --task sudoku --data`.
 
@@ -494,16 +494,29 @@ def task_cmd(name: Literal["sudoku"], out: str, n: int = 1000,
         n: number of puzzles
         clues: givens per puzzle, A-B (drawn uniformly) or A; many clues = easy (40-50: naked singles mostly suffice)
         seed: puzzle k depends only on (seed, k): the same seed gives the same puzzles
+        source: take the puzzles from this CSV instead of generating them: those with --clues givens, at most --n
+        augment: write each puzzle and augment - 1 random symmetric copies of it (digits relabelled, rows, columns,
+            bands and stacks permuted, transposed: same difficulty, one solution), shuffled
     """
     import time
 
-    from dlm.data.csvtask import write_pairs
-    from dlm.tasks.sudoku import generate, parse_clues
+    from dlm.data.csvtask import read_pairs, write_pairs
+    from dlm.tasks.sudoku import augment as symmetric_copies
+    from dlm.tasks.sudoku import clues_of, generate, parse_clues
 
     if not out.lower().endswith(".csv"):
         raise DlmError(f"--out must name a .csv file (training reads .csv as sudoku puzzles), got {out!r}")
+    if augment < 1:
+        raise DlmError(f"--augment must be >= 1, got {augment}")
     t0 = time.perf_counter()
-    pairs = generate(n, parse_clues(clues), seed)
+    lo, hi = parse_clues(clues)
+    if source is not None:
+        pairs = [p for p in read_pairs(source, "--source") if lo <= clues_of(p[0]) <= hi][:n]
+        if not pairs:
+            raise DlmError(f"--source {source}: no puzzle has {clues} clues")
+    else:
+        pairs = generate(n, (lo, hi), seed)
+    pairs = symmetric_copies(pairs, augment, seed) if augment > 1 else pairs
     write_pairs(out, pairs)
     print(f"wrote {out}: {len(pairs)} puzzles ({clues} clues, seed {seed}) in {time.perf_counter() - t0:.1f} s")
 

@@ -112,6 +112,26 @@ def test_sparse_puzzles_have_one_solution_and_the_band_s_clues():
     assert sudoku.SPARSE > 23  # generate() sends a draw of 23 clues there
 
 
+def test_symmetric_copies_keep_the_clues_and_the_one_solution(tmp_path):
+    from dlm.data.csvtask import read_pairs, write_pairs
+
+    pairs = sudoku.generate(3, (30, 34), seed=4)
+    copies = sudoku.augment(pairs, 4, seed=0)
+    assert len(copies) == 12 and set(pairs) <= set(copies) and len(set(copies)) == 12
+    for quiz, solution in copies:
+        assert sudoku.is_valid(quiz, sudoku.parse_grid(solution))
+        assert count_by_backtracking([int(c) for c in quiz]) == 1
+    assert sorted(sudoku.clues_of(q) for q, _ in copies) == sorted([sudoku.clues_of(q) for q, _ in pairs] * 4)
+    src, out = tmp_path / "src.csv", tmp_path / "out.csv"
+    write_pairs(src, pairs + sudoku.generate(2, (44, 46), seed=4))
+    code, stdout, _ = _cli("task", "sudoku", "--source", str(src), "--clues", "30-34", "--augment", "2",
+                           "--out", str(out))
+    assert code == 0 and "6 puzzles" in stdout and set(pairs) <= set(read_pairs(out))
+    for args, needle in ((["--augment", "0"], "--augment must be >= 1"), (["--clues", "20-21"], "no puzzle has")):
+        code, _, err = _cli("task", "sudoku", "--source", str(src), "--out", str(out), *args)
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
 def test_eval_clues_band(tmp_path):
     from dlm.data.csvtask import write_pairs
 

@@ -231,6 +231,36 @@ def generate(n: int, clues: tuple[int, int], seed: int = 0) -> list[tuple[str, s
     return out
 
 
+def symmetry(rng: random.Random) -> tuple[list[int], list[int]]:
+    """A random validity-preserving transform of the grid: (cell map, digit map). Cell i of the new grid is cell
+    map[i] of the old one, digit d becomes digits[d]: a relabelling of the digits, the bands and the stacks
+    permuted, the rows within each band and the columns within each stack permuted, and a transpose or not.
+    Clue count and uniqueness of the solution are kept."""
+    def lines() -> list[int]:
+        bands = rng.sample(range(3), 3)
+        return [3 * b + r for b in bands for r in rng.sample(range(3), 3)]
+    rows, cols, flip = lines(), lines(), rng.random() < 0.5
+    cells = [(cols[c] * 9 + rows[r]) if flip else (rows[r] * 9 + cols[c]) for r in range(9) for c in range(9)]
+    digits = [0] + rng.sample(range(1, 10), 9)
+    return cells, digits
+
+
+def augment(pairs: list[tuple[str, str]], k: int, seed: int) -> list[tuple[str, str]]:
+    """Each puzzle and k - 1 random symmetric copies of it (`symmetry`), shuffled; reproducible for the seed."""
+    if k < 1:
+        raise DlmError(f"--augment must be >= 1, got {k}")
+    rng = random.Random(f"sudoku-augment:{seed}")
+    out = []
+    for quiz, sol in pairs:
+        out.append((quiz, sol))
+        for _ in range(k - 1):
+            cells, digits = symmetry(rng)
+            out.append(("".join(str(digits[int(quiz[i])]) for i in cells),
+                        "".join(str(digits[int(sol[i])]) for i in cells)))
+    rng.shuffle(out)
+    return out
+
+
 def clues_of(quiz: str) -> int:
     return sum(1 for c in quiz if c != "0")
 
