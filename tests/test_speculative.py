@@ -12,8 +12,8 @@ from dlm.config import ModelConfig
 from dlm.model import Transformer
 from dlm.sampling.common import Commit
 from dlm.sampling.speculative import (
-    ARDraft, DFlashDraft, PromptLookup, Sampling, SpecStats, Verified, speculate, spec_stats, target_greedy,
-    verify_sample,
+    ARDraft, DFlashDraft, DiffusionDraft, PromptLookup, Sampling, SpecStats, Verified, speculate, spec_stats,
+    target_greedy, verify_sample,
 )
 
 
@@ -57,6 +57,8 @@ def drafters_for(target, seed, sampling):
         "dflash-kv": DFlashDraft(random_dflash(target, seed), target, sampling, 512),
         "dflash-input": DFlashDraft(random_dflash(target, seed, injection="input"), target, sampling, 512, passes=2),
         "dflash-nofeat": DFlashDraft(random_dflash(target, seed, features=False), target, sampling, 512),
+        "mdlm": DiffusionDraft(random_model(seed + 200, std=0.2), 3, 4, sampling, 512, passes=2),
+        "joint": DiffusionDraft(random_model(seed + 300, std=0.2), 3, 4, sampling, 512, causal_context=True),
     }
 
 
@@ -148,7 +150,7 @@ def exact_distribution(target: Transformer, prompt: list[int], n: int, temperatu
     return out
 
 
-@pytest.mark.parametrize("kind", ["ar-other", "lookup", "dflash-kv"])
+@pytest.mark.parametrize("kind", ["ar-other", "lookup", "dflash-kv", "mdlm"])
 def test_sampling_distribution_matches_target(kind):
     """Temperature 1: the speculative loop's sequences follow the target's exact distribution (chi-square).
 
@@ -162,7 +164,9 @@ def test_sampling_distribution_matches_target(kind):
     sampling = Sampling(temperature=1.0, gen=torch.Generator().manual_seed(123))
     drafter = {"ar-other": lambda: ARDraft(random_model(5, vocab=V, dim=16, layers=1, std=0.5), sampling, 64),
                "lookup": lambda: PromptLookup(2),
-               "dflash-kv": lambda: DFlashDraft(_mask_free_dflash(target), target, sampling, 64)}[kind]()
+               "dflash-kv": lambda: DFlashDraft(_mask_free_dflash(target), target, sampling, 64),
+               "mdlm": lambda: DiffusionDraft(random_model(6, vocab=V, dim=16, layers=1, std=0.5), 2, 4, sampling, 64,
+                                              passes=2)}[kind]()
     counts: dict = {}
     accepted = 0
     for _ in range(N):
@@ -210,3 +214,29 @@ def test_plain_sampling_is_reproducible_and_drafts_are_probabilities():
         toks, q = d.propose(torch.tensor([1, 2, 3, 4]), 4)
     assert toks.shape == (4,) and q.shape == (4, 8)
     assert torch.allclose(q.sum(-1), torch.ones(4, dtype=q.dtype))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_diffusion_draft_with_its_cache_equals_the_whole_pass(causal):
+    """The diffusion drafter's cached pass (finished blocks written once) gives the logits of one pass over the
+    whole sequence with the mask its sampler uses, written out here from the rule: a committed token sees the
+    blocks up to its own (causal: the positions up to itself), the current block and the slots see everything."""
+    model, grid, k, mask_id = random_model(21, std=0.3), 4, 5, 3
+    draft = DiffusionDraft(model, mask_id, grid, Sampling(), 256, causal_context=causal)
+    seq = torch.randint(4, 48, (6,), generator=torch.Generator().manual_seed(0))
+    draft.reset(seq, None)
+    for grow in (0, 1, 3, 4, 2, 7):
+        seq = torch.cat((seq, torch.randint(4, 48, (grow,))))
+        S = seq.shape[0]
+        got, _ = draft.propose(seq, k)
+        cur = S // grid * grid
+        n = S + k
+        block = [p // grid if p < cur else cur // grid for p in range(n)]
+        sees = torch.tensor([[block[j] <= block[i] and (not causal or j <= i or block[i] == cur // grid)
+                              for j in range(n)] for i in range(n)])
+        ids = torch.cat((seq, torch.full((k,), mask_id)))
+        with torch.no_grad():
+            logits = model(ids[None], mask=sees).logits[0, S:]
+        logits[:, mask_id] = float("-inf")
+        assert torch.equal(got, logits.argmax(-1)), grow
+        assert draft.cached == cur

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from dlm.errors import DlmError, check
-from dlm.masks import dflash_draft_mask
+from dlm.masks import dflash_draft_mask, mdlm_denoise_mask
 from dlm.model import KVCache, Transformer
 from dlm.sampling import ar
 from dlm.sampling.common import (
@@ -53,7 +53,9 @@ MAX_BLOCK = 64  # the largest block of a cycle
 # kind of drafter reads (option -> the kind's name in `--draft`, and in words)
 OPTIONS = frozenset({"temperature", "top_k", "top_p", "block_size", "draft", "draft_passes", "lookup_ngram",
                      "check_lossless", "suffix"})
-DRAFTER_OPTIONS = {"draft_passes": ("dflash", "a DFlash drafter"), "lookup_ngram": ("lookup", "prompt lookup")}
+DRAFTER_OPTIONS = {"draft_passes": (("dflash", "diffusion"), "a DFlash or diffusion drafter"),
+                   "lookup_ngram": (("lookup",), "prompt lookup")}
+DIFFUSION_DRAFT_PASSES = 3  # refinement passes of a diffusion drafter at most (--draft-passes)
 
 
 @dataclass
@@ -80,7 +82,7 @@ class Drafter(Protocol):
     each request a drafter of its own that shares the loaded weights."""
 
     taps: tuple[int, ...]  # target layers whose outputs it reads (() for none)
-    kind: str  # lookup | ar | dflash | self: which of DRAFTER_OPTIONS it reads
+    kind: str  # lookup | ar | dflash | diffusion | self: which of DRAFTER_OPTIONS it reads
     name: str
     default_block_size: int
     forwards: int  # forward passes of the drafter's model so far
@@ -264,6 +266,71 @@ class DFlashDraft:
 
     def accept(self, ids: Tensor, feats: Tensor | None) -> None:
         self.pending = torch.cat((self.pending, self._feats(ids, feats)), dim=1)
+
+
+class DiffusionDraft:
+    """A masked-diffusion checkpoint (mdlm, or a joint model's diffusion mode) with the target's tokenizer as the
+    drafter: the k slots after the committed tokens are <mask>, denoised in one pass (or up to 3 with
+    --draft-passes: slots the model is sure of, p >= 0.9, are kept, the others re-predicted given them). It reads
+    none of the target's hidden states: only the committed tokens, through its own KV cache.
+
+    The drafter's grid of blocks (its training block) decides what it sees, as its own sampler does: committed
+    tokens in finished blocks are written to the cache once, block-causally (causally for a joint model), and the
+    committed tokens of the current block are denoised together with the slots, which see all of them."""
+
+    taps: tuple[int, ...] = ()
+    kind = "diffusion"
+
+    def __init__(self, model: Transformer, mask_id: int, grid: int, sampling: Sampling, capacity: int,
+                 passes: int = 1, causal_context: bool = False, name: str = "diffusion"):
+        check(1 <= passes <= DIFFUSION_DRAFT_PASSES, f"--draft-passes must be 1, 2 or 3, got {passes}")
+        self.model, self.mask_id, self.grid, self.sampling = model, mask_id, grid, sampling
+        self.capacity, self.passes, self.causal_context, self.name = capacity, passes, causal_context, name
+        self.forwards = 0
+        self.default_block_size = LOOKUP_BLOCK
+        self.cached = 0
+
+    def fork(self, cfg) -> DiffusionDraft:
+        return DiffusionDraft(self.model, self.mask_id, self.grid, Sampling(cfg.temperature, cfg.top_k, cfg.top_p),
+                              self.capacity, cfg.draft_passes, self.causal_context, self.name)
+
+    def bind(self, cache: KVCache) -> None:
+        pass
+
+    def reset(self, prompt: Tensor, feats: Tensor | None) -> None:
+        self.cache = self.model.new_cache(1, self.capacity)
+        self.cached = 0
+
+    def propose(self, seq: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
+        if k == 0:
+            return seq[:0], None
+        dev, S = seq.device, seq.shape[0]
+        cur = (S // self.grid) * self.grid  # the current block starts here; finished blocks before it
+        start, stop = self.cached, S + k
+        ids = torch.cat((seq[start:], torch.full((k,), self.mask_id, dtype=torch.long, device=dev)))
+        block_of = torch.arange(stop, device=dev) // self.grid
+        block_of[cur:] = cur // self.grid  # the slots join the current block, wherever the grid would cut them
+        logits = self.model(ids[None], pos=torch.arange(start, stop, device=dev), cache=self.cache,
+                            mask=mdlm_denoise_mask(block_of, start, stop, self.causal_context)).logits[0, S - start:]
+        self.forwards += 1
+        self.cache.crop(cur)  # keep the finished blocks' K/V
+        self.cached = cur
+        logits[:, self.mask_id] = float("-inf")
+        for _ in range(self.passes - 1):  # refine: keep confident slots, re-predict the others given them
+            conf, guess = logits.float().softmax(-1).max(-1)  # (k,)
+            keep = conf >= 0.9
+            if bool(keep.all()) or not bool(keep.any()):
+                break
+            block = torch.cat((seq[cur:], torch.where(keep, guess, self.mask_id)))
+            again = self.model(block[None], pos=torch.arange(cur, stop, device=dev), cache=self.cache, mask="full",
+                               write=False).logits[0, S - cur:]
+            self.forwards += 1
+            again[:, self.mask_id] = float("-inf")
+            logits = torch.where(keep[:, None], logits, again)
+        return self.sampling.draw(logits)
+
+    def accept(self, ids: Tensor, feats: Tensor | None) -> None:
+        pass
 
 
 # the verifier ----------------------------------------------------------------------------------------

@@ -255,7 +255,7 @@ def _sample_config(served: Served, req: _Common, max_tokens: int) -> SampleConfi
                                 f"{', '.join(sorted(allowed))})", name, "unsupported_parameter")
     kind = served.drafter.kind if served.drafter is not None else ""
     for name, (needs, words) in DRAFTER_OPTIONS.items():
-        if name in given and kind != needs:
+        if name in given and kind not in needs:
             raise ApiError(400, f"{name} applies to {words}; {served.id} drafts with {served.draft}", name,
                            "unsupported_parameter")
     for name in ("t_min", "t_max"):  # a temperature the logits are divided by in float32
