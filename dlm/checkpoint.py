@@ -36,6 +36,10 @@ from dlm.tokenizer import Tokenizer
 DEFAULT_CANVAS = 256  # usdm canvas length when a checkpoint records none (DiffusionGemma's)
 
 CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
+# files beside the weights of an imported model that carry its tokenizer's chat template, control tokens and every
+# EOS id: kept as they are by import, export and training from it
+SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
+              "generation_config.json")
 FORMAT_VERSION = 1
 
 

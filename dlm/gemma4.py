@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dlm.errors import DlmError, check
+from dlm.masks import LayerMasks
 from dlm.rope import apply_rope, rope_cos_sin
 
 ARCH_KEYS = {"family", "layer_types", "sliding_window", "full_head_dim", "full_kv_heads", "full_rope_theta",
@@ -293,15 +294,19 @@ def run_blocks(model, x: Tensor, *, pos: Tensor | None, cache, mask, write: bool
     p = pos if pos.dim() == 2 else pos[None]
     # RoPE tables per layer type, from the config (a few numbers: computed per call, nothing to move or load)
     ropes = {kind: rope_cos_sin(f.to(x.device), p, x.dtype) for kind, f in inv_freqs(model.cfg).items()}
-    base, is_causal = resolve_mask(mask, T, L0 + T, x.device)
+    per_kind = isinstance(mask, LayerMasks)
+    base, is_causal = resolve_mask(mask.full if per_kind else mask, T, L0 + T, x.device)
     window = model.cfg.arch["sliding_window"]
     masks = {"full": (base, is_causal)}
     if "sliding" in model.cfg.arch["layer_types"]:
-        if isinstance(mask, Tensor):  # which keys form a canvas (seen whole) is not in a bool mask
-            raise DlmError("a gemma4 backbone with sliding-window layers runs causal and canvas ('full' over a "
-                           "cache) attention; training masks over several blocks are not supported on it yet")
-        full = isinstance(mask, str) and mask == "full"
-        masks["sliding"] = (sliding_mask(base, full, T, L0, window, x.device), False)
+        if per_kind:  # a training layout: the caller built the sliding layers' mask (dlm.masks)
+            masks["sliding"] = (resolve_mask(mask.sliding, T, L0 + T, x.device)[0], False)
+        elif isinstance(mask, Tensor):  # which keys form a canvas (seen whole) is not in a bool mask
+            raise DlmError("a gemma4 backbone with sliding-window layers needs its sliding layers' mask beside a "
+                           "bool mask (dlm.masks.LayerMasks); this layout has none yet")
+        else:
+            full = isinstance(mask, str) and mask == "full"
+            masks["sliding"] = (sliding_mask(base, full, T, L0, window, x.device), False)
     out_taps: dict[int, Tensor] = {}
     for i, block in enumerate(model.layers):
         m, c = masks[block.kind]

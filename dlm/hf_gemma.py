@@ -133,9 +133,6 @@ def dlm_state_diffusion_gemma(hf_state: dict[str, Any]) -> tuple[dict[str, Any],
 # import / export (dlm.hf dispatches here by model_type)
 
 MODEL_TYPES = ("gemma4_text", "gemma4", "diffusion_gemma")
-# files beside the weights that carry the tokenizer's chat template, control tokens and every EOS id: kept as they are
-SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
-              "generation_config.json")
 
 
 def import_folder(src, out, overwrite: bool, hf: dict[str, Any], read_weights) -> tuple[Any, str | None]:
@@ -146,7 +143,7 @@ def import_folder(src, out, overwrite: bool, hf: dict[str, Any], read_weights) -
 
     import torch
 
-    from dlm.checkpoint import all_finite, check_shapes, save_checkpoint
+    from dlm.checkpoint import SIDE_FILES, all_finite, check_shapes, save_checkpoint
     from dlm.files import write_folder
     from dlm.model import Transformer, param_shapes
     from dlm.tokenizer import Tokenizer
@@ -234,6 +231,7 @@ def export_folder(model, tok, tmp, dtype, source_config: dict[str, Any] | None, 
     import shutil
     from pathlib import Path
 
+    from dlm.checkpoint import SIDE_FILES
     from dlm.files import write_json, write_tensors
 
     tensors, config = hf_tensors(model, dtype)

@@ -13,7 +13,8 @@ training
   block_causal          clean tokens; a token sees its own block and the blocks before (BD3-LM's x_0)
   block_diffusion_train [x_t | x_0]: a noisy block sees itself and the clean blocks before (MDLM/BD3-LM)
   joint_train           [x_t | x_0]: the diffusion half as above, the clean half causal (AR + diffusion)
-  usdm_canvas_train     [clean | canvas]: clean causal; the canvas sees the clean keys before its start
+  usdm_canvas_train     [clean | canvas]: clean causal; the canvas sees the clean keys before its start (and a
+                        sliding-window layer's variant: the last window of each)
   dflash_train          [context | A blocks]: a block sees the context before its anchor and itself
   elbo_noisy_block      [cached clean | noisy]: a noisy block sees the clean blocks before and itself
 inference
@@ -27,12 +28,20 @@ inference
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
 
-Mask = str | Tensor  # what the model takes: "causal" | "full" | bool tensor
+class LayerMasks(NamedTuple):
+    """One bool mask for the full-attention layers and one for the sliding-window layers (a backbone with both,
+    in a training forward whose layout a single mask plus a band cannot describe)."""
+
+    full: Tensor
+    sliding: Tensor
+
+
+Mask = str | Tensor | LayerMasks  # what the model takes: "causal" | "full" | bool tensor | one per layer kind
 # (batch, head, query, key) index tensors -> bool tensor, True = may attend (flex_attention's mask_mod)
 Predicate = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -119,9 +128,22 @@ def usdm_canvas_train(T: int, start: Tensor) -> Predicate:
     return lambda b, h, q, k: torch.where(q < T, k <= q, (k >= T) | (k < start[b]))
 
 
-def usdm_canvas_train_mask(T: int, L: int, start: Tensor) -> Tensor:
-    """(B, 1, T + L, T + L): usdm's encoder + denoiser forward, the canvas of row b placed at start[b]."""
-    return dense(usdm_canvas_train(T, start), T + L, T + L, start.device, batch=start.shape[0])[:, None]
+def usdm_canvas_train_sliding(T: int, start: Tensor, window: int) -> Predicate:
+    """usdm_canvas_train in a sliding-window layer: clean rows see the last `window` clean keys up to themselves;
+    canvas rows see the window - 1 clean keys before start[b] and the whole canvas (DiffusionGemma's decoder over
+    a cache, what the sampler computes)."""
+    return lambda b, h, q, k: torch.where(q < T, (k <= q) & (k > q - window),
+                                          (k >= T) | ((k < start[b]) & (k >= start[b] - (window - 1))))
+
+
+def usdm_canvas_train_mask(T: int, L: int, start: Tensor, window: int | None = None) -> Tensor | LayerMasks:
+    """(B, 1, T + L, T + L): usdm's encoder + denoiser forward, the canvas of row b placed at start[b]; with a
+    window, also the sliding-window layers' mask (LayerMasks)."""
+    full = dense(usdm_canvas_train(T, start), T + L, T + L, start.device, batch=start.shape[0])[:, None]
+    if window is None:
+        return full
+    sliding = dense(usdm_canvas_train_sliding(T, start, window), T + L, T + L, start.device, batch=start.shape[0])
+    return LayerMasks(full, sliding[:, None])
 
 
 def dflash_train(anchors: Tensor, n_ctx: int, block_size: int, causal_ctx: bool = False) -> Predicate:

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from dlm.checkpoint import load_weights, open_checkpoint, save_checkpoint
+from dlm.checkpoint import SIDE_FILES, load_weights, open_checkpoint, save_checkpoint
 from dlm.trainstate import find_state, restore_optimizer, save_state
 from dlm.files import read_json, read_tensors
 from dlm.device import resolve_device
@@ -339,6 +339,10 @@ def _train_main(cfg: TrainConfig, out: Path, resume: bool, quiet: bool, explicit
         fresh = run.state_dir is None
         if fresh:
             run.tok.save(out / "tokenizer.json")
+            if cfg.init_from and Path(cfg.init_from).is_dir():  # an imported model's chat template, EOS ids, ...
+                for name in SIDE_FILES:
+                    if (Path(cfg.init_from) / name).is_file():
+                        shutil.copyfile(Path(cfg.init_from) / name, out / name)
         _loop(run, quiet, par)
     except BaseException:
         if fresh and find_state(out) is None:  # a new run that failed before its first checkpoint: nothing to resume

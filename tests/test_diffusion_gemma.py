@@ -72,3 +72,30 @@ def test_encoder_and_decoder_match_transformers(layers):
                             write=False).logits
                 assert cache.length == 11
                 torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layers", [(S, F, S, F), (F, S, S)])
+def test_training_forward_is_transformers_encoder_and_decoder(layers):
+    """usdm's training forward ([clean window ; canvas] in one pass, dlm.objectives.usdm.joint_forward) on the gemma4
+    backbone with sliding layers: the clean rows are transformers' encoder over the window, the canvas rows its
+    decoder over the encoder's cache of the tokens before the canvas (window 5, canvases after 7 and 3 tokens:
+    sliding layers see the last window - 1 of them). What fine-tuning an imported DiffusionGemma trains on is what
+    its sampler and transformers' generate compute."""
+    from dlm.objectives.usdm import joint_forward
+
+    c, m = hf_diffusion_gemma(layers, canvas=4)
+    model = ours(c, m)
+    g = torch.Generator().manual_seed(2)
+    clean = torch.randint(0, 97, (2, 10), generator=g)
+    canvas = torch.randint(0, 97, (2, 4), generator=g)
+    start = torch.tensor([7, 3])
+    with torch.no_grad():
+        logits = joint_forward(model, clean, canvas_embeds(model, canvas, None), start)
+        enc = m.model.encoder(input_ids=clean)
+        torch.testing.assert_close(logits[:, :10], torch.tanh(m.lm_head(enc.last_hidden_state) / 30) * 30,
+                                   atol=1e-5, rtol=1e-5)
+        for b in range(2):
+            cache_hf = DynamicCache(config=c.text_config)
+            m.model.encoder(input_ids=clean[b:b + 1, :int(start[b])], cache=cache_hf)
+            ref = m(cache=cache_hf, decoder_input_ids=canvas[b:b + 1]).logits
+            torch.testing.assert_close(logits[b:b + 1, 10:], ref, atol=1e-5, rtol=1e-5)

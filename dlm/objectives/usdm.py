@@ -61,7 +61,9 @@ def joint_forward(model: nn.Module, clean: Tensor, canvas_emb: Tensor, start: Te
     dev = clean.device
     x = torch.cat([model.embed_tokens(clean) * model.embed_scale, canvas_emb.to(model.embed_tokens.weight.dtype)], 1)  # (B, T + L, D)
     pos = torch.cat([torch.arange(T, device=dev).expand(B, T), start[:, None] + torch.arange(L, device=dev)], 1)
-    return model(embeds=x, pos=pos, mask=usdm_canvas_train_mask(T, L, start)).logits
+    arch = model.cfg.arch
+    window = arch["sliding_window"] if arch and "sliding" in arch["layer_types"] else None
+    return model(embeds=x, pos=pos, mask=usdm_canvas_train_mask(T, L, start, window)).logits
 
 
 def fill_after_eos(canvas: Tensor, eos_id: int) -> Tensor:
