@@ -206,6 +206,10 @@ class TrainConfig:
         activation_checkpointing: recompute each decoder layer's activations in the backward pass instead of keeping them (less memory, ~1/3 more compute: the large presets)
         init_from: start from this checkpoint's weights (e.g. diffusion adapted from AR)
         grow_layers: with --init-from: this many decoder layers appended on top of the checkpoint's, each starting as the identity (its o_proj and down_proj zero), so training starts from the checkpoint's exact function and gains depth
+        lora_rank: low-rank adaptation (peft): train rank-R adapters on --lora-targets and freeze every other weight (0 = full fine-tuning); the checkpoint holds the merged weights
+        lora_alpha: adapter scale alpha (the update is alpha / R x B A; default 2 R)
+        lora_targets: comma-separated names of the linear layers that get adapters
+        freeze_router: a mixture-of-experts backbone's routers (gemma4) keep their weights (full fine-tuning; with --lora-rank everything but the adapters is frozen anyway)
         block_size: block of block diffusion (mdlm; default 0 = the whole window; joint: default 16) or of the DFlash drafter (dflash; default 16)
         canvas_length: usdm: tokens per canvas
         loss_weight: usdm canvas loss: constant (1) or inverse (1 / (1 - t))
@@ -265,6 +269,10 @@ class TrainConfig:
     activation_checkpointing: bool = False
     init_from: str | None = None
     grow_layers: int = 0
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    freeze_router: bool = False
     # block diffusion (mdlm) and the DFlash drafter (dflash): one name for one idea
     block_size: int | None = None
     # uniform-state diffusion (usdm)
@@ -330,6 +338,11 @@ class TrainConfig:
         check(not self.fim_rate or self.objective == "ar",
               f"--fim-rate applies to --objective ar (fill-in-the-middle for a causal model), got {self.objective}")
         check(self.grow_layers >= 0, f"--grow-layers must be >= 0, got {self.grow_layers}")
+        check(self.lora_rank >= 0 and self.lora_alpha >= 0,
+              f"--lora-rank and --lora-alpha must be >= 0, got {self.lora_rank}, {self.lora_alpha}")
+        check(not self.lora_rank or self.objective != "dflash",
+              "--lora-rank adapts a model's own layers; a DFlash drafter is small: train it whole")
+        check(bool(self.lora_targets.strip(", ")), "--lora-targets must name at least one linear layer")
         check(not self.grow_layers or (self.init_from is not None and self.objective != "dflash"),
               "--grow-layers adds layers to an --init-from checkpoint (not to a DFlash drafter: see --draft-layers)")
         dflash2 = {"conv_kernel_size": 0, "selector_rank": 0, "distill_logits": False}

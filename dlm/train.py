@@ -259,6 +259,17 @@ def prepare(cfg: TrainConfig, out: Path, resume: bool, explicit: set[str] | None
     tok = resolve_tokenizer(cfg, corpus, out, resuming=state_dir is not None)
     objective = make_objective(cfg, tok)
     model = objective.build_model().to(device)
+    if cfg.freeze_router:
+        routers = [p for n, p in model.named_parameters() if ".router." in n]
+        if not routers:
+            raise DlmError("--freeze-router: this model has no mixture-of-experts router")
+        for p in routers:
+            p.requires_grad_(False)
+    if cfg.lora_rank:
+        from dlm.lora import add_lora
+
+        targets = tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip())
+        add_lora(model, cfg.lora_rank, cfg.lora_alpha or 2.0 * cfg.lora_rank, targets)
     fim = cfg.fim_rate or 0.0
 
     def flags(split: str, fim: float = 0.0):  # a prompted corpus: the losses read responses only
@@ -389,6 +400,13 @@ def _loop(run: Run, quiet: bool, par: Dist = Dist()) -> None:
         meta = {"objective": cfg.objective, "model": mc.to_dict() if mc is not None else {},
                 "train": cfg.to_dict(), "data": cfg.data, "step": step, "params": n_params, **objective.meta()}
         save_state(out, weights, opt_state, {"step": step, "config": cfg.to_dict()})
+        if cfg.lora_rank:  # the checkpoint: adapters merged, under the plain model's names
+            from dlm.lora import merged_state
+
+            weights = merged_state(model)
+            meta.update(params=sum(t.numel() for t in weights.values()),
+                        lora={"rank": cfg.lora_rank, "alpha": cfg.lora_alpha or 2.0 * cfg.lora_rank,
+                              "targets": cfg.lora_targets, "trainable_params": n_params})
         save_checkpoint(out, weights, run.tok, meta)
 
     step_fn = _step_function(cfg, step_module, params, opt, device, autocast, par)

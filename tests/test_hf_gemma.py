@@ -108,3 +108,48 @@ def test_generate_matches_transformers_generate(tmp_path, seed, steps, bound):
                        stability_threshold=1, confidence_threshold=0.005)
     got = [t for e in stream(net, ck, [prompt], cfg) if isinstance(e, Commit) for t in e.tokens]
     assert len(got) >= 6 and len(set(got)) > 2 and got == ref
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_fine_tune_an_imported_diffusion_gemma_and_export_it(tmp_path, lora):
+    """Import -> `dlm train --objective usdm --init-from` (full, with the routers frozen; or LoRA adapters through peft)
+    -> the checkpoint learns (held-out loss falls), changes only what it may, keeps the chat template and EOS ids ->
+    `dlm export --format hf` -> transformers' DiffusionGemma loads it and computes dlm's logits."""
+    import random
+
+    c, m = hf_diffusion_gemma((S, F, S, F), canvas=4)
+    src = tmp_path / "src"
+    m.save_pretrained(src)
+    save_tokenizer(src)
+    run_cli("import", "--hf", str(src), "--out", str(tmp_path / "ck"))
+    rng = random.Random(0)  # a task with structure: runs of consecutive letters
+    lines = []
+    for _ in range(300):
+        a = rng.randrange(0, 14)
+        lines.append(" ".join(chr(ord("a") + a + i) for i in range(12)))
+    (tmp_path / "abc.txt").write_text("\n".join(lines))
+    extra = ["--lora-rank", "8", "--lr", "3e-2"] if lora else ["--freeze-router", "--lr", "1e-2"]
+    run_cli("train", "--objective", "usdm", "--init-from", str(tmp_path / "ck"), "--data", str(tmp_path / "abc.txt"),
+            "--seq-len", "32", "--canvas-length", "4", "--batch-size", "8", "--max-steps", "30",
+            "--eval-every", "30", "--eval-batches", "2", "--log-every", "10", "--quiet", "--out", str(tmp_path / "ft"),
+            *extra)
+    rows = [json.loads(x) for x in (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert losses[-1] < 0.9 * losses[0], losses  # it learns the task
+    a, b = load_file(tmp_path / "ck" / "model.safetensors"), load_file(tmp_path / "ft" / "model.safetensors")
+    assert a.keys() == b.keys()
+    changed = {k for k in a if not torch.equal(a[k], b[k])}
+    assert changed and not any(".router." in k for k in changed)
+    if lora:  # the adapters' layers only, merged into their weights
+        assert all(k.rsplit(".", 2)[-2].endswith("_proj") and ".experts." not in k for k in changed), \
+            [k for k in changed if not k.rsplit(".", 2)[-2].endswith("_proj") or ".experts." in k]
+        assert json.loads((tmp_path / "ft" / "config.json").read_text())["lora"]["rank"] == 8
+    assert json.loads((tmp_path / "ft" / "generation_config.json").read_text())["eos_token_id"] == [1, 6]
+    run_cli("export", "--model", str(tmp_path / "ft"), "--out", str(tmp_path / "hf"), "--format", "hf")
+    back = DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path / "hf").eval()
+    net, _ = load_model(str(tmp_path / "ft"))
+    ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        enc = back.model.encoder(input_ids=ids)
+        torch.testing.assert_close(net(ids).logits, torch.tanh(back.lm_head(enc.last_hidden_state) / 30) * 30,
+                                   atol=1e-5, rtol=1e-5)

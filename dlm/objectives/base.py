@@ -122,8 +122,8 @@ class Objective(ABC):
             ck = open_checkpoint(self.cfg.init_from, "--init-from")
             tensors = ck.tensors()
             fresh = model.state_dict()
-            if self.self_cond:  # a new module: keep its fresh initialisation
-                tensors.update({k: v for k, v in fresh.items() if k.startswith("self_cond.")})
+            if self.self_cond:  # from a checkpoint without it (AR, mdlm): a new module keeps its fresh initialisation
+                tensors.update({k: v for k, v in fresh.items() if k.startswith("self_cond.") and k not in tensors})
             grown = tuple(f"layers.{i}." for i in range(ck.model_config.n_layers, model.cfg.n_layers))
             # --grow-layers: the new layers on top keep their fresh weights, but write nothing into the residual
             # stream (zero o_proj and down_proj): each is the identity at first
