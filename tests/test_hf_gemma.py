@@ -153,3 +153,38 @@ def test_fine_tune_an_imported_diffusion_gemma_and_export_it(tmp_path, lora):
         enc = back.model.encoder(input_ids=ids)
         torch.testing.assert_close(net(ids).logits, torch.tanh(back.lm_head(enc.last_hidden_state) / 30) * 30,
                                    atol=1e-5, rtol=1e-5)
+
+
+def test_an_imported_diffusion_gemma_is_served_beside_its_ar_sibling(tmp_path):
+    """`dlm serve` of an imported DiffusionGemma and an imported Gemma 4 (one tokenizer): a real HTTP client gets the
+    tokens the library's sampler gives for the same seed and DiffusionGemma's options; an option of another
+    paradigm is refused with a 400 that names it."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from dlm.sampling import SampleConfig, generate
+    from dlm.serve.app import create_app, running
+    from dlm.serve.engine import Engine
+
+    for name, (c, m) in (("dg", hf_diffusion_gemma((S, F, S, F), canvas=6)), ("g4", hf_model("moe-kv"))):
+        m.save_pretrained(tmp_path / f"{name}-src")
+        save_tokenizer(tmp_path / f"{name}-src")
+        run_cli("import", "--hf", str(tmp_path / f"{name}-src"), "--out", str(tmp_path / name))
+    engine = Engine([str(tmp_path / "dg"), str(tmp_path / "g4")])
+    try:
+        s = engine.get("dg")
+        assert s.paradigm == "usdm" and engine.get("g4").paradigm == "ar"
+        opts = {"steps": 4, "entropy_bound": 0.5, "t_min": 0.4, "t_max": 0.8}
+        want = generate(s.model, s.ck, "a b c d e f g", SampleConfig(max_new_tokens=12, seed=5, **opts)).text
+        with running(create_app(engine, max_concurrency=2, max_queue=2)) as url:
+            r = httpx.post(url + "/v1/completions", json={"model": "dg", "prompt": "a b c d e f g", "max_tokens": 12,
+                                                         "seed": 5, **opts}, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want
+            r = httpx.post(url + "/v1/completions", json={"model": "dg", "prompt": "a b", "max_tokens": 4,
+                                                         "draft_passes": 2}, timeout=120)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "draft_passes"
+            r = httpx.post(url + "/v1/completions", json={"model": "g4", "prompt": "a b c", "max_tokens": 4},
+                           timeout=120)
+            assert r.status_code == 200, r.text
+    finally:
+        engine.close()

@@ -25,6 +25,7 @@ forward and against wall time: the Pareto plot).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,9 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
         raise DlmError(f"--model {model}: objective {ck.objective!r}; bench's --model is the ar baseline, speculation "
                        f"target and quality judge, an ar checkpoint{hint}")
     items, infill_items = bench_items(task, data, prompts, span)
+    if infill_items and ck.tokenizer.fim_prefix_id is None:  # e.g. an imported Gemma 4: infill needs FIM markers
+        print(f"note: {ck.path.name}'s tokenizer has no fill-in-the-middle markers: no infill column", file=sys.stderr)
+        infill_items = []
     methods, spec_groups = build_methods(net, ck, max_new_tokens, naive, mdlm, usdm, sweep, draft, temperatures,
                                          block_size, joint, joint_blocks)
     context = min(window(m.ck, m.model) for m in methods)  # every method gets the same prompt tokens

@@ -193,7 +193,8 @@ class Engine:
             model.register_forward_hook(_count_forward)
             served = Served(name, ck.objective, model, ck, str(path))
             if ck.objective == "ar":
-                served.batcher = ARBatcher(model, ck, max_batch, name)
+                if not model.cfg.arch:  # a gemma4 backbone's cache has per-layer shapes: its requests run one by one
+                    served.batcher = ARBatcher(model, ck, max_batch, name)
                 ar_models.append(served)
             self.models[name] = served
         if draft:
@@ -370,7 +371,8 @@ class ARBatcher:
                 self.waiting.clear()
                 self.L = 0
                 if self.valid is not None:
-                    self.valid.zero_()
+                    with torch.inference_mode():
+                        self.valid.zero_()
 
     def _take(self, block: bool) -> None:
         """Move the jobs that arrived into the waiting rows (blocking when there is nothing to do)."""
