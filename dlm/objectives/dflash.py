@@ -129,7 +129,11 @@ class DFlash(Objective):
                        selector_rank=g("selector_rank", 0), selector_top_k=g("selector_top_k", 16))
         ck, d, kw = None, {}, {}
         mc = ModelConfig(**{**tc.to_dict(), "n_layers": self.n_layers, "qk_norm": True, "self_cond": False,
-                            "tie_embeddings": False})
+                            "tie_embeddings": False, "arch": None})
+        if tc.arch:  # a Gemma 4 target: plain draft layers at its width (as public Gemma 4 drafters are), reading
+            # the block through the target's embedding scale and writing logits through its soft-cap
+            kw = dict(input_embedding_scale=float(self.target.embed_scale),
+                      logit_softcap=tc.arch.get("final_softcap"))
         if self.cfg.init_from:  # warm start: continue a drafter (longer, on more data), or grow DFlash 1 into DFlash 2
             ck = open_checkpoint(self.cfg.init_from, "--init-from")
             if ck.objective != "dflash":
@@ -216,6 +220,11 @@ class DFlash(Objective):
                 taps = out.taps
                 teacher = tgt.lm_head(out.last.gather(1, idx[:, :, :-1].reshape(B, -1, 1).expand(
                     -1, -1, out.last.shape[-1]))).float().view(B, A, g - 1, -1)
+                cap = tgt.cfg.arch.get("final_softcap") if tgt.cfg.arch else None
+                if cap:  # a Gemma 4 target's logits are soft-capped
+                    teacher = torch.tanh(teacher / cap) * cap
+            elif model.target_features and tgt.cfg.arch:  # a Gemma 4 target: its own layer stack
+                taps = tgt(batch, taps=model.layer_ids, head=False).taps
             elif model.target_features:  # only as deep as the deepest tap
                 x = tgt.embed_tokens(batch)
                 _, taps = run_blocks(tgt.layers[:max(model.layer_ids) + 1], tgt.inv_freq, x, taps=model.layer_ids)
