@@ -25,7 +25,9 @@ class ModelConfig:
     head_dim: int = 0  # 0 means dim // n_heads (Qwen3 may set it explicitly)
     ffn_dim: int = 768  # SwiGLU hidden size
     rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None  # None (default RoPE) or a Llama-3 {"rope_type": "llama3", ...}
+    # None (default RoPE), Llama 3's {"rope_type": "llama3", ...} or YaRN's {"rope_type": "yarn", "factor", ...}; with
+    # "llama_4_scaling_beta" the queries are also scaled by position (Llama 4 / Ministral 3's attention temperature)
+    rope_scaling: dict[str, Any] | None = None
     norm_eps: float = 1e-6
     qk_norm: bool = True  # Qwen3: RMSNorm on q and k per head; Llama: off
     tie_embeddings: bool = True
@@ -83,7 +85,11 @@ class ModelConfig:
         check(0 < self.norm_eps < 1, f"model.norm_eps must be in (0, 1), got {self.norm_eps}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            check(kind in ("default", "llama3"), f"model.rope_scaling type must be 'default' or 'llama3', got {kind!r}")
+            check(kind in ("default", "llama3", "yarn"),
+                  f"model.rope_scaling type must be 'default', 'llama3' or 'yarn', got {kind!r}")
+            check(kind != "yarn" or (self.rope_scaling.get("factor") and self.rope_scaling.get(
+                "original_max_position_embeddings")), "model.rope_scaling yarn needs factor and "
+                  "original_max_position_embeddings")
         if self.arch is not None:
             from dlm.gemma4 import check_arch
             check_arch(self.arch, self.n_layers)

@@ -326,6 +326,7 @@ class DFlashDrafter(nn.Module):
         """
         if self.injection == "kv":
             h, _ = run_blocks(self.layers, self.inv_freq, x, pos=pos, cache=cache, mask=mask, write=False,
+                              rope_scaling=self.cfg.rope_scaling,
                               ctx=ctx, ctx_pos=ctx_pos)
             return self.norm(h)
         C = 0 if ctx is None else ctx.shape[1]
@@ -333,7 +334,8 @@ class DFlashDrafter(nn.Module):
         if C:
             x = torch.cat((ctx, x), dim=1)
             pos = torch.cat((ctx_pos.expand(pos.shape[0], -1) if pos.dim() == 2 else ctx_pos, pos), dim=-1)
-        h, _ = run_blocks(self.layers, self.inv_freq, x, pos=pos, cache=cache, mask=mask, write=True)
+        h, _ = run_blocks(self.layers, self.inv_freq, x, pos=pos, cache=cache, mask=mask, write=True,
+                          rope_scaling=self.cfg.rope_scaling)
         if cache is not None:
             cache.crop(L0 + C)
         return self.norm(h[:, C:])

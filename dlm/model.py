@@ -33,7 +33,7 @@ from dlm import gemma4
 from dlm.config import ModelConfig
 from dlm.errors import DlmError
 from dlm.masks import Mask, sdpa_mask
-from dlm.rope import apply_rope, rope_cos_sin
+from dlm.rope import apply_rope, query_scale, rope_attention_factor, rope_cos_sin, yarn_inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -56,6 +56,8 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     hd = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))  # (hd/2,)
     rs = cfg.rope_scaling or {}
+    if rs.get("rope_type", rs.get("type")) == "yarn":
+        return yarn_inv_freq(hd, cfg.rope_theta, rs)
     if rs.get("rope_type", rs.get("type")) == "llama3":
         # Llama 3.1 frequency rescaling (same formula as the reference implementation)
         factor = rs["factor"]
@@ -133,10 +135,12 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        q = apply_rope(q.transpose(1, 2), *rope)  # (B, H, T, hd)
-        k, v = self.project_kv(x, *rope)  # (B, Hkv, T, hd)
+        q = apply_rope(q.transpose(1, 2), rope[0], rope[1])  # (B, H, T, hd)
+        if len(rope) > 2:  # the queries' attention temperature by position (rope_scaling llama_4_scaling_beta)
+            q = q * rope[2].to(q.dtype)
+        k, v = self.project_kv(x, rope[0], rope[1])  # (B, Hkv, T, hd)
         if ctx is not None:
-            kc, vc = self.project_kv(ctx, *ctx_rope)  # (B, Hkv, C, hd)
+            kc, vc = self.project_kv(ctx, ctx_rope[0], ctx_rope[1])  # (B, Hkv, C, hd)
         if cache is None:
             if ctx is not None:
                 k, v = torch.cat((kc, k), 2), torch.cat((vc, v), 2)
@@ -247,8 +251,11 @@ def run_blocks(
     blocks: Sequence[Block], inv_freq: Tensor, x: Tensor, *, pos: Tensor | None = None,
     cache: KVCache | None = None, mask: Mask = "causal", write: bool = True,
     ctx: Tensor | None = None, ctx_pos: Tensor | None = None, taps: Sequence[int] = (),
+    rope_scaling: dict | None = None,
 ) -> tuple[Tensor, dict[int, Tensor]]:
-    """Run a stack of decoder layers over x (B, T, D); the one attention code path of dlm."""
+    """Run a stack of decoder layers over x (B, T, D); the one attention code path of dlm. rope_scaling: the
+    model's (YaRN's attention factor, the queries' temperature by position); inv_freq already holds its
+    frequencies."""
     B, T, _ = x.shape
     L0 = cache.length if cache is not None else 0
     C = ctx.shape[1] if ctx is not None else 0
@@ -256,12 +263,17 @@ def run_blocks(
         pos = torch.arange(L0 + C, L0 + C + T, device=x.device)
     if cache is not None:
         cache.reserve(C + T)
-    rope = rope_cos_sin(inv_freq, pos if pos.dim() == 2 else pos[None], x.dtype)
+    factor = rope_attention_factor(rope_scaling)
+    p = pos if pos.dim() == 2 else pos[None]
+    rope = rope_cos_sin(inv_freq, p, x.dtype, factor)
+    qs = query_scale(rope_scaling, p)
+    if qs is not None:
+        rope = (*rope, qs)
     ctx_rope = None
     if ctx is not None:
         if ctx_pos is None:
             raise ValueError("ctx needs ctx_pos")
-        ctx_rope = rope_cos_sin(inv_freq, ctx_pos if ctx_pos.dim() == 2 else ctx_pos[None], x.dtype)
+        ctx_rope = rope_cos_sin(inv_freq, ctx_pos if ctx_pos.dim() == 2 else ctx_pos[None], x.dtype, factor)
     attn_mask, is_causal = sdpa_mask(mask, T, L0 + C + T, x.device)
     out_taps: dict[int, Tensor] = {}
     for i, block in enumerate(blocks):
@@ -403,7 +415,7 @@ class Transformer(nn.Module):
                                             resolve_mask=sdpa_mask)
         else:
             x, out_taps = run_blocks(self.layers, self.inv_freq, x, pos=pos, cache=cache, mask=mask, write=write,
-                                     ctx=ctx, ctx_pos=ctx_pos, taps=taps)
+                                     ctx=ctx, ctx_pos=ctx_pos, taps=taps, rope_scaling=self.cfg.rope_scaling)
         last = self.norm(x)
         logits = self.lm_head(last) if head else None
         if logits is not None and self.cfg.arch and self.cfg.arch.get("final_softcap"):

@@ -227,7 +227,8 @@ class DFlash(Objective):
                 taps = tgt(batch, taps=model.layer_ids, head=False).taps
             elif model.target_features:  # only as deep as the deepest tap
                 x = tgt.embed_tokens(batch)
-                _, taps = run_blocks(tgt.layers[:max(model.layer_ids) + 1], tgt.inv_freq, x, taps=model.layer_ids)
+                _, taps = run_blocks(tgt.layers[:max(model.layer_ids) + 1], tgt.inv_freq, x, taps=model.layer_ids,
+                                     rope_scaling=tgt.cfg.rope_scaling)
             feats = model.features(tgt, batch, taps)  # (B, T1, F)
         ctx = model.context(feats)  # (B, T1, D)
         block = torch.full((B, A, g), model.mask_id, dtype=torch.long, device=dev)
