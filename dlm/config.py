@@ -235,6 +235,7 @@ class TrainConfig:
         selector_weight: dflash, with --selector-rank: weight w of the selector's loss (cross-entropy of the gold token among the top-k candidates, the gold token before it as predecessor, slots whose gold is not a candidate dropped, the slot decay)
         selector_ramp: dflash, with --selector-rank: share of --max-steps over which the selector's weight rises linearly from 0 to --selector-weight (0 = the full weight from step 0)
         distill_logits: dflash: the draft loss is the soft cross-entropy against the target's softmax at each slot (self logit distillation), not the hard next token
+        block_noise: dflash: what the block's slots hold in training and at the first draft pass: mask (the <mask> token, DFlash) or uniform (random tokens, a fraction t ~ U(0, 1] of the slots per block with the rest the true tokens, as uniform-state diffusion trains: later passes may revise any slot, --draft-passes 2-3)
         ar_weight: joint: weight of the AR (clean half) loss
         dlm_weight: joint: weight of the masked-diffusion (noisy half) loss
         dlm_data: joint: a second corpus for the diffusion loss alone (e.g. a `dlm distill` .jsonl of the AR mode's own greedy continuations: the drafts learn what the verifier will accept), while the AR loss keeps reading --data; each step reads --batch-size windows of each
@@ -301,6 +302,7 @@ class TrainConfig:
     selector_weight: float = 1.0
     selector_ramp: float = 0.2
     distill_logits: bool = False
+    block_noise: str = "mask"
     # joint AR + diffusion (joint)
     ar_weight: float = 1.0
     dlm_weight: float = 0.3
@@ -351,7 +353,8 @@ class TrainConfig:
         check(bool(self.lora_targets.strip(", ")), "--lora-targets must name at least one linear layer")
         check(not self.grow_layers or (self.init_from is not None and self.objective != "dflash"),
               "--grow-layers adds layers to an --init-from checkpoint (not to a DFlash drafter: see --draft-layers)")
-        dflash2 = {"conv_kernel_size": 0, "selector_rank": 0, "distill_logits": False}
+        check(self.block_noise in ("mask", "uniform"), f"--block-noise must be mask or uniform, got {self.block_noise!r}")
+        dflash2 = {"conv_kernel_size": 0, "selector_rank": 0, "distill_logits": False, "block_noise": "mask"}
         for f, off in dflash2.items():
             check(getattr(self, f) == off or self.objective == "dflash",
                   f"--{f.replace('_', '-')} applies to --objective dflash, got {self.objective}")

@@ -210,8 +210,10 @@ class DFlashDrafter(nn.Module):
                  injection: str = "kv", target_features: bool = True, last_layer: str = "normed",
                  input_embedding_scale: float = 1.0, output_multiplier: float = 1.0,
                  logit_softcap: float | None = None, conv_kernel_size: int = 0, conv_group_size: int = 16,
-                 selector_rank: int = 0, selector_top_k: int = 16):
+                 selector_rank: int = 0, selector_top_k: int = 16, block_noise: str = "mask"):
         super().__init__()
+        check(block_noise in ("mask", "uniform"), f"dflash block_noise must be mask or uniform, got {block_noise!r}")
+        self.block_noise = block_noise  # uniform: the slots start as random tokens and later passes revise them
         check(injection in INJECTIONS, f"--injection must be one of {list(INJECTIONS)}, got {injection!r}")
         check(last_layer in LAST_LAYER, f"dflash last_layer must be one of {list(LAST_LAYER)}, got {last_layer!r}")
         check(block_size >= 2, f"--block-size must be >= 2, got {block_size}")
@@ -309,6 +311,8 @@ class DFlashDrafter(nn.Module):
             out.update(conv_kernel_size=self.conv_kernel_size, conv_group_size=self.conv_group_size)
         if self.candidate_selector is not None:
             out.update(selector_rank=self.selector_rank, selector_top_k=self.selector_top_k)
+        if self.block_noise != "mask":
+            out["block_noise"] = self.block_noise
         return out
 
     def context(self, feats: Tensor) -> Tensor:
@@ -356,7 +360,8 @@ def build_drafter(config: dict[str, Any]) -> DFlashDrafter:
                              d.get("last_layer", "prenorm"),  # absent: trained before the public reading
                              d.get("input_embedding_scale", 1.0), d.get("output_multiplier", 1.0),
                              d.get("final_logit_softcapping"), d.get("conv_kernel_size", 0),
-                             d.get("conv_group_size", 16), d.get("selector_rank", 0), d.get("selector_top_k", 16))
+                             d.get("conv_group_size", 16), d.get("selector_rank", 0), d.get("selector_top_k", 16),
+                             d.get("block_noise", "mask"))
     except KeyError as e:
         raise DlmError(f"dflash checkpoint config.json lacks {e}") from None
 

@@ -30,14 +30,16 @@ def random_model(seed: int, vocab: int = 48, dim: int = 32, layers: int = 2, std
     return m.to(dtype).eval()
 
 
-def random_dflash(target: Transformer, seed: int, block: int = 6, injection: str = "kv", features: bool = True):
+def random_dflash(target: Transformer, seed: int, block: int = 6, injection: str = "kv", features: bool = True,
+                  noise: str = "mask"):
     from dlm.drafter import DFlashDrafter, target_layer_ids
 
     torch.manual_seed(seed)
     mc = ModelConfig(**{**target.cfg.to_dict(), "n_layers": 1})
     ids = target_layer_ids(target.cfg.n_layers, target.cfg.n_layers)
     mask = min(3, target.cfg.vocab_size - 1)
-    return DFlashDrafter(mc, ids, block, mask_id=mask, injection=injection, target_features=features).to(
+    return DFlashDrafter(mc, ids, block, mask_id=mask, injection=injection, target_features=features,
+                         block_noise=noise).to(
         target.embed_tokens.weight.dtype).eval()
 
 
@@ -57,6 +59,7 @@ def drafters_for(target, seed, sampling):
         "dflash-kv": DFlashDraft(random_dflash(target, seed), target, sampling, 512),
         "dflash-input": DFlashDraft(random_dflash(target, seed, injection="input"), target, sampling, 512, passes=2),
         "dflash-nofeat": DFlashDraft(random_dflash(target, seed, features=False), target, sampling, 512),
+        "dflash-uniform": DFlashDraft(random_dflash(target, seed, noise="uniform"), target, sampling, 512, passes=3),
         "mdlm": DiffusionDraft(random_model(seed + 200, std=0.2), 3, 4, sampling, 512, passes=2),
         "joint": DiffusionDraft(random_model(seed + 300, std=0.2), 3, 4, sampling, 512, causal_context=True),
     }
@@ -150,7 +153,7 @@ def exact_distribution(target: Transformer, prompt: list[int], n: int, temperatu
     return out
 
 
-@pytest.mark.parametrize("kind", ["ar-other", "lookup", "dflash-kv", "mdlm"])
+@pytest.mark.parametrize("kind", ["ar-other", "lookup", "dflash-kv", "dflash-uniform", "mdlm"])
 def test_sampling_distribution_matches_target(kind):
     """Temperature 1: the speculative loop's sequences follow the target's exact distribution (chi-square).
 
@@ -165,6 +168,8 @@ def test_sampling_distribution_matches_target(kind):
     drafter = {"ar-other": lambda: ARDraft(random_model(5, vocab=V, dim=16, layers=1, std=0.5), sampling, 64),
                "lookup": lambda: PromptLookup(2),
                "dflash-kv": lambda: DFlashDraft(_mask_free_dflash(target), target, sampling, 64),
+               "dflash-uniform": lambda: DFlashDraft(random_dflash(target, 2, block=4, noise="uniform"), target,
+                                                     sampling, 64, passes=2),
                "mdlm": lambda: DiffusionDraft(random_model(6, vocab=V, dim=16, layers=1, std=0.5), 2, 4, sampling, 64,
                                               passes=2)}[kind]()
     counts: dict = {}

@@ -166,8 +166,11 @@ class DFlash(Objective):
                       input_embedding_scale=d.get("input_embedding_scale", 1.0),
                       output_multiplier=d.get("output_multiplier", 1.0),
                       logit_softcap=d.get("final_logit_softcapping"))
+        noise = getattr(self.cfg, "block_noise", "mask")
+        if ck is not None and d.get("block_noise", "mask") != noise and noise == "mask":
+            noise = d.get("block_noise", "mask")  # continuing a uniform drafter keeps its noise
         model = DFlashDrafter(mc, self.layer_ids, self.block_size, self.mask_id, self.cfg.injection,
-                              self.cfg.target_features, **kw, **dflash2)
+                              self.cfg.target_features, **kw, **dflash2, block_noise=noise)
         if ck is None:
             with torch.no_grad():  # the drafter's output feeds the target's head: start at the target's scale
                 model.norm.weight.copy_(self.target.norm.weight)
@@ -234,6 +237,11 @@ class DFlash(Objective):
         block = torch.full((B, A, g), model.mask_id, dtype=torch.long, device=dev)
         block[:, :, 0] = batch.gather(1, anchors)
         labels = batch.gather(1, idx[:, :, 1:].reshape(B, -1)).view(B, A, g - 1)
+        if model.block_noise == "uniform":  # slots: the true token, or with probability t a uniform random one
+            t = 1.0 - torch.rand(B, A, 1, generator=gen, device=dev)  # (0, 1]: t = 1 is the first draft pass
+            noisy = torch.rand(B, A, g - 1, generator=gen, device=dev) < t
+            rand = torch.randint(0, model.cfg.vocab_size, (B, A, g - 1), generator=gen, device=dev)
+            block[:, :, 1:] = torch.where(noisy, rand, labels)
         with torch.no_grad():
             x = model.embed(tgt, block.view(B, A * g))  # (B, A*g, D)
         mask = dflash_train_mask(anchors, T1, g, causal_ctx=model.injection == "input")

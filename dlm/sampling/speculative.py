@@ -204,6 +204,7 @@ class DFlashDraft:
         self.forwards = 0
         self.default_block_size = drafter.block_size
         self.name = name
+        self.noise: torch.Generator | None = None  # a uniform-noise drafter's random first block
 
     def fork(self, cfg) -> DFlashDraft:
         return DFlashDraft(self.d, self.target, Sampling(cfg.temperature, cfg.top_k, cfg.top_p), self.capacity,
@@ -245,6 +246,11 @@ class DFlashDraft:
         ctx_pos = torch.arange(start - C, start, device=dev)
         block = torch.full((1, k + 1), self.d.mask_id, dtype=torch.long, device=dev)
         block[0, 0] = seq[-1]
+        uniform = self.d.block_noise == "uniform"
+        if uniform:  # the slots start as uniform random tokens (their own stream: the draft is reproducible)
+            if self.noise is None:
+                self.noise = torch.Generator(device=dev).manual_seed(0)
+            block[0, 1:] = torch.randint(0, self.d.cfg.vocab_size, (k,), generator=self.noise, device=dev)
         pos = torch.arange(start, start + k + 1, device=dev)
         L0 = self.cache.length
         h = self.d(self.d.embed(self.target, block), ctx, pos, ctx_pos, cache=self.cache,
@@ -253,7 +259,12 @@ class DFlashDraft:
         self.pending = self.pending[:, :0]
         self.hidden = h[0, 1:]  # (k, D): what DFlash 2's selector reads beside the logits
         logits = self.d.head(self.target, h[0, 1:])  # (k, V)
-        for _ in range(self.passes - 1):  # refine: keep confident slots, re-predict the uncertain ones
+        for _ in range(self.passes - 1 if uniform else 0):  # revise: every slot re-predicted from the last guesses
+            block[0, 1:] = logits.argmax(-1)
+            h = self.d(self.d.embed(self.target, block), None, pos, None, cache=self.cache, mask="full")
+            self.forwards += 1
+            logits = self.d.head(self.target, h[0, 1:])
+        for _ in range(0 if uniform else self.passes - 1):  # refine: keep confident slots, re-predict the others
             conf, guess = logits.float().softmax(-1).max(-1)  # (k,)
             keep = conf >= 0.9
             if bool(keep.all()) or not bool(keep.any()):
