@@ -421,6 +421,10 @@ def test_bench_puts_drafters_beside_the_target_alone(tiny_ar, tiny_dflash, corpu
         assert sum(s["acceptance_histogram"]) > 0
         assert s["lossless"] == (1.0 if s["temperature"] == 0 else None)
     assert json.loads(out.read_text())["summaries"][0]["method"] == "ar (KV cache)"
+    rep = run_bench(str(tiny_ar), prompts=1, max_new_tokens=16, out="", data=str(corpus_dir), warmup=0, naive=False,
+                    quiet=True, draft=[f"{tiny_dflash}@2", str(tiny_dflash)], temperatures=(0.0,), repeat=1)
+    two = [s for s in rep["summaries"] if s["settings"].get("draft_passes") == 2]
+    assert len(two) == 1 and "2 passes" in two[0]["method"] and two[0]["draft_forwards"] > 0
 
 
 def test_dflash_training_resumes_exactly(tiny_ar, tiny_draft_data, corpus_dir, tokenizer_path, tmp_path, monkeypatch):

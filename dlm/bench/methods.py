@@ -127,15 +127,28 @@ def spec_methods(model, ck, drafts: list[str], max_new_tokens: int, temperature:
     from dlm.sampling.speculative import Sampling, resolve_block_size
 
     methods, seen = [], set()
-    for spec in drafts:
-        drafter = load_drafter(spec, model, ck, Sampling(temperature))
+    for given in drafts:
+        spec, passes = split_passes(given)
+        drafter = load_drafter(spec, model, ck, Sampling(temperature), passes=passes)
         g = resolve_block_size(drafter, block_size)
         cfg = SampleConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, block_size=g)
-        name = drafter.name if drafter.name not in seen else f"{drafter.name} [{spec}]"  # two folders, one name
-        seen.add(drafter.name)
+        if passes > 1:
+            cfg.draft_passes = passes
+        name = drafter.name + (f", {passes} passes" if passes > 1 else "")
+        name = name if name not in seen else f"{name} [{spec}]"  # two folders, one name
+        seen.add(name)
         methods.append(Method(f"{name} T={temperature:g}", "spec", model, ck, cfg,
-                              {"draft": spec, "gamma": g, "temperature": temperature}, drafter=drafter))
+                              {"draft": spec, "gamma": g, "temperature": temperature, "draft_passes": passes},
+                              drafter=drafter))
     return methods
+
+
+def split_passes(spec: str) -> tuple[str, int]:
+    """'FOLDER@N' -> (FOLDER, N draft passes); any other spec drafts in one pass."""
+    head, at, tail = spec.rpartition("@")
+    if at and tail.isdigit():
+        return head, int(tail)
+    return spec, 1
 
 
 def build_methods(net, ck, max_new_tokens: int, naive: bool, mdlm: str | None, usdm: str | None, sweep: bool,
