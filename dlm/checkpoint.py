@@ -180,7 +180,9 @@ class Checkpoint:
 # the entries of config.json that dlm reads, with their types ("?": may be null); others are kept and ignored
 CONFIG_SCHEMA = {"version": "int", "objective": "str", "model": "dict", "train": "dict", "data": "str", "step": "int",
                  "params": "int", "tokenizer": "dict", "block_size": "int?", "block_length": "int?",
-                 "canvas_length": "int", "noise_vocab": "int", "mask_id": "int?", "dtype": "str", "dflash": "dict"}
+                 "canvas_length": "int", "noise_vocab": "int", "mask_id": "int?", "dtype": "str", "dflash": "dict",
+                 # mdlm conventions of an imported public model (dlm.hf_mdlm, read by dlm.sampling.mdlm)
+                 "shift": "bool", "context": "str", "preset": "str?", "family": "str"}
 SECTION_SCHEMAS = {
     "train": {"seq_len": "int", "canvas_length": "int", "init_from": "str?", "data": "str"},
     "tokenizer": {"sha256": "str", "vocab_size": "int"},

@@ -1,8 +1,9 @@
-"""transformers interop: export a dlm AR checkpoint as Qwen3/Llama, import a local Qwen3/Llama folder,
-and export a DFlash drafter in the layout of the public DFlash checkpoints.
+"""transformers interop: export a dlm AR checkpoint as Qwen3/Qwen2/Llama, import a local Qwen3/Qwen2/Llama folder,
+and export a DFlash drafter in the layout of the public DFlash checkpoints. The public masked-diffusion families
+(LLaDA, Dream, SDAR, Fast-dLLM v2) are dlm.hf_mdlm's, Gemma 4 / DiffusionGemma dlm.hf_gemma's.
 
 dlm's parameter names are transformers' without the `model.` prefix, so the mapping is a rename.
-Qwen3 when q/k-norm is on, Llama when it is off. Nothing here imports transformers.
+Qwen3 when q/k-norm is on, Qwen2 when q/k/v biases are, Llama when neither is. Nothing here imports transformers.
 
 Drafters (`export_drafter`) get the layout of the public DFlash checkpoints (z-lab/*-DFlash-b16):
 architectures ["DFlashDraftModel"], model_type qwen3, `dflash_config` {target_layer_ids,
@@ -21,7 +22,7 @@ import torch
 
 from dlm.checkpoint import Checkpoint, all_finite, check_shapes, save_checkpoint, state_tensors
 from dlm.files import mmap_tensors, read_json, tensor_shapes, write_folder, write_json, write_tensors
-from dlm import hf_gemma
+from dlm import hf_gemma, hf_mdlm
 from dlm.config import ModelConfig
 from dlm.drafter import DFlashDrafter
 from dlm.errors import DlmError
@@ -29,13 +30,23 @@ from dlm.model import Transformer, param_shapes
 from dlm.tokenizer import Tokenizer
 
 
+def hf_family(cfg: ModelConfig) -> str:
+    """The transformers family a dlm backbone is: Qwen3 (q/k-norm), Qwen2 (q/k/v bias) or Llama (neither)."""
+    if cfg.qk_norm and cfg.attn_bias:
+        raise DlmError("--format hf: q/k-norm with q/k/v biases has no transformers layout (Qwen3 or Qwen2 has one)")
+    return "qwen3" if cfg.qk_norm else "qwen2" if cfg.attn_bias else "llama"
+
+
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
 def hf_config(cfg: ModelConfig, tok: Tokenizer, dtype: str = "float32") -> dict[str, Any]:
-    family = "qwen3" if cfg.qk_norm else "llama"
+    family = hf_family(cfg)
     rope_params: dict[str, Any] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
     if cfg.rope_scaling:
         rope_params = {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}
     out: dict[str, Any] = {
-        "architectures": ["Qwen3ForCausalLM" if family == "qwen3" else "LlamaForCausalLM"],
+        "architectures": [ARCHITECTURES[family]],
         "model_type": family,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.dim,
@@ -61,8 +72,10 @@ def hf_config(cfg: ModelConfig, tok: Tokenizer, dtype: str = "float32") -> dict[
         "torch_dtype": dtype,
         "dtype": dtype,
     }
-    if family == "qwen3":
+    if family in ("qwen3", "qwen2"):
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+        if family == "qwen2":
+            out.pop("attention_bias")  # Qwen2's q/k/v always carry a bias (the key means nothing to it)
     else:
         out.update(mlp_bias=False, pretraining_tp=1)
     return out
@@ -76,6 +89,12 @@ def export_hf(model: Transformer, tok: Tokenizer, out: str | os.PathLike, dtype:
         meta = read_json(src / "config.json") if src is not None and (src / "config.json").is_file() else {}
         with write_folder(out, overwrite=overwrite, inputs=inputs) as tmp:
             hf_gemma.export_folder(model, tok, tmp, dtype, meta.get("hf_config"), side_dir=src)
+        return Path(out)
+    src = Path(inputs[0]) if inputs else None
+    meta = read_json(src / "config.json") if src is not None and (src / "config.json").is_file() else {}
+    if meta.get("family") in hf_mdlm.BY_NAME:  # an imported LLaDA / Dream / SDAR / Fast-dLLM v2: its own layout
+        with write_folder(out, overwrite=overwrite, inputs=inputs) as tmp:
+            hf_mdlm.export_folder(model, tok, tmp, dtype, meta, src)
         return Path(out)
     if model.cfg.self_cond:
         raise DlmError("--format hf: this checkpoint has a self-conditioning module that Qwen3/Llama cannot hold")
@@ -164,12 +183,14 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), scaling
 
 
-def model_config_from_hf(hf: dict[str, Any], source: Path) -> ModelConfig:
-    kind = hf.get("model_type")
-    if kind not in ("qwen3", "llama"):
-        raise DlmError(f"{source}: model_type {kind!r} is not supported (qwen3, llama, gemma4_text, gemma4 and diffusion_gemma are)")
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise DlmError(f"{source}: attention/MLP biases are not supported")
+def model_config_from_hf(hf: dict[str, Any], source: Path, family: str | None = None) -> ModelConfig:
+    """A Qwen3 / Qwen2 / Llama config.json (or one in their layout: family names which) -> ModelConfig."""
+    kind = family if family is not None else hf.get("model_type")
+    if kind not in ("qwen3", "qwen2", "llama"):
+        raise DlmError(f"{source}: model_type {kind!r} is not supported (qwen3, qwen2, llama, gemma4_text, gemma4, "
+                       f"diffusion_gemma, llada, Dream, sdar and Fast_dLLM_Qwen are)")
+    if (hf.get("attention_bias") and kind != "qwen2") or hf.get("mlp_bias"):
+        raise DlmError(f"{source}: attention/MLP biases are not supported (except Qwen2's q/k/v biases)")
     if hf.get("use_sliding_window"):
         raise DlmError(f"{source}: sliding-window attention is not supported")
     if hf.get("hidden_act", "silu") != "silu":
@@ -179,7 +200,7 @@ def model_config_from_hf(hf: dict[str, Any], source: Path) -> ModelConfig:
     def get(key: str, default: Any = None) -> Any:
         if hf.get(key) is None:
             if default is None:
-                raise DlmError(f"{source}: {key} is missing (a Qwen3/Llama config.json has it)")
+                raise DlmError(f"{source}: {key} is missing (a {kind} config.json has it)")
             return default
         v = hf[key]
         if not isinstance(v, (int, float)) or isinstance(v, bool):
@@ -194,7 +215,7 @@ def model_config_from_hf(hf: dict[str, Any], source: Path) -> ModelConfig:
             head_dim=get("head_dim", dim // n_heads if isinstance(n_heads, int) and n_heads > 0 else 0),
             ffn_dim=get("intermediate_size"), rope_theta=theta, rope_scaling=scaling,
             norm_eps=get("rms_norm_eps", 1e-6),
-            qk_norm=kind == "qwen3", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qk_norm=kind == "qwen3", attn_bias=kind == "qwen2", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_seq_len=get("max_position_embeddings", 4096),
         )
     except DlmError as e:
@@ -242,7 +263,8 @@ def dlm_name(name: str, cfg: ModelConfig, src: Path) -> str | None:
 
 def import_hf(folder: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False,
               target: str | os.PathLike | None = None) -> Path:
-    """Read a local Qwen3/Llama/Gemma 4 folder into a dlm checkpoint (objective "ar"), in the dtype it is stored in;
+    """Read a local Qwen3/Qwen2/Llama/Gemma 4 folder into a dlm checkpoint (objective "ar"), in the dtype it is stored in;
+    a LLaDA, Dream, SDAR or Fast-dLLM v2 folder into an mdlm checkpoint with its conventions (dlm.hf_mdlm);
     a DiffusionGemma folder into a usdm checkpoint (dlm.hf_gemma); a public DFlash drafter folder into a dflash
     checkpoint for `target` (`import_drafter`).
 
@@ -254,6 +276,8 @@ def import_hf(folder: str | os.PathLike, out: str | os.PathLike, overwrite: bool
     hf = read_json(src / "config.json")
     if is_drafter(hf):
         return import_drafter(src, target, out, overwrite)
+    if hf.get("model_type") in hf_mdlm.MODEL_TYPES:  # LLaDA / Dream / SDAR / Fast-dLLM v2 -> mdlm (dlm.hf_mdlm)
+        return hf_mdlm.import_folder(src, out, overwrite, hf, read_hf_weights)
     if hf.get("model_type") in hf_gemma.MODEL_TYPES:  # Gemma 4 / DiffusionGemma (dlm.hf_gemma)
         path, note = hf_gemma.import_folder(src, out, overwrite, hf, read_hf_weights)
         if note:

@@ -1,0 +1,491 @@
+"""The public masked-diffusion families (LLaDA, Dream, SDAR, Fast-dLLM v2) imported into dlm's mdlm paradigm.
+
+Each test builds a tiny random checkpoint in the family's public layout from transformers' own classes (Llama for
+LLaDA, Qwen2 for Dream and Fast-dLLM v2, Qwen3 for SDAR) and holds dlm against that model, never against dlm's
+code: the causal path (transformers' own mask), the bidirectional and block-causal paths (transformers' model
+given the public models' attention pattern as an explicit 4D mask, written here from their modeling code), the
+shifted prediction (the reference formula applied to transformers' logits), and the decoding recipes (reference
+loops written here from the public generate functions).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import run_cli
+from dlm.checkpoint import load_model
+from dlm.errors import DlmError
+from dlm.hf import export_hf, import_hf
+from dlm.sampling import SampleConfig, generate
+from dlm.sampling.common import Prompt
+from dlm.sampling.mdlm import Denoising, PRESETS, apply_preset, make_job
+from dlm.tokenizer import Tokenizer
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
+TOL = 1e-4  # fp32 rounding of a 2-layer model
+FAMILIES = ("llada", "dream", "sdar", "fast-dllm-v2")
+
+# LLaDA's tensor names (its modeling_llada.py: LLaDAModelLM.model = LLaDAModel, transformer.{wte, blocks, ln_f,
+# ff_out}; a llama block holds attn_norm, q/k/v_proj, attn_out, ff_norm, ff_proj (gated by SiLU), up_proj, ff_out),
+# from transformers' Llama names
+LLADA_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "q_proj", "self_attn.k_proj": "k_proj",
+               "self_attn.v_proj": "v_proj", "self_attn.o_proj": "attn_out", "post_attention_layernorm": "ff_norm",
+               "mlp.gate_proj": "ff_proj", "mlp.up_proj": "up_proj", "mlp.down_proj": "ff_out"}
+
+
+def llada_name(name: str) -> str:
+    if name == "lm_head.weight":
+        return "model.transformer.ff_out.weight"
+    if name == "model.embed_tokens.weight":
+        return "model.transformer.wte.weight"
+    if name == "model.norm.weight":
+        return "model.transformer.ln_f.weight"
+    _, _, i, rest = name.split(".", 3)
+    module, leaf = rest.rsplit(".", 1)
+    return f"model.transformer.blocks.{i}.{LLADA_LAYER[module]}.{leaf}"
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_path):
+    return Tokenizer.from_file(tokenizer_path)
+
+
+def reference_model(family: str, tok: Tokenizer):
+    """transformers' own class for the family's backbone, random, with peaked distributions (so that the decoding
+    tests' choices are far from ties) and <eos> / <mask> never the most likely token."""
+    common = dict(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+                  attn_implementation="sdpa")
+    if family == "llada":
+        cfg = transformers.LlamaConfig(**common, rms_norm_eps=1e-5, rope_theta=500000.0)
+        cls = transformers.LlamaForCausalLM
+    elif family == "sdar":
+        cfg = transformers.Qwen3Config(**common, head_dim=16, rms_norm_eps=1e-6, rope_theta=1000000.0)
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        cfg = transformers.Qwen2Config(**common, rms_norm_eps=1e-6, rope_theta=10000.0)
+        cls = transformers.Qwen2ForCausalLM
+    torch.manual_seed(0)
+    m = cls(cfg).eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif n.endswith("bias"):
+                p.normal_(0, 0.3)
+            else:
+                p.normal_(0, 0.25)
+        for t in (tok.eos_id, tok.mask_id):
+            m.lm_head.weight[t] = 0.0  # logit 0: below the maximum of the other (random) logits
+    return m
+
+
+def public_folder(family: str, tok: Tokenizer, tmp, ref) -> tuple:
+    """The reference model written in the family's public layout: (folder, its config.json as a dict)."""
+    folder = tmp / f"{family}-hf"
+    ref.save_pretrained(folder, safe_serialization=True)
+    shutil.copyfile(tok.source, folder / "tokenizer.json")
+    qcfg = json.loads((folder / "config.json").read_text())
+    for f in folder.glob("*.json"):
+        if f.name not in ("config.json", "tokenizer.json"):
+            f.unlink()
+    if family == "llada":  # configuration_llada.py's keys (LLaDA-8B's config.json has these), its own tensor names
+        hf = {"architectures": ["LLaDAModelLM"], "model_type": "llada", "activation_type": "silu",
+              "alibi": False, "attention_layer_norm": False, "block_group_size": 1, "block_type": "llama",
+              "d_model": 64, "embedding_size": tok.vocab_size, "vocab_size": tok.vocab_size, "include_bias": False,
+              "include_qkv_bias": False, "input_emb_norm": False, "layer_norm_type": "rms",
+              "layer_norm_with_affine": True, "bias_for_layer_norm": False, "mask_token_id": tok.mask_id,
+              "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id, "max_sequence_length": 256,
+              "mlp_hidden_size": 96, "mlp_ratio": 4, "n_heads": 4, "n_kv_heads": 2, "n_layers": 2,
+              "rms_norm_eps": 1e-5, "rope": True, "rope_full_precision": True, "rope_theta": 500000.0,
+              "scale_logits": False, "weight_tying": False, "use_cache": False, "torch_dtype": "float32",
+              "auto_map": {"AutoConfig": "configuration_llada.LLaDAConfig",
+                           "AutoModel": "modeling_llada.LLaDAModelLM"}}
+        tensors = load_file(folder / "model.safetensors")
+        save_file({llada_name(k): v for k, v in tensors.items()}, str(folder / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (folder / "configuration_llada.py").write_text("# remote code of the folder (kept as it is)\n")
+        (folder / "modeling_llada.py").write_text("# remote code of the folder (kept as it is)\n")
+    else:
+        hf = dict(qcfg)
+        hf["mask_token_id"] = tok.mask_id
+        if family == "dream":
+            hf.update(model_type="Dream", architectures=["DreamModel"])
+        elif family == "sdar":
+            hf.update(model_type="sdar", architectures=["SDARForCausalLM"], block_size=4, attention_bias=False)
+        else:  # Fast-dLLM v2: bd_size 32
+            hf.update(model_type="Fast_dLLM_Qwen", architectures=["Fast_dLLM_QwenForCausalLM"], bd_size=32)
+    (folder / "config.json").write_text(json.dumps(hf, indent=2))
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok.hf_config()))
+    return folder, hf
+
+
+@pytest.fixture(scope="module")
+def imported(tok, tmp_path_factory):
+    """family -> (transformers reference in float64, public folder, its config, dlm model in float64, Checkpoint)."""
+    out = {}
+    for family in FAMILIES:
+        tmp = tmp_path_factory.mktemp(family)
+        ref = reference_model(family, tok)
+        folder, hf = public_folder(family, tok, tmp, ref)
+        import_hf(folder, tmp / "dlm")
+        model, ck = load_model(tmp / "dlm", dtype=torch.float64)
+        out[family] = (ref.double(), folder, hf, model, ck)
+    return out
+
+
+def tokens(n: int, seed: int, vocab: int, avoid: tuple[int, ...] = ()) -> torch.Tensor:
+    x = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+    for a in avoid:
+        x[x == a] = (a + 7) % vocab
+    return x
+
+
+def block_causal(T: int, block: int) -> torch.Tensor:
+    """Fast-dLLM v2 / SDAR at inference (eval_block_diff_mask): query i sees key j iff block(i) >= block(j)."""
+    b = torch.arange(T) // block
+    return (b[:, None] >= b[None, :])[None, None]
+
+
+# what each import records ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family,block,shift,context,preset", [
+    ("llada", 0, False, "full", "llada"), ("dream", 0, True, "full", "dream"),
+    ("sdar", 4, False, "block", "sdar"), ("fast-dllm-v2", 32, True, "block", "fast-dllm-v2")])
+def test_import_records_the_conventions(imported, tok, family, block, shift, context, preset):
+    """The public facts: LLaDA and Dream attend fully (no blocks), SDAR trains blocks of 4 (config block_size),
+    Fast-dLLM v2 blocks of 32 (bd_size); Dream and Fast-dLLM v2 shift (their generate: logits[:, :-1] predict the
+    next position); the <mask> id is the config's mask_token_id."""
+    _, _, _, model, ck = imported[family]
+    c = ck.config
+    assert (c["objective"], c["family"], c["block_size"], c["shift"], c["context"], c["preset"]) == \
+        ("mdlm", family, block, shift, context, preset)
+    assert c["mask_id"] == tok.mask_id and ck.block_size == block
+    assert model.cfg.attn_bias == (family in ("dream", "fast-dllm-v2"))  # Qwen2's q/k/v biases
+    assert model.cfg.qk_norm == (family == "sdar")  # Qwen3's q/k-norm
+
+
+# the backbone against transformers ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_causal_path_matches_transformers(imported, tok, family):
+    """The weights and config keys land where transformers' Llama / Qwen2 / Qwen3 put them: dlm's causal logits are
+    transformers' on the same weights (q/k/v biases, q/k-norm, GQA, RoPE theta, norm eps)."""
+    ref, _, _, model, _ = imported[family]
+    x = tokens(40, 1, tok.vocab_size)
+    with torch.no_grad():
+        assert (model(x).logits - ref(x).logits).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_bidirectional_path_matches_transformers_full_mask(imported, tok, family):
+    """LLaDA (attn_mask None, is_causal False in modeling_llada.py) and Dream (attention_mask "full" in its
+    generate): every position attends to every other; transformers' class with an all-true 4D mask is that model."""
+    ref, _, _, model, _ = imported[family]
+    x = tokens(33, 2, tok.vocab_size)
+    full = torch.ones(1, 1, 33, 33, dtype=torch.bool)
+    with torch.no_grad():
+        theirs = ref(x, attention_mask=full).logits
+        assert (model(x, mask="full").logits - theirs).abs().max() <= TOL
+        assert (ref(x).logits - theirs).abs().max() > 1e-3  # (the mask matters)
+
+
+# the sampler's view: alignment (shift) and context, against the reference formulas ----------------------------
+
+def sampler_logits(model, ck, prompt: list[int], n_new: int, block: int | None, s: int, e: int, naive: bool,
+                   prefix_cache: bool = False, fill: dict[int, int] | None = None):
+    """The logits dlm's mdlm sampler reads for block [s, e) on its first pass (prompt + n_new holes; fill: holes
+    already committed)."""
+    cfg = SampleConfig(max_new_tokens=n_new, block_size=block, preset="none")
+    full, shift = ck.config["context"] == "full", ck.config["shift"]
+    job = make_job(Prompt(prompt), cfg, ck.block_size, model.cfg.max_seq_len, False, full, shift)
+    for i, t in (fill or {}).items():
+        job.known[i] = t
+    state = Denoising(model, job, ck.config["mask_id"], naive, prefix_cache)
+    for bs, be in job.blocks:  # earlier blocks' passes, as the sampler runs them (the cache fills)
+        if be <= s and state.hole[bs:be].any():
+            state.logits(bs, be)
+    return state.logits(s, e)
+
+
+def test_dream_shift_matches_reference_formula(imported, tok):
+    """Dream's generate: logits = cat([logits[:, :1], logits[:, :-1]]) over the whole sequence (position i is
+    predicted by the output at i - 1, position 0 by its own), full attention, masks after the prompt."""
+    ref, _, _, model, ck = imported["dream"]
+    P, N = 7, 12
+    prompt = tokens(P, 3, tok.vocab_size, (tok.mask_id,))[0].tolist()
+    x = torch.tensor([prompt + [tok.mask_id] * N])
+    with torch.no_grad():
+        logits = ref(x, attention_mask=torch.ones(1, 1, P + N, P + N, dtype=torch.bool)).logits
+        want = torch.cat([logits[:, :1], logits[:, :-1]], 1)[0]
+        for naive in (True, False):
+            got = sampler_logits(model, ck, prompt, N, None, 0, P + N, naive)
+            assert (got - want).abs().max() <= TOL
+
+
+def test_llada_blocks_start_after_the_prompt_and_see_every_hole(imported, tok):
+    """LLaDA's semi-autoregressive remasking: blocks of block_length laid from the end of the prompt, each step a
+    full pass over prompt + every hole (the later blocks' masks included); no shift (logits at the position)."""
+    ref, _, _, model, ck = imported["llada"]
+    P, N = 5, 16
+    prompt = tokens(P, 4, tok.vocab_size, (tok.mask_id,))[0].tolist()
+    job = make_job(Prompt(prompt), SampleConfig(max_new_tokens=N, block_size=8), 0, 256, False, True, False)
+    assert job.blocks == [(0, 5), (5, 13), (13, 21)]
+    fill = {5 + i: t for i, t in enumerate(tokens(8, 5, tok.vocab_size, (tok.mask_id,))[0].tolist())}
+    x = torch.tensor([prompt + [fill[i] for i in range(5, 13)] + [tok.mask_id] * 8])
+    with torch.no_grad():
+        want = ref(x, attention_mask=torch.ones(1, 1, 21, 21, dtype=torch.bool)).logits[0, 13:21]
+        got = sampler_logits(model, ck, prompt, N, 8, 13, 21, True, fill=fill)
+        assert (got - want).abs().max() <= TOL
+        # Fast-dLLM's prefix cache: the first pass of a block is the same full pass
+        got = sampler_logits(model, ck, prompt, N, 8, 13, 21, False, prefix_cache=True, fill=fill)
+        assert (got - want).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("family", ["sdar", "fast-dllm-v2"])
+def test_block_causal_context_and_shift_match_reference(imported, tok, family):
+    """SDAR and Fast-dLLM v2 at inference (block_diffusion_generate / eval_mask): query i sees key j iff
+    block(i) >= block(j), blocks on a grid from position 0 (the prompt's last partial block is denoised with the
+    first new tokens). Fast-dLLM v2 shifts inside the block (cat([logits[:, :1], logits[:, :-1]])), its block's
+    first token predicted by the finished block's last position (the token its generate appends after a block)."""
+    ref, _, _, model, ck = imported[family]
+    B = 4 if family == "sdar" else 8
+    P, N = 6, 3 * B
+    prompt = tokens(P, 6, tok.vocab_size, (tok.mask_id,))[0].tolist()
+    fill = {i: t for i, t in zip(range(P, 2 * B), tokens(2 * B - P, 7, tok.vocab_size, (tok.mask_id,))[0].tolist())}
+    s, e = 2 * B, 3 * B  # the third block: two finished blocks before it
+    seq = prompt + [fill[i] for i in range(P, 2 * B)] + [tok.mask_id] * B
+    x = torch.tensor([seq])
+    with torch.no_grad():
+        logits = ref(x, attention_mask=block_causal(3 * B, B)).logits[0]
+        want = logits[s - 1:e - 1] if ck.config["shift"] else logits[s:e]
+        for naive in (True, False):
+            got = sampler_logits(model, ck, prompt, N, B, s, e, naive, fill=fill)
+            assert (got - want).abs().max() <= TOL
+
+
+# the decoding recipes against reference loops -------------------------------------------------------------------
+
+def llada_reference(ref, prompt: list[int], gen_length: int, block_length: int, steps: int, mask_id: int):
+    """LLaDA's generate (greedy, low_confidence remasking), the <mask> logit excluded as dlm does."""
+    x = torch.tensor([prompt + [mask_id] * gen_length])
+    P, T = len(prompt), len(prompt) + gen_length
+    full = torch.ones(1, 1, T, T, dtype=torch.bool)
+    per_block = steps // (gen_length // block_length)
+    for b in range(gen_length // block_length):
+        lo, hi = P + b * block_length, P + (b + 1) * block_length
+        n = int((x[0, lo:hi] == mask_id).sum())
+        counts = [n // per_block + (i < n % per_block) for i in range(per_block)]
+        for k in counts:
+            logits = ref(x, attention_mask=full).logits[0]
+            logits[:, mask_id] = float("-inf")
+            x0 = logits.argmax(-1)
+            p = torch.softmax(logits, -1).gather(-1, x0[:, None])[:, 0]
+            p[hi:] = float("-inf")
+            conf = torch.where(x[0] == mask_id, p, float("-inf"))
+            idx = conf.topk(k).indices
+            x[0, idx] = x0[idx]
+    return x[0, P:].tolist()
+
+
+def dream_reference(ref, prompt: list[int], n: int, mask_id: int):
+    """Dream's generate with alg="entropy" (greedy): shifted logits, full attention, each step the masked position
+    of lowest entropy committed (one per step: Dream's schedule at steps = max_new_tokens)."""
+    x = torch.tensor([prompt + [mask_id] * n])
+    T = x.shape[1]
+    for _ in range(n):
+        logits = ref(x, attention_mask=torch.ones(1, 1, T, T, dtype=torch.bool)).logits
+        logits = torch.cat([logits[:, :1], logits[:, :-1]], 1)[0]
+        logits[:, mask_id] = float("-inf")
+        probs = torch.softmax(logits, -1)
+        ent = -(probs * torch.log(probs.clamp_min(1e-300))).sum(-1)
+        conf = torch.where(x[0] == mask_id, -ent, float("-inf"))
+        i = int(conf.argmax())
+        x[0, i] = int(logits[i].argmax())
+    return x[0, len(prompt):].tolist()
+
+
+def sdar_reference(ref, prompt: list[int], n: int, block: int, steps: int, threshold: float, mask_id: int):
+    """SDAR's block_diffusion_generate (greedy, low_confidence_dynamic), recomputing the sequence instead of its
+    KV cache (the same values: a finished block never sees what follows it)."""
+    P = len(prompt)
+    total = -(-(P + n) // block) * block
+    x = torch.tensor([prompt + [mask_id] * (total - P)])
+    for b in range(P // block, total // block):
+        lo, hi = b * block, (b + 1) * block
+        counts = [block // steps + (i < block % steps) for i in range(steps)]
+        for k in counts:
+            masked = x[0, lo:hi] == mask_id
+            if not masked.any():
+                break
+            logits = ref(x[:, :hi], attention_mask=block_causal(hi, block)).logits[0, lo:hi]
+            logits[:, mask_id] = float("-inf")
+            p, x0 = torch.softmax(logits, -1).max(-1)
+            conf = torch.where(masked, p, float("-inf"))
+            high = conf > threshold
+            pick = high if int(high.sum()) >= k else torch.zeros_like(high).index_fill_(0, conf.topk(k).indices, True)
+            x[0, lo:hi] = torch.where(pick, x0, x[0, lo:hi])
+    return x[0, P:P + n].tolist()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generation_follows_the_family_recipe(imported, tok, family):
+    """`dlm generate` on an imported checkpoint runs its family's preset; LLaDA, Dream and SDAR give the tokens of
+    their reference decoding loops (written above from the public generate functions) on the same weights."""
+    ref, _, _, model, ck = imported[family]
+    prompt = tokens(6, 8, tok.vocab_size, (tok.mask_id, tok.eos_id))[0].tolist()
+    # SDAR decodes whole blocks (its last block padded with masks, cut after): a generation that ends on the grid
+    n = {"fast-dllm-v2": 32, "sdar": 18}.get(family, 16)
+    cfg = SampleConfig(max_new_tokens=n)
+    if family == "llada":
+        cfg = cfg.replace(block_size=8, steps=8)
+    out = generate(model, ck, [tok.decode(prompt)], cfg.replace(max_new_tokens=n))
+    assert out.stats.forwards > 0
+    ids = generate_ids(model, ck, prompt, cfg)
+    with torch.no_grad():
+        if family == "llada":
+            want = llada_reference(ref, prompt, n, 8, n, tok.mask_id)
+        elif family == "dream":
+            want = dream_reference(ref, prompt, n, tok.mask_id)
+        elif family == "sdar":
+            want = sdar_reference(ref, prompt, n, 4, 4, 0.9, tok.mask_id)
+        else:
+            want = None
+    if want is not None:
+        cut = want.index(tok.eos_id) + 1 if tok.eos_id in want else len(want)
+        assert ids == want[:cut]
+    else:
+        assert len(ids) == n or ids[-1] == tok.eos_id
+
+
+def generate_ids(model, ck, prompt: list[int], cfg: SampleConfig) -> list[int]:
+    from dlm.sampling import stream
+    from dlm.sampling.common import Commit
+
+    out = []
+    for ev in stream(model, ck, [Prompt(prompt)], cfg):
+        if isinstance(ev, Commit):
+            out += ev.tokens
+    return out
+
+
+def steps_of(model, ck, prompt: list[int], cfg: SampleConfig) -> list:
+    from dlm.sampling import stream
+    from dlm.sampling.common import Step
+
+    return [ev for ev in stream(model, ck, [Prompt(prompt)], cfg, step_events=True) if isinstance(ev, Step)]
+
+
+def test_prefix_cache_first_pass_is_exact(imported, tok):
+    """Fast-dLLM's prefix cache is an approximation of LLaDA's full passes: a block's first pass is the exact full
+    pass (so the first step's commits agree), the later passes read the prefix's K/V from it."""
+    _, _, _, model, ck = imported["llada"]
+    prompt = tokens(6, 9, tok.vocab_size, (tok.mask_id, tok.eos_id))[0].tolist()
+    cfg = SampleConfig(max_new_tokens=16, preset="fast-dllm")
+    cached, exact = steps_of(model, ck, prompt, cfg), steps_of(model, ck, prompt, cfg.replace(prefix_cache=False))
+    assert cached[0].canvas == exact[0].canvas
+    assert [e.canvas for e in cached] == [e.canvas for e in steps_of(model, ck, prompt, cfg)]  # reproducible
+
+
+# presets ---------------------------------------------------------------------------------------------------------
+
+def test_presets_fill_only_what_was_not_given():
+    base = SampleConfig()
+    assert apply_preset(base, "llada").block_size == 32 and apply_preset(base, "llada").steps == 32
+    assert apply_preset(base.replace(steps=4), "llada").steps == 4  # an explicit option wins
+    assert apply_preset(base.replace(preset="none"), "llada") == base.replace(preset="none")
+    assert apply_preset(base.replace(preset="sdar"), "llada").block_size == 4  # --preset beats the recorded one
+    v2 = apply_preset(base, "fast-dllm-v2")
+    assert (v2.sampler, v2.threshold, v2.block_size, v2.sub_block) == ("threshold", 0.9, 32, 8)
+    assert apply_preset(base, "fast-dllm").prefix_cache and apply_preset(base, "dream").sampler == "entropy"
+    assert set(PRESETS) == {"llada", "fast-dllm", "dream", "sdar", "fast-dllm-v2"}
+    with pytest.raises(DlmError, match="--preset must be one of"):
+        apply_preset(base.replace(preset="nope"))
+
+
+def test_sub_block_commits_in_order(imported, tok):
+    """Fast-dLLM v2's sub-blocks: a step commits only inside the first sub-block (of the block, counted from its
+    start) that still has holes."""
+    _, _, _, model, ck = imported["fast-dllm-v2"]
+    prompt = tokens(8, 10, tok.vocab_size, (tok.mask_id, tok.eos_id))[0].tolist()
+    cfg = SampleConfig(max_new_tokens=24, sub_block=8, block_size=32, sampler="confidence")
+    evs = steps_of(model, ck, prompt, cfg)
+    assert len(evs) == 24
+    for ev in evs:  # canvas position i is sequence position 8 + i: sub-block (8 + i) // 8
+        done = [(8 + i) // 8 for i, f in enumerate(ev.fixed) if f]
+        holes = [(8 + i) // 8 for i, f in enumerate(ev.fixed) if not f]
+        assert not holes or max(done) <= min(holes)
+
+
+# round trip ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_round_trip_is_exact(imported, family, tmp_path):
+    """import -> export gives back the public folder: the same config.json, the same tensors under the same names,
+    the side files (tokenizer settings, LLaDA's remote code); reimported, the same checkpoint."""
+    _, folder, hf, _, ck = imported[family]
+    model, ck = load_model(ck.path, dtype=None)
+    export_hf(model, ck.tokenizer, tmp_path / "out", dtype=torch.float32, inputs=(ck.path,))
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == hf
+    a, b = load_file(folder / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    if family == "llada":
+        assert (tmp_path / "out" / "modeling_llada.py").is_file()
+    import_hf(tmp_path / "out", tmp_path / "again")
+    again, ck2 = load_model(tmp_path / "again", dtype=None)
+    for k in ("block_size", "shift", "context", "mask_id", "preset", "family", "hf_config"):
+        assert ck2.config[k] == ck.config[k]
+    sa, sb = model.state_dict(), again.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_cli_import_generate_export(imported, tok, tmp_path):
+    """The commands of docs/public-models.md on a tiny SDAR folder: import, generate with its preset, export."""
+    _, folder, hf, _, _ = imported["sdar"]
+    run_cli("import", "--hf", str(folder), "--out", str(tmp_path / "ck"), check=True)
+    r = run_cli("generate", "--model", str(tmp_path / "ck"), "--prompt", "def f(x):", "--max-new-tokens", "8",
+                "--json", check=True)
+    assert json.loads(r.stdout)["forwards"] >= 2
+    run_cli("export", "--model", str(tmp_path / "ck"), "--out", str(tmp_path / "hf"), check=True)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == hf
+
+
+# refusals -------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family,change,msg", [
+    ("llada", {"block_type": "sequential"}, "block_type"),
+    ("llada", {"activation_type": "swiglu"}, "activation_type"),
+    ("llada", {"rope": False}, "rope"),
+    ("llada", {"scale_logits": True}, "scale_logits"),
+    ("llada", {"d_model": 63}, "d_model"),
+    ("llada", {"mask_token_id": 10 ** 7}, "mask_token_id"),
+    ("dream", {"use_sliding_window": True}, "sliding-window"),
+    ("dream", {"attention_bias": False}, "biases"),
+    ("sdar", {"attention_bias": True}, "attention_bias"),
+    ("fast-dllm-v2", {"bd_size": -1}, "bd_size"),
+    ("fast-dllm-v2", {"hidden_act": "gelu"}, "hidden_act"),
+])
+def test_import_refuses_folders_that_do_not_fit(imported, family, change, msg, tmp_path):
+    _, folder, hf, _, _ = imported[family]
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    (bad / "config.json").write_text(json.dumps({**hf, **change}))
+    with pytest.raises(DlmError, match=msg) as e:
+        import_hf(bad, tmp_path / "out")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_refusal_is_exit_code_2(imported, tmp_path):
+    _, folder, hf, _, _ = imported["llada"]
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    (bad / "config.json").write_text(json.dumps({**hf, "block_type": "parallel"}))
+    r = run_cli("import", "--hf", str(bad), "--out", str(tmp_path / "out"))
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "block_type" in r.stderr
