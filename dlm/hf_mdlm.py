@@ -144,7 +144,7 @@ def model_config(hf: dict[str, Any], source: Path) -> ModelConfig:
     fam = family_of(hf)
     if fam.layout == "llada":
         return model_config_from_llada(hf, source)
-    from dlm.hf import model_config_from_hf
+    from dlm.hf_layout import model_config_from_hf
 
     if fam.layout == "qwen2" and hf.get("attention_bias") is False:
         raise DlmError(f"{source}: {fam.model_type} has q/k/v biases (attention_bias false is not its layout)")
@@ -179,7 +179,7 @@ def dlm_state(raw: dict[str, torch.Tensor], cfg: ModelConfig, fam: Family, sourc
                 raise DlmError(f"{source}: unexpected tensor {name!r} for LLaDA's layout")
             out[inv[name]] = t
         return out
-    from dlm.hf import dlm_name
+    from dlm.hf_layout import dlm_name
 
     return {dlm_name(k, cfg, source): v for k, v in raw.items() if dlm_name(k, cfg, source) is not None}
 
@@ -236,7 +236,7 @@ def layout_keys(cfg: ModelConfig, fam: Family, tok, dtype: str, src: dict[str, A
                "weight_tying": cfg.tie_embeddings, "include_qkv_bias": cfg.attn_bias, "embedding_size": cfg.vocab_size}
         out["vocab_size"] = min(src.get("vocab_size") or cfg.vocab_size, cfg.vocab_size)
         return out
-    from dlm.hf import hf_config
+    from dlm.hf_layout import hf_config
 
     base = hf_config(cfg, tok, dtype)
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
