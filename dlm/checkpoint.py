@@ -139,6 +139,13 @@ class Checkpoint:
         return read_tensors(self.path / WEIGHTS)
 
     @property
+    def mask_id(self) -> int | None:
+        """The <mask> id masked diffusion uses: the one config.json records (an imported public model's own, e.g.
+        LLaDA's 126336), else the tokenizer's."""
+        m = self.config.get("mask_id")
+        return m if m is not None else self.tokenizer.mask_id
+
+    @property
     def block_size(self) -> int:
         """The block a block-diffusion checkpoint or a DFlash drafter was trained with (0: the whole sequence). The
         one accessor: read from the top level, else the drafter's section, else the older key `block_length`."""

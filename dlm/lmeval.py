@@ -80,9 +80,10 @@ class DlmLM(LM):
             target = ids[0, n:]
             return float(logp.gather(1, target[:, None]).sum()), bool((logits.argmax(-1) == target).all())
         from dlm.masks import block_causal_mask
-        from dlm.objectives.mdlm import elbo_nll, masked_logits
+        from dlm.objectives.mdlm import check_bound, elbo_nll, masked_logits
 
-        mask_id = self.tok.mask_id
+        check_bound(self.ck)
+        mask_id = self.ck.mask_id
         fixed = torch.zeros_like(ids, dtype=torch.bool)
         fixed[0, :n] = True
         gen = torch.Generator(device=self.model.device).manual_seed(self.seed)

@@ -482,6 +482,24 @@ def test_import_refuses_folders_that_do_not_fit(imported, family, change, msg, t
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_likelihood_bound_and_drafting_refuse_what_they_cannot_read(imported, family):
+    """The ELBO reads each masked position's own output: LLaDA and SDAR (no shift) are scored with their own <mask>
+    id; Dream and Fast-dLLM v2 (shifted) are refused in one line, as is drafting with a shifted or full-attention
+    model."""
+    from dlm.objectives.mdlm import check_bound, elbo_nll
+
+    _, _, _, model, ck = imported[family]
+    if ck.config["shift"]:
+        with pytest.raises(DlmError, match="shifted"):
+            check_bound(ck)
+    else:
+        check_bound(ck)
+        x = tokens(16, 11, model.cfg.vocab_size, (ck.mask_id,))
+        nll = elbo_nll(model, x, ck.block_size, ck.mask_id, 2, torch.Generator().manual_seed(0))
+        assert nll.shape == (2, 1) and bool(torch.isfinite(nll).all())
+
+
 def test_cli_refusal_is_exit_code_2(imported, tmp_path):
     _, folder, hf, _, _ = imported["llada"]
     bad = tmp_path / "bad"

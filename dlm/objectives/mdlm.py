@@ -158,12 +158,23 @@ def elbo_nll(model: nn.Module, x0: Tensor, L: int, mask_id: int, samples: int, g
     return out
 
 
+def check_bound(ck) -> None:
+    """The likelihood bound reads each masked position's own output: a checkpoint that predicts token i from
+    position i - 1 (shift: Dream, Fast-dLLM v2) is refused rather than scored wrongly."""
+    if ck.config.get("shift"):
+        raise DlmError(f"{ck.path}: the likelihood bound of a shifted checkpoint ({ck.config.get('family', 'shift')}) "
+                       "is not implemented (generation is)")
+    if ck.mask_id is None:
+        raise DlmError(f"{ck.path}: the tokenizer has no <mask> token")
+
+
 def mdlm_eval(model, ck, corpus, split: str, seq_len: int, batch_size: int, max_batches: int | None, seed: int,
               samples: int) -> dict[str, Any]:
     """`dlm eval` for mdlm: the ELBO perplexity bound on held-out windows (seeded, reproducible)."""
     from dlm.data.tokens import Batches, load_tokens
 
     check(samples > 0, f"--samples must be > 0, got {samples}")
+    check_bound(ck)
     tok = ck.tokenizer
     L = ck.block_size
     T = min(seq_len, model.cfg.max_seq_len)
@@ -173,7 +184,7 @@ def mdlm_eval(model, ck, corpus, split: str, seq_len: int, batch_size: int, max_
     per_sample, count = torch.zeros(samples, dtype=torch.float64), 0
     for batch in batches.sequential(max_batches):
         x0 = batch[:, :-1].to(model.device)  # (B, T): the same windows as the AR number
-        per_sample += elbo_nll(model, x0, L, tok.mask_id, samples, gen).sum(1).double().cpu()
+        per_sample += elbo_nll(model, x0, L, ck.mask_id, samples, gen).sum(1).double().cpu()
         count += x0.numel()
     per_tok = per_sample / count  # (samples,) each sample's bound in nats / token
     nll = float(per_tok.mean())

@@ -277,19 +277,19 @@ class Denoising:
         to this block), then this block's K/V are dropped; else the block reads the cache only.
         """
         model, dev, seq, block_of = self.model, self.seq.device, self.seq, self.block_of
-        if self.job.full_context:
-            total = len(seq)
+        if self.job.full_context:  # the LM head only on the rows the block reads (the sequence may be long)
+            total, lo = len(seq), max(s - 1, 0)
             if self.naive or self.block != s:
                 if not self.naive:
                     self.cache.crop(0)
-                out = model(seq[None], pos=torch.arange(total, device=dev), mask="full", cache=self.cache)
+                out = model(seq[None], pos=torch.arange(total, device=dev), mask="full", cache=self.cache, head=False)
                 if not self.naive:
                     self.cache.crop(s)
                     self.block = s
-                return out.logits[0], 0
+                return model.lm_head(out.last[0, lo:e]), lo
             out = model(seq[None, s:], pos=torch.arange(s, total, device=dev), cache=self.cache, mask="full",
-                        write=False)
-            return out.logits[0], s
+                        write=False, head=False)
+            return model.lm_head(out.last[0, :e - s]), s
         if self.naive:
             start = 0
             out = model(seq[None, :e], pos=torch.arange(e, device=dev),
@@ -438,7 +438,7 @@ def stream(model, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> 
     cfg = apply_preset(cfg, ck.config.get("preset"))
     rule = check_options(cfg)
     tok = ck.tokenizer
-    mask_id = ck.config.get("mask_id", tok.mask_id)  # an imported model's own <mask> id, else the tokenizer's
+    mask_id = ck.mask_id  # an imported model's own <mask> id, else the tokenizer's
     if mask_id is None:
         raise DlmError(f"{ck.path}: the tokenizer has no <mask> token")
     causal = ck.objective == "joint"  # its AR half: the context is causal

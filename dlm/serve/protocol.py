@@ -514,13 +514,14 @@ class Collector:
     def __init__(self, plan: Plan):
         self.plan = plan
         self.tok = plan.served.ck.tokenizer
+        self.mask_id = plan.served.ck.mask_id
         self.rows = [RowText(self.tok, plan.stops, plan.middle[i], r.prompt.canvas, plan.echo[i])
                      for i, r in enumerate(plan.rows)]
         self.cycles = 0
         self.done: Done | None = None
 
     def piece_text(self, ids: list[int]) -> list[str | None]:
-        mask = self.tok.mask_id
+        mask = self.mask_id
         return [None if t == mask else self.tok.decode([t]) for t in ids]
 
     def feed(self, ev: Event, job=None) -> list[Piece]:
