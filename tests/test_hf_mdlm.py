@@ -79,8 +79,8 @@ def reference_model(family: str, tok: Tokenizer):
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             elif n.endswith("bias"):
                 p.normal_(0, 0.3)
-            else:
-                p.normal_(0, 0.25)
+            else:  # a large head: confident predictions, so the threshold rules commit several tokens a pass
+                p.normal_(0, 1.5 if n == "lm_head.weight" else 0.25)
         for t in (tok.eos_id, tok.mask_id):
             m.lm_head.weight[t] = 0.0  # logit 0: below the maximum of the other (random) logits
     return m
@@ -294,20 +294,26 @@ def llada_reference(ref, prompt: list[int], gen_length: int, block_length: int, 
     return x[0, P:].tolist()
 
 
-def dream_reference(ref, prompt: list[int], n: int, mask_id: int):
-    """Dream's generate with alg="entropy" (greedy): shifted logits, full attention, each step the masked position
-    of lowest entropy committed (one per step: Dream's schedule at steps = max_new_tokens)."""
+def dream_reference(ref, prompt: list[int], n: int, steps: int, mask_id: int, eps: float = 1e-3):
+    """Dream's generate with alg="entropy" (greedy): shifted logits, full attention, at step i the
+    int(masked * (1 - t[i+1] / t[i])) masked positions of lowest entropy committed on t = linspace(1, eps, steps + 1),
+    every remaining one at the last step."""
     x = torch.tensor([prompt + [mask_id] * n])
     T = x.shape[1]
-    for _ in range(n):
+    timesteps = torch.linspace(1, eps, steps + 1)
+    for i in range(steps):
         logits = ref(x, attention_mask=torch.ones(1, 1, T, T, dtype=torch.bool)).logits
         logits = torch.cat([logits[:, :1], logits[:, :-1]], 1)[0]
         logits[:, mask_id] = float("-inf")
         probs = torch.softmax(logits, -1)
         ent = -(probs * torch.log(probs.clamp_min(1e-300))).sum(-1)
-        conf = torch.where(x[0] == mask_id, -ent, float("-inf"))
-        i = int(conf.argmax())
-        x[0, i] = int(logits[i].argmax())
+        masked = x[0] == mask_id
+        conf = torch.where(masked, -ent, float("-inf"))
+        num = masked.sum() / 1
+        k = int(num * (1 - timesteps[i + 1] / timesteps[i])) if i < steps - 1 else int(num)
+        if k > 0:
+            idx = conf.topk(k).indices
+            x[0, idx] = logits[idx].argmax(-1)
     return x[0, len(prompt):].tolist()
 
 
@@ -334,44 +340,80 @@ def sdar_reference(ref, prompt: list[int], n: int, block: int, steps: int, thres
     return x[0, P:P + n].tolist()
 
 
+def fast_dllm_v2_reference(ref, prompt: list[int], n: int, block: int, small: int, threshold: float, mask_id: int):
+    """Fast-dLLM v2's generate (greedy, no block cache), recomputing the sequence with its block-causal mask instead
+    of its KV cache: the partial prompt block filled with masks; each block denoised sub-block by sub-block (logits
+    shifted inside the block, every masked position above the threshold and the most confident one committed);
+    a finished block's last position gives the next block's first token (argmax), appended before it."""
+    x = list(prompt)
+    if len(x) % block == 0:  # (its generate: the prefill's last logits give the first token)
+        x.append(int(ref(torch.tensor([x]), attention_mask=block_causal(len(x), block)).logits[0, -1].argmax()))
+    while len(x) - len(prompt) < n:
+        lo = len(x) // block * block
+        hi = lo + block
+        x = x + [mask_id] * (hi - len(x))
+        t = torch.tensor([x])
+        for sub in range(lo, hi, small):
+            while (t[0, sub:sub + small] == mask_id).any():
+                logits = ref(t, attention_mask=block_causal(hi, block)).logits[0, lo:hi]
+                logits = torch.cat([logits[:1], logits[:-1]])[sub - lo:sub - lo + small]
+                logits[:, mask_id] = float("-inf")
+                p, x1 = torch.softmax(logits, -1).max(-1)
+                masked = t[0, sub:sub + small] == mask_id
+                p = torch.where(masked, p, float("-inf"))
+                pick = (p > threshold) | (torch.arange(small) == p.argmax())
+                pick &= masked
+                t[0, sub:sub + small] = torch.where(pick, x1, t[0, sub:sub + small])
+        x = t[0].tolist()
+        logits = ref(t, attention_mask=block_causal(hi, block)).logits[0, -1]
+        x.append(int(logits.argmax()))
+    return x[len(prompt):len(prompt) + n]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_generation_follows_the_family_recipe(imported, tok, family):
     """`dlm generate` on an imported checkpoint runs its family's preset; LLaDA, Dream and SDAR give the tokens of
     their reference decoding loops (written above from the public generate functions) on the same weights."""
     ref, _, _, model, ck = imported[family]
     prompt = tokens(6, 8, tok.vocab_size, (tok.mask_id, tok.eos_id))[0].tolist()
-    # SDAR decodes whole blocks (its last block padded with masks, cut after): a generation that ends on the grid
-    n = {"fast-dllm-v2": 32, "sdar": 18}.get(family, 16)
+    # SDAR and Fast-dLLM v2 decode whole blocks (the last padded with masks, cut after): generations end on the grid
+    n = {"fast-dllm-v2": 26, "sdar": 18}.get(family, 16)
     cfg = SampleConfig(max_new_tokens=n)
     if family == "llada":
         cfg = cfg.replace(block_size=8, steps=8)
+    if family == "dream":  # fewer steps than tokens: Dream's grid commits 0, 1 or 2 a step (even would commit 2)
+        cfg = cfg.replace(steps=10)
+    if family == "fast-dllm-v2":  # blocks of 8 in sub-blocks of 4 (the preset's 32 / 8, smaller)
+        cfg = cfg.replace(block_size=8, sub_block=4)
     out = generate(model, ck, [tok.decode(prompt)], cfg.replace(max_new_tokens=n))
     assert out.stats.forwards > 0
-    ids = generate_ids(model, ck, prompt, cfg)
+    stats = {}
+    ids = generate_ids(model, ck, prompt, cfg, stats)
+    if family in ("sdar", "fast-dllm-v2"):  # (the threshold rule commits several tokens in some passes)
+        assert stats["forwards"] < stats["new_tokens"] == n
     with torch.no_grad():
         if family == "llada":
             want = llada_reference(ref, prompt, n, 8, n, tok.mask_id)
         elif family == "dream":
-            want = dream_reference(ref, prompt, n, tok.mask_id)
+            want = dream_reference(ref, prompt, n, 10, tok.mask_id)
         elif family == "sdar":
             want = sdar_reference(ref, prompt, n, 4, 4, 0.9, tok.mask_id)
         else:
-            want = None
-    if want is not None:
-        cut = want.index(tok.eos_id) + 1 if tok.eos_id in want else len(want)
-        assert ids == want[:cut]
-    else:
-        assert len(ids) == n or ids[-1] == tok.eos_id
+            want = fast_dllm_v2_reference(ref, prompt, n, 8, 4, 0.9, tok.mask_id)
+    cut = want.index(tok.eos_id) + 1 if tok.eos_id in want else len(want)
+    assert ids == want[:cut]
 
 
-def generate_ids(model, ck, prompt: list[int], cfg: SampleConfig) -> list[int]:
+def generate_ids(model, ck, prompt: list[int], cfg: SampleConfig, stats: dict | None = None) -> list[int]:
     from dlm.sampling import stream
-    from dlm.sampling.common import Commit
+    from dlm.sampling.common import Commit, Done
 
     out = []
     for ev in stream(model, ck, [Prompt(prompt)], cfg):
         if isinstance(ev, Commit):
             out += ev.tokens
+        if isinstance(ev, Done) and stats is not None:
+            stats.update(ev.stats.as_dict())
     return out
 
 
@@ -403,7 +445,8 @@ def test_presets_fill_only_what_was_not_given():
     assert apply_preset(base.replace(preset="sdar"), "llada").block_size == 4  # --preset beats the recorded one
     v2 = apply_preset(base, "fast-dllm-v2")
     assert (v2.sampler, v2.threshold, v2.block_size, v2.sub_block) == ("threshold", 0.9, 32, 8)
-    assert apply_preset(base, "fast-dllm").prefix_cache and apply_preset(base, "dream").sampler == "entropy"
+    assert apply_preset(base, "fast-dllm").prefix_cache
+    assert (apply_preset(base, "dream").sampler, apply_preset(base, "dream").schedule) == ("entropy", "dream")
     assert set(PRESETS) == {"llada", "fast-dllm", "dream", "sdar", "fast-dllm-v2"}
     with pytest.raises(DlmError, match="--preset must be one of"):
         apply_preset(base.replace(preset="nope"))

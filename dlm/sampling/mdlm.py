@@ -27,6 +27,9 @@ probability has fallen below P goes back to <mask>, and is proposed again from t
 the pass that revised it). A position is sent back at most `MAX_REVISIONS` times, so a block ends; a
 committed <eos>, the prompt's tokens and pinned tokens are never revised. Off (0), nothing changes.
 
+`--schedule dream`: how many positions a step commits follows Dream's time grid (dream_count) instead of
+spreading the block's holes evenly over `--steps` (LLaDA's).
+
 `--sub-block N` (Fast-dLLM v2's sub-blocks): every pass still denoises the whole block, but a step commits
 only inside the first N-position stretch of the block (counted from its start) that still has holes.
 
@@ -36,7 +39,9 @@ trains has neither):
   shift: true         position i's output predicts token i + 1 (Dream, Fast-dLLM v2: models adapted from an
                       AR checkpoint keep its next-token alignment); a block's first position is predicted by
                       the output at the position before it (with block-causal context: the last position of
-                      the finished block, computed blind to this block); position 0 by its own output
+                      the finished block, computed blind to this block, so its prediction is final from the
+                      first pass: that pass commits it alone, autoregressively, as Fast-dLLM v2 appends a
+                      block's first token before denoising the rest); position 0 by its own output
   context: "full"     every position attends to every other, the holes after the block included, and the
                       prompt to the canvas (LLaDA, Dream: trained without blocks). Blocks then only order the
                       commits; they are laid from the end of the prompt (LLaDA's semi-autoregressive
@@ -82,7 +87,7 @@ MAX_REVISIONS = 3  # --revise: times one position may be sent back to <mask> (so
 # the SampleConfig fields this sampler reads (see dlm.sampling.OPTIONS)
 OPTIONS = frozenset({"temperature", "top_k", "top_p", "naive", "sampler", "steps", "threshold", "entropy_bound",
                      "block_size", "remasking", "revise", "suffix", "fill_length", "preset", "prefix_cache",
-                     "sub_block"})
+                     "sub_block", "schedule"})
 
 # The published decoding recipes of the public masked-diffusion families, as SampleConfig settings (docs/public-
 # models.md has a command for each). steps: per block; block_size None: the whole generation.
@@ -92,8 +97,8 @@ PRESETS: dict[str, dict] = {
     # Fast-dLLM (v1) on LLaDA / Dream: every position with confidence > 0.9 (at least one), blocks of 32 over the
     # prefix cache
     "fast-dllm": {"sampler": "threshold", "threshold": 0.9, "block_size": 32, "prefix_cache": True},
-    # Dream: entropy-ordered unmasking over the whole generation, one token per step
-    "dream": {"sampler": "entropy"},
+    # Dream: entropy-ordered unmasking over the whole generation on its time grid (steps default: one per token)
+    "dream": {"sampler": "entropy", "schedule": "dream"},
     # SDAR: blocks of 4 over the KV cache, 4 steps per block, low_confidence_dynamic at 0.9
     "sdar": {"sampler": "threshold", "threshold": 0.9, "block_size": 4, "steps": 4},
     # Fast-dLLM v2: blocks of 32 over the KV cache, threshold 0.9 within sub-blocks of 8
@@ -120,6 +125,16 @@ def step_budget(n: int, steps: int) -> list[int]:
     s = max(1, min(steps, n))
     base, rem = divmod(n, s)
     return [base + (i < rem) for i in range(s)]
+
+
+def dream_count(holes: int, step: int, steps: int, eps: float = 1e-3) -> int:
+    """Positions to unmask at step `step` of `steps` with `holes` still masked, by Dream's schedule: times
+    t = linspace(1, eps, steps + 1), int(holes * (1 - t[step + 1] / t[step])) (fp32, as Dream computes it), every
+    remaining hole at the last step. Early steps may unmask none."""
+    if step >= steps - 1:
+        return holes
+    t = torch.linspace(1, eps, steps + 1)
+    return int(torch.tensor(float(holes)) * (1 - t[step + 1] / t[step]))
 
 
 def top_k_of(score: Tensor, masked: Tensor, k: int) -> Tensor:
@@ -313,7 +328,7 @@ def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: in
                      naive: bool = False, row: int = 0, clock: Clock | None = None,
                      stats: Stats | None = None, revise: float = 0.0,
                      step_events: bool = True, prefix_cache: bool = False,
-                     sub_block: int | None = None) -> Iterator[Event]:
+                     sub_block: int | None = None, schedule: str = "even") -> Iterator[Event]:
     """Events of one sequence, block by block; counts forwards, steps, canvases and new tokens in `stats`
     (and, with revise > 0, the tokens sent back to <mask> in stats.extra["revisions"]).
     step_events: a Step event (the canvas, read back from the device) after every denoising step."""
@@ -330,13 +345,17 @@ def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: in
         step = 0
         g = max(s, P)  # the block's generated part starts here
         left = torch.full_like(masked, MAX_REVISIONS, dtype=torch.long) if revise > 0 else None
+        ar_first = job.shift and not job.full_context and s > 0 and bool(masked[0])
         while bool(masked.any()):
             logits = state.logits(s, e)  # (Lb, V)
             stats.forwards += 1
             logits[:, mask_id] = float("-inf")
             if job.forbid_eos:
                 logits[:, eos_id] = float("-inf")
-            k = budget[step] if step < len(budget) else 1
+            if schedule == "dream":  # Dream: a count from the holes left and the time grid
+                k = dream_count(int(masked.sum()), step, steps or n)
+            else:
+                k = budget[step] if step < len(budget) else 1
             back = None
             if left is not None:  # revision: committed tokens the model no longer believes go back to <mask>
                 committed = hole[s:e] & ~masked & (seq[s:e] != mask_id) & (seq[s:e] != eos_id)
@@ -348,6 +367,8 @@ def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: in
                 else:
                     back = None
             free = masked if back is None else masked & ~back  # a revised position is proposed from the next pass
+            if step == 0 and ar_first:  # the block's first position reads only finished blocks: commit it alone
+                free = free & (torch.arange(len(free), device=free.device) == 0)
             if sub_block and bool(free.any()):  # commit only in the first sub-block that still has holes
                 part = torch.arange(len(free), device=free.device) // sub_block
                 free = free & (part == part[free][0])
@@ -405,6 +426,7 @@ def check_options(cfg) -> Rule:
     check(cfg.remasking == "low_confidence" or sampler == "confidence",
           f"--remasking random goes with --sampler confidence, got --sampler {sampler}")
     check(cfg.sub_block is None or cfg.sub_block > 0, f"--sub-block must be > 0, got {cfg.sub_block}")
+    check(cfg.schedule in ("even", "dream"), f"--schedule must be even or dream, got {cfg.schedule!r}")
     revise = getattr(cfg, "revise", 0.0)
     check(0 <= revise < 1, f"--revise must be in [0, 1) (0 = off), got {revise}")
     return Rule(sampler, cfg.threshold, cfg.entropy_bound, cfg.remasking == "random")
@@ -464,6 +486,7 @@ def _run(model, jobs: list[Job], rule: Rule, cfg, mask_id: int, eos_id: int,
                                     top_k=cfg.top_k, top_p=cfg.top_p, gen=gen, naive=cfg.naive, row=row,
                                     clock=clock, stats=stats, revise=getattr(cfg, "revise", 0.0),
                                     step_events=step_events, prefix_cache=getattr(cfg, "prefix_cache", False),
-                                    sub_block=getattr(cfg, "sub_block", None))
+                                    sub_block=getattr(cfg, "sub_block", None),
+                                    schedule=getattr(cfg, "schedule", "even"))
     stats.extra["forwards_per_canvas"] = stats.forwards / stats.canvases if stats.canvases else 0.0
     yield clock.finish(stats)
