@@ -376,8 +376,9 @@ def test_generation_follows_the_family_recipe(imported, tok, family):
     their reference decoding loops (written above from the public generate functions) on the same weights."""
     ref, _, _, model, ck = imported[family]
     prompt = tokens(6, 8, tok.vocab_size, (tok.mask_id, tok.eos_id))[0].tolist()
-    # SDAR and Fast-dLLM v2 decode whole blocks (the last padded with masks, cut after): generations end on the grid
-    n = {"fast-dllm-v2": 26, "sdar": 18}.get(family, 16)
+    # SDAR and Fast-dLLM v2 decode whole blocks (the last padded with masks, cut after: --whole-blocks in their
+    # presets): generations that end off the grid
+    n = {"fast-dllm-v2": 22, "sdar": 17}.get(family, 16)
     cfg = SampleConfig(max_new_tokens=n)
     if family == "llada":
         cfg = cfg.replace(block_size=8, steps=8)
@@ -444,7 +445,8 @@ def test_presets_fill_only_what_was_not_given():
     assert apply_preset(base.replace(preset="none"), "llada") == base.replace(preset="none")
     assert apply_preset(base.replace(preset="sdar"), "llada").block_size == 4  # --preset beats the recorded one
     v2 = apply_preset(base, "fast-dllm-v2")
-    assert (v2.sampler, v2.threshold, v2.block_size, v2.sub_block) == ("threshold", 0.9, 32, 8)
+    assert (v2.sampler, v2.threshold, v2.block_size, v2.sub_block, v2.whole_blocks) == ("threshold", 0.9, 32, 8, True)
+    assert apply_preset(base, "sdar").whole_blocks and not apply_preset(base, "llada").whole_blocks
     assert apply_preset(base, "fast-dllm").prefix_cache
     assert (apply_preset(base, "dream").sampler, apply_preset(base, "dream").schedule) == ("entropy", "dream")
     assert set(PRESETS) == {"llada", "fast-dllm", "dream", "sdar", "fast-dllm-v2"}

@@ -69,6 +69,7 @@ class SampleConfig:
         preset: mdlm: a public model's decoding recipe: llada | fast-dllm | dream | sdar | fast-dllm-v2 | none (options given explicitly win; default: the one an imported checkpoint records, docs/public-models.md)
         prefix_cache: mdlm, a full-attention checkpoint (LLaDA, Dream): Fast-dLLM's approximate prefix cache (a block's later passes read the K/V its first pass computed for the positions before it); off = exact, the whole sequence every step
         schedule: mdlm: positions committed per step: even (a block's holes spread evenly over --steps, LLaDA) or dream (Dream's time grid, linspace(1, 1e-3, steps + 1): int(holes x (1 - t[i+1] / t[i])), the rest at the last step)
+        whole_blocks: mdlm: pad the last block with holes to its full size and denoise it whole, as training saw blocks (SDAR, Fast-dLLM v2); what lies past --max-new-tokens is dropped
         sub_block: mdlm: commit only in the first stretch of this many positions of the block that still has holes (Fast-dLLM v2: 8); default: the whole block
         revise: mdlm revision (ReMDM-style): a committed token whose probability under a later pass falls below this goes back to <mask> and is predicted again (at most 3 times per position); 0 = off
         canvas_length: usdm: tokens per canvas (default: the checkpoint's)
@@ -103,6 +104,7 @@ class SampleConfig:
     prefix_cache: bool = False
     sub_block: int | None = None
     schedule: str = "even"
+    whole_blocks: bool = False
     revise: float = 0.0
     canvas_length: int | None = None
     t_max: float = 0.8

@@ -30,6 +30,9 @@ committed <eos>, the prompt's tokens and pinned tokens are never revised. Off (0
 `--schedule dream`: how many positions a step commits follows Dream's time grid (dream_count) instead of
 spreading the block's holes evenly over `--steps` (LLaDA's).
 
+`--whole-blocks` (SDAR, Fast-dLLM v2): the last block is padded with holes to its full size and denoised whole,
+as in training; what lies past `--max-new-tokens` is dropped.
+
 `--sub-block N` (Fast-dLLM v2's sub-blocks): every pass still denoises the whole block, but a step commits
 only inside the first N-position stretch of the block (counted from its start) that still has holes.
 
@@ -87,7 +90,7 @@ MAX_REVISIONS = 3  # --revise: times one position may be sent back to <mask> (so
 # the SampleConfig fields this sampler reads (see dlm.sampling.OPTIONS)
 OPTIONS = frozenset({"temperature", "top_k", "top_p", "naive", "sampler", "steps", "threshold", "entropy_bound",
                      "block_size", "remasking", "revise", "suffix", "fill_length", "preset", "prefix_cache",
-                     "sub_block", "schedule"})
+                     "sub_block", "schedule", "whole_blocks"})
 
 # The published decoding recipes of the public masked-diffusion families, as SampleConfig settings (docs/public-
 # models.md has a command for each). steps: per block; block_size None: the whole generation.
@@ -100,9 +103,10 @@ PRESETS: dict[str, dict] = {
     # Dream: entropy-ordered unmasking over the whole generation on its time grid (steps default: one per token)
     "dream": {"sampler": "entropy", "schedule": "dream"},
     # SDAR: blocks of 4 over the KV cache, 4 steps per block, low_confidence_dynamic at 0.9
-    "sdar": {"sampler": "threshold", "threshold": 0.9, "block_size": 4, "steps": 4},
+    "sdar": {"sampler": "threshold", "threshold": 0.9, "block_size": 4, "steps": 4, "whole_blocks": True},
     # Fast-dLLM v2: blocks of 32 over the KV cache, threshold 0.9 within sub-blocks of 8
-    "fast-dllm-v2": {"sampler": "threshold", "threshold": 0.9, "block_size": 32, "sub_block": 8},
+    "fast-dllm-v2": {"sampler": "threshold", "threshold": 0.9, "block_size": 32, "sub_block": 8,
+                     "whole_blocks": True},
 }
 
 
@@ -248,6 +252,7 @@ class Job:
     causal_context: bool = False  # finished blocks are written causally (a joint model), not block-causally
     full_context: bool = False  # every position attends to every other, holes included (LLaDA, Dream)
     shift: bool = False  # position i's output predicts token i + 1 (Dream, Fast-dLLM v2)
+    limit: int | None = None  # whole blocks: positions from here on are padding, denoised but never emitted
 
 
 class Denoising:
@@ -392,10 +397,11 @@ def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: in
             stats.canvases += 1
             stats.steps += step
             stats.extra.setdefault("steps_per_canvas", []).append(step)
-        out = seq[g:e].tolist()
+        hi = e if job.limit is None else min(e, job.limit)  # (whole blocks: the padding is never emitted)
+        out = seq[g:hi].tolist()
         if not out:
             continue
-        generated = hole[g:e].tolist()
+        generated = hole[g:hi].tolist()
         if clock is not None:
             clock.mark_first()
         if job.stop_at_eos and eos_id in out:
@@ -446,12 +452,19 @@ def make_job(prompt: Prompt, cfg, train_block: int, context: int, causal_context
                        "empty")
     P = len(prompt.ids)
     origin = P if full_context else 0
+    limit = None
+    grid = cfg.block_size or train_block
+    if getattr(cfg, "whole_blocks", False) and plain and grid:  # the last block padded with holes to its full size
+        padded = origin + -(-(len(known) - origin) // grid) * grid
+        padded = min(padded, max(context, len(known)))
+        if padded > len(known):
+            limit, known = len(known), known + [None] * (padded - len(known))
     if cfg.block_size is not None:
         blocks = plan_blocks(P, len(known), cfg.block_size, origin=origin)
     else:
         blocks = plan_blocks(P, len(known), train_block or len(known), one_tail=not plain, origin=origin)
     return Job(known, P, blocks, stop_at_eos=plain, forbid_eos=not plain, causal_context=causal_context,
-               full_context=full_context, shift=shift)
+               full_context=full_context, shift=shift, limit=limit)
 
 
 def stream(model, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> Iterator[Event]:
