@@ -418,6 +418,53 @@ def generate_ids(model, ck, prompt: list[int], cfg: SampleConfig, stats: dict | 
     return out
 
 
+def fast_dllm_prefix_reference(ref, prompt: list[int], gen_length: int, block_length: int, threshold: float,
+                               mask_id: int):
+    """Fast-dLLM (v1)'s generate_with_prefix_cache on LLaDA (greedy, threshold): per block one full pass whose K/V
+    before the block are kept (transformers' DynamicCache, cropped), then passes over the block and everything
+    after it reading them; commits in the block only: the most confident, and the others at >= threshold."""
+    x = torch.tensor([prompt + [mask_id] * gen_length])
+    P, T = len(prompt), len(prompt) + gen_length
+
+    def commit(logits, lo, hi):
+        logits[:, mask_id] = float("-inf")
+        p, x0 = torch.softmax(logits, -1).max(-1)
+        masked = x[0, lo:hi] == mask_id
+        conf = torch.where(masked, p, float("-inf"))
+        pick = ((conf >= threshold) | (torch.arange(hi - lo) == conf.argmax())) & masked
+        x[0, lo:hi] = torch.where(pick, x0, x[0, lo:hi])
+
+    for b in range(gen_length // block_length):
+        lo, hi = P + b * block_length, P + (b + 1) * block_length
+        out = ref(x, attention_mask=torch.ones(1, 1, T, T, dtype=torch.bool), use_cache=True)
+        cache = out.past_key_values
+
+        def keep(n):  # the prefix's K/V only (transformers' crop takes how many to drop)
+            if cache.get_seq_length() > n:
+                cache.crop(n - cache.get_seq_length())
+
+        keep(lo)
+        commit(out.logits[0, lo:hi], lo, hi)
+        while (x[0, lo:hi] == mask_id).any():
+            logits = ref(x[:, lo:], past_key_values=cache, use_cache=True, position_ids=torch.arange(lo, T)[None],
+                         attention_mask=torch.ones(1, 1, T - lo, T, dtype=torch.bool)).logits[0, :hi - lo]
+            keep(lo)
+            commit(logits, lo, hi)
+    return x[0, P:].tolist()
+
+
+def test_fast_dllm_prefix_cache_matches_reference(imported, tok):
+    """Fast-dLLM's prefix-cache decoding of LLaDA, token for token (several tokens a pass at threshold 0.9)."""
+    ref, _, _, model, ck = imported["llada"]
+    prompt = tokens(6, 12, tok.vocab_size, (tok.mask_id, tok.eos_id))[0].tolist()
+    stats = {}
+    ids = generate_ids(model, ck, prompt, SampleConfig(max_new_tokens=32, preset="fast-dllm", block_size=8), stats)
+    with torch.no_grad():
+        want = fast_dllm_prefix_reference(ref, prompt, 32, 8, 0.9, tok.mask_id)
+    cut = want.index(tok.eos_id) + 1 if tok.eos_id in want else len(want)
+    assert ids == want[:cut] and stats["forwards"] < stats["new_tokens"]
+
+
 def steps_of(model, ck, prompt: list[int], cfg: SampleConfig) -> list:
     from dlm.sampling import stream
     from dlm.sampling.common import Step
