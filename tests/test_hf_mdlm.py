@@ -548,6 +548,20 @@ def test_cli_import_generate_export(imported, tok, tmp_path):
     assert json.loads((tmp_path / "hf" / "config.json").read_text()) == hf
 
 
+def test_the_recorded_mask_id_is_the_one_used(imported, tok, tmp_path):
+    """A config's mask_token_id wins over the tokenizer's guess (LLaDA's <|mdm_mask|> is not a name dlm's tokenizer
+    looks for): the sampler's holes hold it."""
+    _, folder, hf, _, _ = imported["llada"]
+    other = tmp_path / "other"
+    shutil.copytree(folder, other)
+    (other / "config.json").write_text(json.dumps({**hf, "mask_token_id": 7}))
+    import_hf(other, tmp_path / "ck")
+    model, ck = load_model(tmp_path / "ck")
+    assert ck.mask_id == 7 != tok.mask_id
+    first = steps_of(model, ck, [11, 12, 13], SampleConfig(max_new_tokens=8, steps=8))[0]
+    assert [t for t, f in zip(first.canvas, first.fixed) if not f] == [7] * 7
+
+
 # refusals -------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family,change,msg", [
