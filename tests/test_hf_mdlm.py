@@ -419,10 +419,12 @@ def generate_ids(model, ck, prompt: list[int], cfg: SampleConfig, stats: dict | 
 
 
 def fast_dllm_prefix_reference(ref, prompt: list[int], gen_length: int, block_length: int, threshold: float,
-                               mask_id: int):
+                               mask_id: int, shift: bool = False):
     """Fast-dLLM (v1)'s generate_with_prefix_cache on LLaDA (greedy, threshold): per block one full pass whose K/V
     before the block are kept (transformers' DynamicCache, cropped), then passes over the block and everything
-    after it reading them; commits in the block only: the most confident, and the others at >= threshold."""
+    after it reading them; commits in the block only: the most confident, and the others at >= threshold.
+    shift (its Dream version, generation_utils_block.py): logits shifted, and the full pass commits only the
+    block's first token (argmax)."""
     x = torch.tensor([prompt + [mask_id] * gen_length])
     P, T = len(prompt), len(prompt) + gen_length
 
@@ -444,23 +446,32 @@ def fast_dllm_prefix_reference(ref, prompt: list[int], gen_length: int, block_le
                 cache.crop(n - cache.get_seq_length())
 
         keep(lo)
-        commit(out.logits[0, lo:hi], lo, hi)
+        if shift:
+            first = out.logits[0, lo - 1]
+            first[mask_id] = float("-inf")
+            x[0, lo] = int(first.argmax())
+        else:
+            commit(out.logits[0, lo:hi], lo, hi)
         while (x[0, lo:hi] == mask_id).any():
             logits = ref(x[:, lo:], past_key_values=cache, use_cache=True, position_ids=torch.arange(lo, T)[None],
-                         attention_mask=torch.ones(1, 1, T - lo, T, dtype=torch.bool)).logits[0, :hi - lo]
+                         attention_mask=torch.ones(1, 1, T - lo, T, dtype=torch.bool)).logits[0]
+            if shift:
+                logits = torch.cat([logits[:1], logits[:-1]])
             keep(lo)
-            commit(logits, lo, hi)
+            commit(logits[:hi - lo], lo, hi)
     return x[0, P:].tolist()
 
 
-def test_fast_dllm_prefix_cache_matches_reference(imported, tok):
-    """Fast-dLLM's prefix-cache decoding of LLaDA, token for token (several tokens a pass at threshold 0.9)."""
-    ref, _, _, model, ck = imported["llada"]
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_fast_dllm_prefix_cache_matches_reference(imported, tok, family):
+    """Fast-dLLM's prefix-cache decoding of LLaDA and of Dream (shifted: each block's first token from the full
+    pass), token for token (several tokens a pass at threshold 0.9)."""
+    ref, _, _, model, ck = imported[family]
     prompt = tokens(6, 12, tok.vocab_size, (tok.mask_id, tok.eos_id))[0].tolist()
     stats = {}
     ids = generate_ids(model, ck, prompt, SampleConfig(max_new_tokens=32, preset="fast-dllm", block_size=8), stats)
     with torch.no_grad():
-        want = fast_dllm_prefix_reference(ref, prompt, 32, 8, 0.9, tok.mask_id)
+        want = fast_dllm_prefix_reference(ref, prompt, 32, 8, 0.9, tok.mask_id, shift=family == "dream")
     cut = want.index(tok.eos_id) + 1 if tok.eos_id in want else len(want)
     assert ids == want[:cut] and stats["forwards"] < stats["new_tokens"]
 

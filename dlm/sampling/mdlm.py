@@ -44,7 +44,8 @@ trains has neither):
                       the output at the position before it (with block-causal context: the last position of
                       the finished block, computed blind to this block, so its prediction is final from the
                       first pass: that pass commits it alone, autoregressively, as Fast-dLLM v2 appends a
-                      block's first token before denoising the rest); position 0 by its own output
+                      block's first token before denoising the rest, and as Fast-dLLM decodes Dream over its
+                      prefix cache); position 0 by its own output
   context: "full"     every position attends to every other, the holes after the block included, and the
                       prompt to the canvas (LLaDA, Dream: trained without blocks). Blocks then only order the
                       commits; they are laid from the end of the prompt (LLaDA's semi-autoregressive
@@ -350,7 +351,9 @@ def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: in
         step = 0
         g = max(s, P)  # the block's generated part starts here
         left = torch.full_like(masked, MAX_REVISIONS, dtype=torch.long) if revise > 0 else None
-        ar_first = job.shift and not job.full_context and s > 0 and bool(masked[0])
+        # shift, and the position before the block is not recomputed with it (block-causal context, or the prefix
+        # cache): the block's first token is committed alone on its first pass
+        ar_first = job.shift and (not job.full_context or not state.naive) and s > 0 and bool(masked[0])
         while bool(masked.any()):
             logits = state.logits(s, e)  # (Lb, V)
             stats.forwards += 1
