@@ -573,6 +573,56 @@ def test_the_recorded_mask_id_is_the_one_used(imported, tok, tmp_path):
     assert [t for t, f in zip(first.canvas, first.fixed) if not f] == [7] * 7
 
 
+# the published configs (their config.json keys as released; no weights): the sizes they describe
+SDAR_4B = {  # JetAstra/SDAR training/model/SDAR-4B-Chat/config.json (its index: total_size 8822848512, bf16)
+    "architectures": ["SDARForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attn_implementation": "flex_attention", "bos_token_id": 151643, "eos_token_id": 151643, "block_size": 4,
+    "mask_token_id": 151669, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2560, "intermediate_size": 9728,
+    "max_position_embeddings": 32768, "max_window_layers": 36, "model_type": "sdar", "num_attention_heads": 32,
+    "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "use_cache": False, "use_sliding_window": False, "vocab_size": 151936}
+LLADA_8B = {  # GSAI-ML/LLaDA-8B-Base config.json (configuration_llada.py's keys)
+    "activation_type": "silu", "alibi": False, "alibi_bias_max": 8.0, "architectures": ["LLaDAModelLM"],
+    "attention_dropout": 0.0, "attention_layer_norm": False, "attention_layer_norm_with_affine": True,
+    "bias_for_layer_norm": False, "block_group_size": 1, "block_type": "llama", "d_model": 4096,
+    "embedding_dropout": 0.0, "embedding_size": 126464, "eos_token_id": 126081, "flash_attention": False,
+    "include_bias": False, "include_qkv_bias": False, "init_cutoff_factor": None, "init_device": "meta",
+    "init_fn": "mitchell", "init_std": 0.02, "input_emb_norm": False, "layer_norm_type": "rms",
+    "layer_norm_with_affine": True, "mask_token_id": 126336, "max_sequence_length": 4096, "mlp_hidden_size": 12288,
+    "mlp_ratio": 4, "model_type": "llada", "multi_query_attention": None, "n_heads": 32, "n_kv_heads": 32,
+    "n_layers": 32, "pad_token_id": 126081, "precision": "amp_bf16", "residual_dropout": 0.0, "rms_norm_eps": 1e-05,
+    "rope": True, "rope_full_precision": True, "rope_theta": 500000.0, "scale_logits": False, "use_cache": False,
+    "vocab_size": 126464, "weight_tying": False}
+QWEN25_7B = {"hidden_act": "silu", "hidden_size": 3584, "intermediate_size": 18944, "max_position_embeddings": 131072,
+             "max_window_layers": 28, "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+             "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False,
+             "use_sliding_window": False, "vocab_size": 152064, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("hf,params,conv", [
+    (SDAR_4B, 8822848512 // 2, ("sdar", 4, 151669, False, "block")),
+    # LLaDA-8B: 32 layers of q/k/v/o 4096 x 4096, SwiGLU 3 x 4096 x 12288, two norms; untied 126464-row wte and
+    # ff_out; ln_f
+    (LLADA_8B, 32 * (4 * 4096 ** 2 + 3 * 4096 * 12288 + 2 * 4096) + 2 * 126464 * 4096 + 4096,
+     ("llada", 0, 126336, False, "full")),
+    ({**QWEN25_7B, "model_type": "Dream", "architectures": ["DreamModel"], "mask_token_id": 151666},
+     7_615_616_512, ("dream", 0, 151666, True, "full")),
+    ({**QWEN25_7B, "model_type": "Fast_dLLM_Qwen", "architectures": ["Fast_dLLM_QwenForCausalLM"], "bd_size": 32},
+     7_615_616_512, ("fast-dllm-v2", 32, 151665, True, "block")),
+])
+def test_published_configs_map_to_their_sizes(hf, params, conv, tmp_path):
+    """The released config.json of each family maps to the model it describes (SDAR-4B: its index's byte count;
+    Qwen2.5-7B: its parameter count; LLaDA-8B: its tensors' shapes) and to the family's conventions (Fast-dLLM v2's
+    config names no mask_token_id: its generate's default 151665)."""
+    from dlm.hf_mdlm import conventions, model_config
+
+    cfg = model_config(hf, tmp_path / "config.json")
+    assert cfg.num_params() == params
+    c = conventions(hf, cfg, tmp_path / "config.json")
+    assert (c["family"], c["block_size"], c["mask_id"], c["shift"], c["context"]) == conv
+
+
 # refusals -------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family,change,msg", [
