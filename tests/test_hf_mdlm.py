@@ -17,7 +17,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import run_cli
 from dlm.checkpoint import load_model
 from dlm.errors import DlmError
 from dlm.hf import export_hf, import_hf
@@ -548,14 +547,18 @@ def test_export_round_trip_is_exact(imported, family, tmp_path):
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def test_cli_import_generate_export(imported, tok, tmp_path):
+def test_cli_import_generate_export(imported, tok, tmp_path, capsys):
     """The commands of docs/public-models.md on a tiny SDAR folder: import, generate with its preset, export."""
+    from dlm.cli import main
+
     _, folder, hf, _, _ = imported["sdar"]
-    run_cli("import", "--hf", str(folder), "--out", str(tmp_path / "ck"), check=True)
-    r = run_cli("generate", "--model", str(tmp_path / "ck"), "--prompt", "def f(x):", "--max-new-tokens", "8",
-                "--json", check=True)
-    assert json.loads(r.stdout)["forwards"] >= 2
-    run_cli("export", "--model", str(tmp_path / "ck"), "--out", str(tmp_path / "hf"), check=True)
+    assert main(["import", "--hf", str(folder), "--out", str(tmp_path / "ck")]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tmp_path / "ck"), "--prompt", "def f(x):", "--max-new-tokens", "8",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["new_tokens"] == 8 and out["forwards"] < 8  # SDAR's preset: threshold 0.9 over blocks of 4
+    assert main(["export", "--model", str(tmp_path / "ck"), "--out", str(tmp_path / "hf")]) == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text()) == hf
 
 
@@ -667,10 +670,13 @@ def test_likelihood_bound_and_drafting_refuse_what_they_cannot_read(imported, fa
         assert nll.shape == (2, 1) and bool(torch.isfinite(nll).all())
 
 
-def test_cli_refusal_is_exit_code_2(imported, tmp_path):
+def test_cli_refusal_is_exit_code_2(imported, tmp_path, capsys):
+    from dlm.cli import main
+
     _, folder, hf, _, _ = imported["llada"]
     bad = tmp_path / "bad"
     shutil.copytree(folder, bad)
     (bad / "config.json").write_text(json.dumps({**hf, "block_type": "parallel"}))
-    r = run_cli("import", "--hf", str(bad), "--out", str(tmp_path / "out"))
-    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "block_type" in r.stderr
+    assert main(["import", "--hf", str(bad), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "block_type" in err and not (tmp_path / "out").exists()
