@@ -155,7 +155,7 @@ def generate_cmd(
 
         view = _console(file=sys.stderr) if json else _console()
         res = live(stream(net, ck, encode(ck, prompt, scfg), scfg, step_events=True), ck.tokenizer, prompt,
-                   console=view)
+                   console=view, mask_id=ck.mask_id)
     else:
         res = generate(net, ck, prompt, scfg)
     stats = res.stats.as_dict()

@@ -205,6 +205,9 @@ def import_folder(src: Path, out: Path, overwrite: bool, hf: dict[str, Any], rea
     fam = family_of(hf)
     cfg = model_config(hf, src / "config.json")
     conv = conventions(hf, cfg, src / "config.json")
+    if not (src / "tokenizer.json").is_file():
+        raise DlmError(f"{src}: no tokenizer.json (dlm reads the fast tokenizer's file; transformers writes one: "
+                       "AutoTokenizer.from_pretrained(FOLDER, trust_remote_code=True).save_pretrained(FOLDER))")
     tok = Tokenizer.from_file(src / "tokenizer.json")
     raw = read_weights(src)
     state = dlm_state(raw, cfg, fam, src)

@@ -670,6 +670,15 @@ def test_likelihood_bound_and_drafting_refuse_what_they_cannot_read(imported, fa
         assert nll.shape == (2, 1) and bool(torch.isfinite(nll).all())
 
 
+def test_import_needs_the_fast_tokenizer_file(imported, tmp_path):
+    _, folder, _, _, _ = imported["dream"]
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    (bad / "tokenizer.json").unlink()
+    with pytest.raises(DlmError, match="no tokenizer.json"):
+        import_hf(bad, tmp_path / "out")
+
+
 def test_cli_refusal_is_exit_code_2(imported, tmp_path, capsys):
     from dlm.cli import main
 
