@@ -511,6 +511,16 @@ def test_presets_fill_only_what_was_not_given():
         apply_preset(base.replace(preset="nope"))
 
 
+def test_fast_dllm_preset_on_a_block_causal_model_keeps_its_exact_cache(imported, tok):
+    """--preset fast-dllm on SDAR: the threshold and blocks apply, the prefix cache is moot (its KV cache is exact);
+    asking for --prefix-cache by name is refused."""
+    _, _, _, model, ck = imported["sdar"]
+    prompt = tokens(6, 13, tok.vocab_size, (tok.mask_id, tok.eos_id))[0].tolist()
+    assert len(generate_ids(model, ck, prompt, SampleConfig(max_new_tokens=8, preset="fast-dllm"))) == 8
+    with pytest.raises(DlmError, match="--prefix-cache applies to a full-attention"):
+        generate_ids(model, ck, prompt, SampleConfig(max_new_tokens=8, prefix_cache=True))
+
+
 def test_sub_block_commits_in_order(imported, tok):
     """Fast-dLLM v2's sub-blocks: a step commits only inside the first sub-block (of the block, counted from its
     start) that still has holes."""

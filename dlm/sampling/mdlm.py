@@ -473,6 +473,7 @@ def make_job(prompt: Prompt, cfg, train_block: int, context: int, causal_context
 def stream(model, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> Iterator[Event]:
     """The mdlm sampler (cfg: SampleConfig); prompts run one after another (rows of the stream). step_events: a
     Step event after every denoising step (the live view, the server's step streaming, tests)."""
+    asked_cache = cfg.prefix_cache
     cfg = apply_preset(cfg, ck.config.get("preset"))
     rule = check_options(cfg)
     tok = ck.tokenizer
@@ -485,9 +486,11 @@ def stream(model, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> 
         raise DlmError(f"{ck.path}: context must be block or full, got {context!r}"[:200])
     full = context == "full"
     shift = bool(ck.config.get("shift"))
-    if cfg.prefix_cache and not full:
+    if asked_cache and not full:
         raise DlmError("--prefix-cache applies to a full-attention checkpoint (LLaDA, Dream); this one decodes over "
                        "an exact KV cache already")
+    if not full:  # (a preset's prefix cache: this checkpoint's exact cache is already there)
+        cfg = cfg.replace(prefix_cache=False)
     jobs = [make_job(p, cfg, ck.block_size, model.cfg.max_seq_len, causal, full, shift) for p in prompts]
     return _run(model, jobs, rule, cfg, mask_id, tok.eos_id, step_events)
 
