@@ -168,6 +168,7 @@ def test_import_records_the_conventions(imported, tok, family, block, shift, con
     assert c["mask_id"] == tok.mask_id and ck.block_size == block
     assert model.cfg.attn_bias == (family in ("dream", "fast-dllm-v2"))  # Qwen2's q/k/v biases
     assert model.cfg.qk_norm == (family == "sdar")  # Qwen3's q/k-norm
+    assert model.num_params() == model.cfg.num_params()  # (the count of the config knows the biases)
 
 
 # the backbone against transformers ----------------------------------------------------------------------------
