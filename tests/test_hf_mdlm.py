@@ -664,21 +664,36 @@ def test_import_refuses_folders_that_do_not_fit(imported, family, change, msg, t
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_likelihood_bound_and_drafting_refuse_what_they_cannot_read(imported, family):
-    """The ELBO reads each masked position's own output: LLaDA and SDAR (no shift) are scored with their own <mask>
-    id; Dream and Fast-dLLM v2 (shifted) are refused in one line, as is drafting with a shifted or full-attention
-    model."""
+def test_likelihood_bound_reads_the_family_convention(imported, family):
+    """The ELBO with one free position is exactly that token's cross-entropy given the rest with it masked: the
+    reference computes it with transformers' class and the family's attention (LLaDA, Dream: full; SDAR: the block
+    view), reading the output at the position (LLaDA, SDAR) or one earlier (Dream's eval: shifted logits). A
+    shifted block model (Fast-dLLM v2) is refused in one line."""
     from dlm.objectives.mdlm import check_bound, elbo_nll
 
-    _, _, _, model, ck = imported[family]
-    if ck.config["shift"]:
-        with pytest.raises(DlmError, match="shifted"):
+    ref, _, _, model, ck = imported[family]
+    if ck.config["shift"] and ck.block_size:
+        with pytest.raises(DlmError, match="shifted block model"):
             check_bound(ck)
-    else:
-        check_bound(ck)
-        x = tokens(16, 11, model.cfg.vocab_size, (ck.mask_id,))
-        nll = elbo_nll(model, x, ck.block_size, ck.mask_id, 2, torch.Generator().manual_seed(0))
-        assert nll.shape == (2, 1) and bool(torch.isfinite(nll).all())
+        return
+    check_bound(ck)
+    T = 8  # one window (SDAR: two blocks of 4; the free position is in the second)
+    x = tokens(T, 11, model.cfg.vocab_size, (ck.mask_id,))
+    fixed = torch.ones(1, T, dtype=torch.bool)
+    fixed[0, 6] = False
+    nll = elbo_nll(model, x, ck.block_size, ck.mask_id, 2, torch.Generator().manual_seed(0), fixed=fixed,
+                   shift=ck.config["shift"])
+    xt = x.clone()
+    xt[0, 6] = ck.mask_id
+    with torch.no_grad():
+        if ck.block_size:  # the noisy block sees the clean blocks before it and itself: the same rows here
+            logits = ref(xt, attention_mask=block_causal(T, ck.block_size)).logits[0]
+        else:
+            logits = ref(xt, attention_mask=torch.ones(1, 1, T, T, dtype=torch.bool)).logits[0]
+        row = logits[5 if ck.config["shift"] else 6].clone()
+        row[ck.mask_id] = float("-inf")
+        want = -torch.log_softmax(row, -1)[x[0, 6]]
+    assert torch.allclose(nll, torch.full_like(nll, float(want)), atol=1e-5)
 
 
 def test_import_needs_the_fast_tokenizer_file(imported, tmp_path):
@@ -688,6 +703,19 @@ def test_import_needs_the_fast_tokenizer_file(imported, tmp_path):
     (bad / "tokenizer.json").unlink()
     with pytest.raises(DlmError, match="no tokenizer.json"):
         import_hf(bad, tmp_path / "out")
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "fast-dllm-v2"])
+def test_drafting_with_a_full_attention_or_shifted_model_is_refused(imported, family):
+    """dlm's diffusion drafter reads its own block-causal, unshifted outputs: LLaDA, Dream and Fast-dLLM v2 are
+    refused as drafters in one line (SDAR, block-causal and unshifted, drafts)."""
+    from dlm.drafters import load_drafter
+
+    _, _, _, _, ck = imported[family]
+    target, tck = imported["sdar"][3], imported["sdar"][4]
+    with pytest.raises(DlmError, match="does not draft yet"):
+        load_drafter(str(ck.path), target, tck)
+    assert load_drafter(str(tck.path), target, tck) is not None
 
 
 def test_cli_refusal_is_exit_code_2(imported, tmp_path, capsys):
