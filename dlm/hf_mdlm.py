@@ -30,8 +30,13 @@ from typing import Any
 
 import torch
 
+from dlm.checkpoint import all_finite, check_shapes, save_checkpoint, state_tensors
 from dlm.config import ModelConfig
 from dlm.errors import DlmError
+from dlm.files import write_folder, write_json, write_tensors
+from dlm.hf_layout import dlm_name, hf_config, model_config_from_hf
+from dlm.model import Transformer, param_shapes
+from dlm.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -144,8 +149,6 @@ def model_config(hf: dict[str, Any], source: Path) -> ModelConfig:
     fam = family_of(hf)
     if fam.layout == "llada":
         return model_config_from_llada(hf, source)
-    from dlm.hf_layout import model_config_from_hf
-
     if fam.layout == "qwen2" and hf.get("attention_bias") is False:
         raise DlmError(f"{source}: {fam.model_type} has q/k/v biases (attention_bias false is not its layout)")
     if hf.get("use_sliding_window"):
@@ -179,8 +182,6 @@ def dlm_state(raw: dict[str, torch.Tensor], cfg: ModelConfig, fam: Family, sourc
                 raise DlmError(f"{source}: unexpected tensor {name!r} for LLaDA's layout")
             out[inv[name]] = t
         return out
-    from dlm.hf_layout import dlm_name
-
     return {dlm_name(k, cfg, source): v for k, v in raw.items() if dlm_name(k, cfg, source) is not None}
 
 
@@ -197,11 +198,6 @@ def side_files(src: Path, hf: dict[str, Any]) -> list[str]:
 
 def import_folder(src: Path, out: Path, overwrite: bool, hf: dict[str, Any], read_weights) -> Path:
     """A local LLaDA / Dream / SDAR / Fast-dLLM v2 folder -> a dlm mdlm checkpoint, in the dtype it is stored in."""
-    from dlm.checkpoint import all_finite, check_shapes, save_checkpoint
-    from dlm.files import write_folder
-    from dlm.model import Transformer, param_shapes
-    from dlm.tokenizer import Tokenizer
-
     fam = family_of(hf)
     cfg = model_config(hf, src / "config.json")
     conv = conventions(hf, cfg, src / "config.json")
@@ -239,8 +235,6 @@ def layout_keys(cfg: ModelConfig, fam: Family, tok, dtype: str, src: dict[str, A
                "weight_tying": cfg.tie_embeddings, "include_qkv_bias": cfg.attn_bias, "embedding_size": cfg.vocab_size}
         out["vocab_size"] = min(src.get("vocab_size") or cfg.vocab_size, cfg.vocab_size)
         return out
-    from dlm.hf_layout import hf_config
-
     base = hf_config(cfg, tok, dtype)
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
@@ -276,8 +270,6 @@ def export_config(cfg: ModelConfig, meta: dict[str, Any], tok, dtype: str) -> di
 
 
 def hf_tensors(model, cfg: ModelConfig, fam: Family, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    from dlm.checkpoint import state_tensors
-
     state = state_tensors(model, dtype)
     if fam.layout == "llada":
         names = llada_names(cfg)
@@ -287,8 +279,6 @@ def hf_tensors(model, cfg: ModelConfig, fam: Family, dtype: torch.dtype) -> dict
 
 def export_folder(model, tok, tmp: Path, dtype: torch.dtype, meta: dict[str, Any], side_dir: Path | None) -> None:
     """Write an imported mdlm checkpoint back in its family's layout into tmp."""
-    from dlm.files import write_json, write_tensors
-
     fam = BY_NAME[meta["family"]]
     if model.cfg.qk_norm != (fam.layout == "qwen3") or (fam.layout == "qwen2" and not model.cfg.attn_bias):
         raise DlmError(f"--format hf: this backbone does not fit {fam.name}'s layout")
