@@ -143,6 +143,13 @@ class Checkpoint:
         return read_tensors(self.path / WEIGHTS)
 
     @property
+    def mask_id(self) -> int | None:
+        """The <mask> id masked diffusion uses: the one config.json records (an imported public model's own, e.g.
+        LLaDA's 126336), else the tokenizer's."""
+        m = self.config.get("mask_id")
+        return m if m is not None else self.tokenizer.mask_id
+
+    @property
     def block_size(self) -> int:
         """The block a block-diffusion checkpoint or a DFlash drafter was trained with (0: the whole sequence). The
         one accessor: read from the top level, else the drafter's section, else the older key `block_length`."""
@@ -184,7 +191,9 @@ class Checkpoint:
 # the entries of config.json that dlm reads, with their types ("?": may be null); others are kept and ignored
 CONFIG_SCHEMA = {"version": "int", "objective": "str", "model": "dict", "train": "dict", "data": "str", "step": "int",
                  "params": "int", "tokenizer": "dict", "block_size": "int?", "block_length": "int?",
-                 "canvas_length": "int", "noise_vocab": "int", "mask_id": "int?", "dtype": "str", "dflash": "dict"}
+                 "canvas_length": "int", "noise_vocab": "int", "mask_id": "int?", "dtype": "str", "dflash": "dict",
+                 # mdlm conventions of an imported public model (dlm.hf_mdlm, read by dlm.sampling.mdlm)
+                 "shift": "bool", "context": "str", "preset": "str?", "family": "str"}
 SECTION_SCHEMAS = {
     "train": {"seq_len": "int", "canvas_length": "int", "init_from": "str?", "data": "str"},
     "tokenizer": {"sha256": "str", "vocab_size": "int"},

@@ -155,7 +155,7 @@ def generate_cmd(
 
         view = _console(file=sys.stderr) if json else _console()
         res = live(stream(net, ck, encode(ck, prompt, scfg), scfg, step_events=True), ck.tokenizer, prompt,
-                   console=view)
+                   console=view, mask_id=ck.mask_id)
     else:
         res = generate(net, ck, prompt, scfg)
     stats = res.stats.as_dict()
@@ -305,7 +305,8 @@ def export_cmd(model: str, out: str, format: str = "hf", dtype: str = "float32",
     net, ck = load_model(model, dtype=None)  # as stored: each tensor is cast as it is written
     if format == "dlm":
         path = export_dlm(net, ck, out, dtypes[dtype], overwrite)
-    elif ck.objective == "ar" or (ck.objective == "usdm" and net.cfg.arch):  # usdm: DiffusionGemma's layout
+    elif ck.objective == "ar" or (ck.objective == "usdm" and net.cfg.arch) or ck.config.get("family"):
+        # usdm: DiffusionGemma's layout; an imported LLaDA / Dream / SDAR / Fast-dLLM v2 (family): its own
         path = export_hf(net, ck.tokenizer, out, dtypes[dtype], overwrite, inputs=(ck.path,))
     elif ck.objective == "dflash":  # the layout of the public DFlash drafters (vLLM, SGLang)
         path = export_drafter(net, ck, out, dtypes[dtype], overwrite)
@@ -317,9 +318,10 @@ def export_cmd(model: str, out: str, format: str = "hf", dtype: str = "float32",
 
 
 def import_cmd(hf: str, out: str, overwrite: bool = False, target: str | None = None) -> None:
-    """Import a local Qwen3, Llama or Gemma 4 folder (safetensors, sharded or not) as a dlm AR checkpoint, a
-    DiffusionGemma folder as a usdm checkpoint (text weights), or a public DFlash drafter folder (z-lab's layout:
-    dflash_config) as a dlm drafter for --target.
+    """Import a local Qwen3, Qwen2, Llama or Gemma 4 folder (safetensors, sharded or not) as a dlm AR checkpoint, a
+    LLaDA, Dream, SDAR or Fast-dLLM v2 folder as an mdlm checkpoint (its block, shift, <mask> id and decoding preset
+    recorded: docs/public-models.md), a DiffusionGemma folder as a usdm checkpoint (text weights), or a public DFlash
+    drafter folder (z-lab's layout: dflash_config) as a dlm drafter for --target.
 
     Args:
         hf: the transformers folder (config.json, *.safetensors, tokenizer.json; a drafter has no tokenizer)

@@ -30,6 +30,7 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     norm_eps: float = 1e-6
     qk_norm: bool = True  # Qwen3: RMSNorm on q and k per head; Llama: off
+    attn_bias: bool = False  # Qwen2 / Qwen2.5 (Dream, Fast-dLLM v2): a bias on the q, k and v projections (not o)
     tie_embeddings: bool = True
     max_seq_len: int = 1024  # longest position the model is trained and sampled for
     self_cond: bool = False  # uniform-state diffusion: self-conditioning module (DiffusionGemma)
@@ -117,6 +118,7 @@ class ModelConfig:
             return num_params(self)
         d, hd = self.dim, self.head_dim
         attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads) + (2 * hd if self.qk_norm else 0)
+        attn += hd * (self.n_heads + 2 * self.n_kv_heads) if self.attn_bias else 0
         mlp = 3 * d * self.ffn_dim
         per_layer = attn + mlp + 2 * d
         emb = self.vocab_size * d

@@ -61,9 +61,12 @@ def load_drafter(spec: str, target: Transformer, ck, sampling: Sampling | None =
     if dck.objective == "ar":
         return ARDraft(model, sampling, capacity, name=f"ar-draft ({Path(spec).name})")
     if dck.objective in DIFFUSION:
-        if dck.tokenizer.mask_id is None:
+        if dck.mask_id is None:
             raise DlmError(f"--draft {spec}: its tokenizer has no <mask> token")
-        return DiffusionDraft(model, dck.tokenizer.mask_id, dck.block_size or DEFAULT_BLOCK_SIZE, sampling, capacity,
+        if dck.config.get("shift") or dck.config.get("context") == "full":
+            raise DlmError(f"--draft {spec}: a shifted or full-attention model ({dck.config.get('family')}) does not "
+                           "draft yet (it generates on its own)")
+        return DiffusionDraft(model, dck.mask_id, dck.block_size or DEFAULT_BLOCK_SIZE, sampling, capacity,
                               passes, causal_context=dck.objective == "joint",
                               name=f"{dck.objective} ({Path(spec).name})")
     check_target(dck.config["dflash"], target, ck.tokenizer.sha256, spec)

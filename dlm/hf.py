@@ -1,8 +1,9 @@
-"""transformers interop: export a dlm AR checkpoint as Qwen3/Llama, import a local Qwen3/Llama folder,
-and export a DFlash drafter in the layout of the public DFlash checkpoints.
+"""transformers interop: export a dlm AR checkpoint as Qwen3/Qwen2/Llama, import a local Qwen3/Qwen2/Llama folder,
+and export a DFlash drafter in the layout of the public DFlash checkpoints. The public masked-diffusion families
+(LLaDA, Dream, SDAR, Fast-dLLM v2) are dlm.hf_mdlm's, Gemma 4 / DiffusionGemma dlm.hf_gemma's.
 
 dlm's parameter names are transformers' without the `model.` prefix, so the mapping is a rename.
-Qwen3 when q/k-norm is on, Llama when it is off. Nothing here imports transformers.
+Qwen3 when q/k-norm is on, Qwen2 when q/k/v biases are, Llama when neither is. Nothing here imports transformers.
 
 Drafters (`export_drafter`) get the layout of the public DFlash checkpoints (z-lab/*-DFlash-b16):
 architectures ["DFlashDraftModel"], model_type qwen3, `dflash_config` {target_layer_ids,
@@ -20,52 +21,15 @@ from typing import Any
 import torch
 
 from dlm.checkpoint import Checkpoint, all_finite, check_shapes, save_checkpoint, state_tensors
-from dlm.files import mmap_tensors, read_json, tensor_shapes, write_folder, write_json, write_tensors
-from dlm import hf_gemma
-from dlm.config import ModelConfig
+from dlm.files import read_json, tensor_shapes, write_folder, write_json, write_tensors
+from dlm import hf_gemma, hf_mdlm
+from dlm.hf_layout import (  # noqa: F401  (the layout's functions, here where they have always been importable)
+    ARCHITECTURES, dlm_name, hf_config, hf_family, model_config_from_hf, read_hf_weights, weight_files,
+)
 from dlm.drafter import DFlashDrafter
 from dlm.errors import DlmError
 from dlm.model import Transformer, param_shapes
 from dlm.tokenizer import Tokenizer
-
-
-def hf_config(cfg: ModelConfig, tok: Tokenizer, dtype: str = "float32") -> dict[str, Any]:
-    family = "qwen3" if cfg.qk_norm else "llama"
-    rope_params: dict[str, Any] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
-    if cfg.rope_scaling:
-        rope_params = {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}
-    out: dict[str, Any] = {
-        "architectures": ["Qwen3ForCausalLM" if family == "qwen3" else "LlamaForCausalLM"],
-        "model_type": family,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
-        "intermediate_size": cfg.ffn_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,  # transformers 4.x
-        "rope_scaling": cfg.rope_scaling,
-        "rope_parameters": rope_params,  # transformers 5.x
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "bos_token_id": tok.bos_id,
-        "eos_token_id": tok.eos_id,
-        "pad_token_id": tok.pad_id,
-        "torch_dtype": dtype,
-        "dtype": dtype,
-    }
-    if family == "qwen3":
-        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
-    else:
-        out.update(mlp_bias=False, pretraining_tp=1)
-    return out
 
 
 def export_hf(model: Transformer, tok: Tokenizer, out: str | os.PathLike, dtype: torch.dtype = torch.float32,
@@ -76,6 +40,12 @@ def export_hf(model: Transformer, tok: Tokenizer, out: str | os.PathLike, dtype:
         meta = read_json(src / "config.json") if src is not None and (src / "config.json").is_file() else {}
         with write_folder(out, overwrite=overwrite, inputs=inputs) as tmp:
             hf_gemma.export_folder(model, tok, tmp, dtype, meta.get("hf_config"), side_dir=src)
+        return Path(out)
+    src = Path(inputs[0]) if inputs else None
+    meta = read_json(src / "config.json") if src is not None and (src / "config.json").is_file() else {}
+    if meta.get("family") in hf_mdlm.BY_NAME:  # an imported LLaDA / Dream / SDAR / Fast-dLLM v2: its own layout
+        with write_folder(out, overwrite=overwrite, inputs=inputs) as tmp:
+            hf_mdlm.export_folder(model, tok, tmp, dtype, meta, src)
         return Path(out)
     if model.cfg.self_cond:
         raise DlmError("--format hf: this checkpoint has a self-conditioning module that Qwen3/Llama cannot hold")
@@ -144,105 +114,10 @@ def export_drafter(drafter: DFlashDrafter, ck: Checkpoint, out: str | os.PathLik
     return Path(out)
 
 
-def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    params = hf.get("rope_parameters") or {}
-    for key in ("rope_parameters", "rope_scaling"):
-        if hf.get(key) is not None and not isinstance(hf[key], dict):
-            raise DlmError(f"config.json: {key} must be an object, got {hf[key]!r}"[:200])
-    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
-    scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind == "default":
-            scaling = None
-        elif kind != "llama3":
-            raise DlmError(f"config.json: rope scaling {kind!r} is not supported (default and llama3 are)")
-        else:
-            scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool):
-        raise DlmError(f"config.json: rope_theta must be a number, got {theta!r}"[:200])
-    return float(theta), scaling
-
-
-def model_config_from_hf(hf: dict[str, Any], source: Path) -> ModelConfig:
-    kind = hf.get("model_type")
-    if kind not in ("qwen3", "llama"):
-        raise DlmError(f"{source}: model_type {kind!r} is not supported (qwen3, llama, gemma4_text, gemma4 and diffusion_gemma are)")
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise DlmError(f"{source}: attention/MLP biases are not supported")
-    if hf.get("use_sliding_window"):
-        raise DlmError(f"{source}: sliding-window attention is not supported")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise DlmError(f"{source}: hidden_act {hf.get('hidden_act')!r} is not supported (silu is)")
-    theta, scaling = _rope(hf)
-
-    def get(key: str, default: Any = None) -> Any:
-        if hf.get(key) is None:
-            if default is None:
-                raise DlmError(f"{source}: {key} is missing (a Qwen3/Llama config.json has it)")
-            return default
-        v = hf[key]
-        if not isinstance(v, (int, float)) or isinstance(v, bool):
-            raise DlmError(f"{source}: {key} must be a number, got {v!r}"[:200])
-        return v
-
-    n_heads, dim = get("num_attention_heads"), get("hidden_size")
-    try:
-        return ModelConfig(
-            vocab_size=get("vocab_size"), dim=dim, n_layers=get("num_hidden_layers"), n_heads=n_heads,
-            n_kv_heads=get("num_key_value_heads", n_heads),
-            head_dim=get("head_dim", dim // n_heads if isinstance(n_heads, int) and n_heads > 0 else 0),
-            ffn_dim=get("intermediate_size"), rope_theta=theta, rope_scaling=scaling,
-            norm_eps=get("rms_norm_eps", 1e-6),
-            qk_norm=kind == "qwen3", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_seq_len=get("max_position_embeddings", 4096),
-        )
-    except DlmError as e:
-        raise DlmError(f"{source}: {e}") from None
-
-
-def weight_files(folder: Path) -> list[str]:
-    """The safetensors files of a transformers folder: model.safetensors, or the shards its index names
-    (plain file names inside the folder: an index cannot point outside it)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        wmap = read_json(index).get("weight_map")
-        if not isinstance(wmap, dict) or not wmap:
-            raise DlmError(f"{index}: weight_map must be a non-empty object of tensor name -> shard file")
-        bad = [f for f in wmap.values()
-               if not isinstance(f, str) or Path(f).name != f or f in ("", ".", "..") or "\\" in f]
-        if bad:
-            raise DlmError(f"{index}: shard {bad[0]!r} is not a plain file name in {folder} (an index may only name "
-                           "files beside it)")
-        files = sorted(set(wmap.values()))
-        return files
-    if (folder / "model.safetensors").is_file():
-        return ["model.safetensors"]
-    raise DlmError(f"{folder}: no model.safetensors or model.safetensors.index.json (only safetensors are read)")
-
-
-def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a transformers folder, memory-mapped (nothing is read until it is used)."""
-    tensors: dict[str, torch.Tensor] = {}
-    for f in weight_files(folder):
-        tensors.update(mmap_tensors(folder / f))
-    return tensors
-
-
-def dlm_name(name: str, cfg: ModelConfig, src: Path) -> str | None:
-    """The dlm name of a transformers tensor (None: not kept)."""
-    if name.startswith("model."):
-        return name[len("model."):]
-    if name == "lm_head.weight":
-        return None if cfg.tie_embeddings else name
-    if "rotary_emb" in name:
-        return None
-    raise DlmError(f"{src}: unexpected tensor {name!r}")
-
-
 def import_hf(folder: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False,
               target: str | os.PathLike | None = None) -> Path:
-    """Read a local Qwen3/Llama/Gemma 4 folder into a dlm checkpoint (objective "ar"), in the dtype it is stored in;
+    """Read a local Qwen3/Qwen2/Llama/Gemma 4 folder into a dlm checkpoint (objective "ar"), in the dtype it is stored in;
+    a LLaDA, Dream, SDAR or Fast-dLLM v2 folder into an mdlm checkpoint with its conventions (dlm.hf_mdlm);
     a DiffusionGemma folder into a usdm checkpoint (dlm.hf_gemma); a public DFlash drafter folder into a dflash
     checkpoint for `target` (`import_drafter`).
 
@@ -254,6 +129,8 @@ def import_hf(folder: str | os.PathLike, out: str | os.PathLike, overwrite: bool
     hf = read_json(src / "config.json")
     if is_drafter(hf):
         return import_drafter(src, target, out, overwrite)
+    if hf.get("model_type") in hf_mdlm.MODEL_TYPES:  # LLaDA / Dream / SDAR / Fast-dLLM v2 -> mdlm (dlm.hf_mdlm)
+        return hf_mdlm.import_folder(src, out, overwrite, hf, read_hf_weights)
     if hf.get("model_type") in hf_gemma.MODEL_TYPES:  # Gemma 4 / DiffusionGemma (dlm.hf_gemma)
         path, note = hf_gemma.import_folder(src, out, overwrite, hf, read_hf_weights)
         if note:

@@ -80,18 +80,23 @@ class DlmLM(LM):
             target = ids[0, n:]
             return float(logp.gather(1, target[:, None]).sum()), bool((logits.argmax(-1) == target).all())
         from dlm.masks import block_causal_mask
-        from dlm.objectives.mdlm import elbo_nll, masked_logits
+        from dlm.objectives.mdlm import check_bound, elbo_nll, masked_logits, shifted
 
-        mask_id = self.tok.mask_id
+        check_bound(self.ck)
+        mask_id = self.ck.mask_id
         fixed = torch.zeros_like(ids, dtype=torch.bool)
         fixed[0, :n] = True
         gen = torch.Generator(device=self.model.device).manual_seed(self.seed)
-        nll = elbo_nll(self.model, ids, self.ck.block_size, mask_id, self.samples, gen, fixed=fixed)  # (samples, 1)
+        shift = bool(self.ck.config.get("shift"))  # Dream: token i read from the output at i - 1
+        nll = elbo_nll(self.model, ids, self.ck.block_size, mask_id, self.samples, gen, fixed=fixed,
+                       shift=shift)  # (samples, 1)
         xt = ids.clone()
         xt[0, n:] = mask_id
         L = self.ck.block_size
         h = self.model(xt, mask=block_causal_mask(ids.shape[1], L, ids.device) if 0 < L < ids.shape[1] else "full",
                        head=False).last
+        if shift:
+            h = shifted(h)
 
         greedy = bool((masked_logits(self.model, h[0, n:], mask_id).argmax(-1) == ids[0, n:]).all())
         return -float(nll.mean()), greedy

@@ -107,9 +107,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        bias = cfg.attn_bias  # Qwen2: q, k and v carry a bias, o does not
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
@@ -293,6 +294,8 @@ def init_weights(model: nn.Module, n_layers: int) -> None:
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:  # (attn_bias) biases start at zero
+            nn.init.zeros_(m.bias)
     for name, p in model.named_parameters():
         if name.endswith(RESIDUAL_OUT):
             nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layers))
@@ -307,6 +310,9 @@ def block_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
            "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F)}
     if cfg.qk_norm:
         out.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+    if cfg.attn_bias:
+        out.update({"self_attn.q_proj.bias": (cfg.n_heads * hd,), "self_attn.k_proj.bias": (cfg.n_kv_heads * hd,),
+                    "self_attn.v_proj.bias": (cfg.n_kv_heads * hd,)})
     return {prefix + k: v for k, v in out.items()}
 
 

@@ -1,4 +1,4 @@
-"""dlm's logits against transformers' on the same weights (Qwen3 and Llama), and import/export."""
+"""dlm's logits against transformers' on the same weights (Qwen3, Qwen2 and Llama), and import/export."""
 
 import json
 
@@ -25,13 +25,15 @@ def tok(tokenizer_path):
 def make(family: str, tok, **kw) -> Transformer:
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=tok.vocab_size, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=160,
-                      qk_norm=family == "qwen3", tie_embeddings=family == "qwen3", rope_theta=50000.0,
-                      max_seq_len=256, **kw)
+                      qk_norm=family == "qwen3", attn_bias=family == "qwen2", tie_embeddings=family == "qwen3",
+                      rope_theta=50000.0, max_seq_len=256, **kw)
     m = Transformer(cfg).eval()
     with torch.no_grad():  # non-trivial norm weights, so a mix-up would show
         for n, p in m.named_parameters():
             if "norm" in n:
                 p.add_(0.1 * torch.randn_like(p))
+            elif n.endswith("bias"):  # Qwen2's q/k/v biases (they start at zero)
+                p.normal_(0, 0.1)
     return m
 
 
@@ -39,14 +41,15 @@ def hf_load(path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
 def test_export_matches_transformers_with_and_without_cache(family, tok, tmp_path):
     m = make(family, tok)
     export_hf(m, tok, tmp_path / "hf")
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["model_type"] == family
     hf = hf_load(tmp_path / "hf")
-    assert type(hf).__name__ == ("Qwen3ForCausalLM" if family == "qwen3" else "LlamaForCausalLM")
+    assert type(hf).__name__ == {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                 "llama": "LlamaForCausalLM"}[family]
     x = torch.randint(0, tok.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours = m(x, taps=(0, 1, 2))
@@ -86,7 +89,7 @@ def test_exported_tokenizer_loads_in_transformers(tok, tmp_path):
     assert at.eos_token_id == tok.eos_id and at.pad_token_id == tok.pad_id
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
 def test_import_sharded_folder_roundtrip(family, tok, tmp_path):
     m = make(family, tok)
     export_hf(m, tok, tmp_path / "hf")
@@ -107,6 +110,7 @@ def test_import_sharded_folder_roundtrip(family, tok, tmp_path):
     import_hf(src, tmp_path / "dlm")
     back, ck = load_model(tmp_path / "dlm")
     assert ck.objective == "ar" and back.cfg.qk_norm == (family == "qwen3")
+    assert back.cfg.attn_bias == (family == "qwen2")
     x = torch.randint(0, tok.vocab_size, (1, 30))
     with torch.no_grad():
         assert torch.equal(back(x).logits, m(x).logits)

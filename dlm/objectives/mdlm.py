@@ -113,7 +113,7 @@ class MDLM(Objective):
 
 @torch.inference_mode()
 def elbo_nll(model: nn.Module, x0: Tensor, L: int, mask_id: int, samples: int, gen: torch.Generator,
-             fixed: Tensor | None = None) -> Tensor:
+             fixed: Tensor | None = None, shift: bool = False) -> Tensor:
     """Monte-Carlo negative ELBO (nats, summed over tokens) of each window x0 (B, T): (samples, B).
 
     Per block and sample, l ~ U{1..L} positions are masked uniformly at random; the masked tokens'
@@ -121,6 +121,8 @@ def elbo_nll(model: nn.Module, x0: Tensor, L: int, mask_id: int, samples: int, g
     clean context's K/V are computed once (block-causal, as at sampling) and read by every sample.
     fixed (B, T) bool: positions that are never masked (a condition: the bound is then of the other tokens
     given them, LLaDA's conditional likelihood); L counts a block's free positions only.
+    shift: a masked position's token is predicted by the output one position earlier (Dream's likelihood; position
+    0 by its own); whole windows only (check_bound).
     """
     B, T = x0.shape
     L = L if 0 < L < T else T
@@ -152,10 +154,28 @@ def elbo_nll(model: nn.Module, x0: Tensor, L: int, mask_id: int, samples: int, g
             h = model(xt, mask="full", head=False).last
         else:
             h = model(xt, pos=torch.arange(T, device=dev), cache=cache, mask=noisy_mask, write=False, head=False).last
+        if shift:
+            h = shifted(h)
         ce = torch.zeros(B, T, device=dev, dtype=torch.float64)
         ce[masked] = F.cross_entropy(masked_logits(model, h[masked], mask_id), x0[masked], reduction="none").double()
         out[s] = (ce * (free[:, blk] / l[:, blk].clamp(min=1))).sum(1)
     return out
+
+
+def shifted(h: Tensor) -> Tensor:
+    """Outputs (B, T, ...) realigned for a shifted model: row i holds the output at i - 1 (row 0 its own)."""
+    return torch.cat([h[:, :1], h[:, :-1]], 1)
+
+
+def check_bound(ck) -> None:
+    """The likelihood bound of a shifted checkpoint reads the output one position earlier (Dream: whole windows);
+    with blocks (Fast-dLLM v2) a block's first token would be read across the block boundary, which its training
+    and its decoding do differently: refused rather than scored one way or the other."""
+    if ck.config.get("shift") and ck.block_size:
+        raise DlmError(f"{ck.path}: the likelihood bound of a shifted block model ({ck.config.get('family', 'shift')}) "
+                       "is not implemented (generation is)")
+    if ck.mask_id is None:
+        raise DlmError(f"{ck.path}: the tokenizer has no <mask> token")
 
 
 def mdlm_eval(model, ck, corpus, split: str, seq_len: int, batch_size: int, max_batches: int | None, seed: int,
@@ -164,6 +184,7 @@ def mdlm_eval(model, ck, corpus, split: str, seq_len: int, batch_size: int, max_
     from dlm.data.tokens import Batches, load_tokens
 
     check(samples > 0, f"--samples must be > 0, got {samples}")
+    check_bound(ck)
     tok = ck.tokenizer
     L = ck.block_size
     T = min(seq_len, model.cfg.max_seq_len)
@@ -173,7 +194,8 @@ def mdlm_eval(model, ck, corpus, split: str, seq_len: int, batch_size: int, max_
     per_sample, count = torch.zeros(samples, dtype=torch.float64), 0
     for batch in batches.sequential(max_batches):
         x0 = batch[:, :-1].to(model.device)  # (B, T): the same windows as the AR number
-        per_sample += elbo_nll(model, x0, L, tok.mask_id, samples, gen).sum(1).double().cpu()
+        per_sample += elbo_nll(model, x0, L, ck.mask_id, samples, gen,
+                               shift=bool(ck.config.get("shift"))).sum(1).double().cpu()
         count += x0.numel()
     per_tok = per_sample / count  # (samples,) each sample's bound in nats / token
     nll = float(per_tok.mean())

@@ -60,12 +60,17 @@ class SampleConfig:
         top_p: nucleus sampling mass in (0, 1]
         seed: makes sampling reproducible
         naive: AR, mdlm: recompute the whole sequence every step (no KV cache)
-        sampler: confidence | threshold | entropy_bound (mdlm); entropy_bound (usdm); ar | self-spec-linear | self-spec-linear-ar | self-spec-quadratic | confidence | threshold | entropy_bound (joint); auto = the paradigm's default
+        sampler: confidence | threshold | entropy_bound | entropy (mdlm); entropy_bound (usdm); ar | self-spec-linear | self-spec-linear-ar | self-spec-quadratic | confidence | threshold | entropy_bound (joint); auto = the paradigm's default
         steps: denoising steps per block (mdlm; default: one token per step; threshold / entropy_bound: at most this many) or per canvas at most (usdm; default 48)
         threshold: mdlm threshold sampler: commit every position with confidence >= this
         entropy_bound: entropy-bound acceptance: cumulative entropy minus its largest entropy <= this
         block_size: a block of positions: mdlm's semi-autoregressive block (default: the checkpoint's training block, else the whole generation); speculative: the block of one verify cycle, the last committed token + block_size-1 proposals (default: the drafter's: its block size for DFlash, 5 for an AR draft, 8 for lookup)
         remasking: mdlm: low_confidence | random
+        preset: mdlm: a public model's decoding recipe: llada | fast-dllm | dream | sdar | fast-dllm-v2 | none (options given explicitly win; default: the one an imported checkpoint records, docs/public-models.md)
+        prefix_cache: mdlm, a full-attention checkpoint (LLaDA, Dream): Fast-dLLM's approximate prefix cache (a block's later passes read the K/V its first pass computed for the positions before it); off = exact, the whole sequence every step
+        schedule: mdlm: positions committed per step: even (a block's holes spread evenly over --steps, LLaDA) or dream (Dream's time grid, linspace(1, 1e-3, steps + 1): int(holes x (1 - t[i+1] / t[i])), the rest at the last step)
+        whole_blocks: mdlm: pad the last block with holes to its full size and denoise it whole, as training saw blocks (SDAR, Fast-dLLM v2); what lies past --max-new-tokens is dropped
+        sub_block: mdlm: commit only in the first stretch of this many positions of the block that still has holes (Fast-dLLM v2: 8); default: the whole block
         revise: mdlm revision (ReMDM-style): a committed token whose probability under a later pass falls below this goes back to <mask> and is predicted again (at most 3 times per position); 0 = off
         canvas_length: usdm: tokens per canvas (default: the checkpoint's)
         t_max: usdm: temperature of the first step
@@ -95,6 +100,11 @@ class SampleConfig:
     entropy_bound: float = 0.1
     block_size: int | None = None
     remasking: str = "low_confidence"
+    preset: str | None = None
+    prefix_cache: bool = False
+    sub_block: int | None = None
+    schedule: str = "even"
+    whole_blocks: bool = False
     revise: float = 0.0
     canvas_length: int | None = None
     t_max: float = 0.8

@@ -13,6 +13,8 @@ position and commits some of them by a rule:
   threshold      Fast-dLLM: every position whose confidence >= `--threshold` (at least one)
   entropy_bound  sort positions by entropy ascending; accept the longest prefix whose cumulative
                  entropy minus its largest entropy <= `--entropy-bound` (at least one)
+  entropy        Dream's entropy order: the k positions whose predictive distribution has the lowest
+                 entropy, k from the same budget as confidence
 
 With `--steps` the adaptive rules commit at least the budget of the step too, so a block never takes
 more than `--steps` passes (without `--revise`).
@@ -24,6 +26,37 @@ logits at its position, where the token is visible; no extra forward); a committ
 probability has fallen below P goes back to <mask>, and is proposed again from the next pass on (not in
 the pass that revised it). A position is sent back at most `MAX_REVISIONS` times, so a block ends; a
 committed <eos>, the prompt's tokens and pinned tokens are never revised. Off (0), nothing changes.
+
+`--schedule dream`: how many positions a step commits follows Dream's time grid (dream_count) instead of
+spreading the block's holes evenly over `--steps` (LLaDA's).
+
+`--whole-blocks` (SDAR, Fast-dLLM v2): the last block is padded with holes to its full size and denoised whole,
+as in training; what lies past `--max-new-tokens` is dropped.
+
+`--sub-block N` (Fast-dLLM v2's sub-blocks): every pass still denoises the whole block, but a step commits
+only inside the first N-position stretch of the block (counted from its start) that still has holes.
+
+Two conventions a checkpoint records (public models imported by dlm.hf_mdlm carry them; a checkpoint dlm
+trains has neither):
+
+  shift: true         position i's output predicts token i + 1 (Dream, Fast-dLLM v2: models adapted from an
+                      AR checkpoint keep its next-token alignment); a block's first position is predicted by
+                      the output at the position before it (with block-causal context: the last position of
+                      the finished block, computed blind to this block, so its prediction is final from the
+                      first pass: that pass commits it alone, autoregressively, as Fast-dLLM v2 appends a
+                      block's first token before denoising the rest, and as Fast-dLLM decodes Dream over its
+                      prefix cache); position 0 by its own output
+  context: "full"     every position attends to every other, the holes after the block included, and the
+                      prompt to the canvas (LLaDA, Dream: trained without blocks). Blocks then only order the
+                      commits; they are laid from the end of the prompt (LLaDA's semi-autoregressive
+                      remasking). Exact decoding runs the whole sequence at every step (no cache: any change
+                      anywhere changes every K/V); `--prefix-cache` is Fast-dLLM's approximation: a block's
+                      first pass runs the whole sequence and keeps the K/V of the positions before the
+                      block, which its later passes read instead of recomputing them
+
+`--preset NAME` sets a family's published recipe (PRESETS below: the rule, block, steps, threshold,
+cache); an option given explicitly wins. A checkpoint may record its family's preset, used when none
+is named (`--preset none`: dlm's own defaults).
 
 Pinned tokens (the prompt's tail, a suffix, a template's text) are never masked and come out
 byte-exact. A continuation stops at its first committed <eos>: the rest of that block is not denoised
@@ -53,11 +86,41 @@ from dlm.sampling.common import (
     make_generator, sample_token,
 )
 
-RULES = ("confidence", "threshold", "entropy_bound")
+RULES = ("confidence", "threshold", "entropy_bound", "entropy")
 MAX_REVISIONS = 3  # --revise: times one position may be sent back to <mask> (so a block always ends)
 # the SampleConfig fields this sampler reads (see dlm.sampling.OPTIONS)
 OPTIONS = frozenset({"temperature", "top_k", "top_p", "naive", "sampler", "steps", "threshold", "entropy_bound",
-                     "block_size", "remasking", "revise", "suffix", "fill_length"})
+                     "block_size", "remasking", "revise", "suffix", "fill_length", "preset", "prefix_cache",
+                     "sub_block", "schedule", "whole_blocks"})
+
+# The published decoding recipes of the public masked-diffusion families, as SampleConfig settings (docs/public-
+# models.md has a command for each). steps: per block; block_size None: the whole generation.
+PRESETS: dict[str, dict] = {
+    # LLaDA: low-confidence remasking, semi-autoregressive blocks of 32, one token per step (steps = gen length)
+    "llada": {"sampler": "confidence", "block_size": 32, "steps": 32},
+    # Fast-dLLM (v1) on LLaDA / Dream: every position with confidence > 0.9 (at least one), blocks of 32 over the
+    # prefix cache
+    "fast-dllm": {"sampler": "threshold", "threshold": 0.9, "block_size": 32, "prefix_cache": True},
+    # Dream: entropy-ordered unmasking over the whole generation on its time grid (steps default: one per token)
+    "dream": {"sampler": "entropy", "schedule": "dream"},
+    # SDAR: blocks of 4 over the KV cache, 4 steps per block, low_confidence_dynamic at 0.9
+    "sdar": {"sampler": "threshold", "threshold": 0.9, "block_size": 4, "steps": 4, "whole_blocks": True},
+    # Fast-dLLM v2: blocks of 32 over the KV cache, threshold 0.9 within sub-blocks of 8
+    "fast-dllm-v2": {"sampler": "threshold", "threshold": 0.9, "block_size": 32, "sub_block": 8,
+                     "whole_blocks": True},
+}
+
+
+def apply_preset(cfg, recorded: str | None = None):
+    """cfg (SampleConfig) with a preset's settings for the options still at their defaults: cfg.preset, else the
+    checkpoint's recorded one; "none": no preset."""
+    name = cfg.preset if cfg.preset is not None else recorded
+    if name in (None, "none"):
+        return cfg
+    if name not in PRESETS:
+        raise DlmError(f"--preset must be one of {', '.join(['none', *PRESETS])}, got {name!r}")
+    defaults = type(cfg)()
+    return cfg.replace(**{k: v for k, v in PRESETS[name].items() if getattr(cfg, k) == getattr(defaults, k)})
 
 
 # the acceptance rules (plain functions over one block's positions) ------------------------------
@@ -67,6 +130,16 @@ def step_budget(n: int, steps: int) -> list[int]:
     s = max(1, min(steps, n))
     base, rem = divmod(n, s)
     return [base + (i < rem) for i in range(s)]
+
+
+def dream_count(holes: int, step: int, steps: int, eps: float = 1e-3) -> int:
+    """Positions to unmask at step `step` of `steps` with `holes` still masked, by Dream's schedule: times
+    t = linspace(1, eps, steps + 1), int(holes * (1 - t[step + 1] / t[step])) (fp32, as Dream computes it), every
+    remaining hole at the last step. Early steps may unmask none."""
+    if step >= steps - 1:
+        return holes
+    t = torch.linspace(1, eps, steps + 1)
+    return int(torch.tensor(float(holes)) * (1 - t[step + 1] / t[step]))
 
 
 def top_k_of(score: Tensor, masked: Tensor, k: int) -> Tensor:
@@ -105,7 +178,7 @@ def select_entropy_bound(ent: Tensor, masked: Tensor, bound: float, k_min: int =
 class Rule:
     """Which positions a denoising step commits."""
 
-    kind: str = "confidence"  # confidence | threshold | entropy_bound
+    kind: str = "confidence"  # confidence | threshold | entropy_bound | entropy
     threshold: float = 0.9
     bound: float = 0.1
     random: bool = False  # confidence: random remasking instead of low-confidence
@@ -115,6 +188,8 @@ class Rule:
             return select_threshold(conf, masked, self.threshold, k)
         if self.kind == "entropy_bound":
             return select_entropy_bound(ent, masked, self.bound, k)
+        if self.kind == "entropy":  # Dream: the k lowest-entropy positions
+            return top_k_of(-ent, masked, k)
         return select_random(masked, k, gen) if self.random else select_confidence(conf, masked, k)
 
 
@@ -150,14 +225,17 @@ def select_revisions(logits: Tensor, x: Tensor, committed: Tensor, threshold: fl
 
 # one sequence, block by block -------------------------------------------------------------------
 
-def plan_blocks(prefix_len: int, total: int, grid: int, one_tail: bool = False) -> list[tuple[int, int]]:
-    """Blocks [start, end) over positions 0..total-1 on a grid of `grid` positions.
+def plan_blocks(prefix_len: int, total: int, grid: int, one_tail: bool = False,
+                origin: int = 0) -> list[tuple[int, int]]:
+    """Blocks [start, end) over positions 0..total-1 on a grid of `grid` positions counted from `origin` (the
+    positions before it are one block).
 
     With one_tail, the prompt's full blocks keep the grid and everything after them is one block (an
     infilling canvas sees its suffix).
     """
-    cut = (prefix_len // grid) * grid if one_tail else total
-    blocks = [(s, min(s + grid, cut)) for s in range(0, cut, grid)]
+    cut = origin + ((prefix_len - origin) // grid) * grid if one_tail else total
+    blocks = [(0, origin)] if origin > 0 else []
+    blocks += [(s, min(s + grid, cut)) for s in range(origin, cut, grid)]
     if cut < total:
         blocks.append((cut, total))
     return blocks
@@ -173,13 +251,17 @@ class Job:
     stop_at_eos: bool  # continuation: cut after the first <eos>
     forbid_eos: bool  # templates / infilling: a hole never becomes <eos>
     causal_context: bool = False  # finished blocks are written causally (a joint model), not block-causally
+    full_context: bool = False  # every position attends to every other, holes included (LLaDA, Dream)
+    shift: bool = False  # position i's output predicts token i + 1 (Dream, Fast-dLLM v2)
+    limit: int | None = None  # whole blocks: positions from here on are padding, denoised but never emitted
 
 
 class Denoising:
     """The state of one sequence being denoised: tokens, holes, the block of each position, its cache."""
 
-    def __init__(self, model, job: Job, mask_id: int, naive: bool):
+    def __init__(self, model, job: Job, mask_id: int, naive: bool, prefix_cache: bool = False):
         dev = model.device
+        naive = naive or (job.full_context and not prefix_cache)  # full context: exact means no cache
         self.model, self.job, self.naive = model, job, naive
         total = len(job.known)
         self.seq = torch.tensor([mask_id if k is None else k for k in job.known], dtype=torch.long, device=dev)
@@ -189,15 +271,46 @@ class Denoising:
             self.block_of[s:e] = i
         self.cache = None if naive else model.new_cache(1, total)
         self.cached = 0  # positions 0..cached-1 are in the cache (slots == positions)
+        self.block = None  # full context with the prefix cache: the block whose prefix the cache holds
+        self.before = None  # shift: the output (V,) at the position before the block, from its first pass
 
     def logits(self, s: int, e: int) -> Tensor:
-        """One denoising pass over block [s, e): its logits (e - s, V).
+        """One denoising pass over block [s, e): the logits (e - s, V) that predict its positions (with shift:
+        the outputs one position earlier)."""
+        rows, r0 = self.forward(s, e)  # the outputs at positions r0, r0 + 1, ...
+        if not self.job.shift:
+            return rows[s - r0:e - r0]
+        if s == 0:  # nothing before position 0: its own output predicts it
+            return torch.cat([rows[:1], rows[:e - 1]])
+        if r0 <= s - 1:
+            self.before = rows[s - 1 - r0]
+        return torch.cat([self.before[None], rows[s - r0:e - 1 - r0]])
+
+    def forward(self, s: int, e: int) -> tuple[Tensor, int]:
+        """One forward for block [s, e): (outputs (N, V), the position of the first).
+
+        Full context: the whole sequence, every position seeing every other (with the prefix cache: the whole
+        sequence on the block's first pass, its prefix's K/V kept; then the block and everything after it,
+        reading them).
 
         naive: the whole sequence so far, every finished block block-causal, this one last. Cached:
         the finished blocks not yet in the cache are written in this same pass (block-causal, blind
         to this block), then this block's K/V are dropped; else the block reads the cache only.
         """
         model, dev, seq, block_of = self.model, self.seq.device, self.seq, self.block_of
+        if self.job.full_context:  # the LM head only on the rows the block reads (the sequence may be long)
+            total, lo = len(seq), max(s - 1, 0)
+            if self.naive or self.block != s:
+                if not self.naive:
+                    self.cache.crop(0)
+                out = model(seq[None], pos=torch.arange(total, device=dev), mask="full", cache=self.cache, head=False)
+                if not self.naive:
+                    self.cache.crop(s)
+                    self.block = s
+                return model.lm_head(out.last[0, lo:e]), lo
+            out = model(seq[None, s:], pos=torch.arange(s, total, device=dev), cache=self.cache, mask="full",
+                        write=False, head=False)
+            return model.lm_head(out.last[0, :e - s]), s
         if self.naive:
             start = 0
             out = model(seq[None, :e], pos=torch.arange(e, device=dev),
@@ -212,7 +325,7 @@ class Denoising:
             start = s
             out = model(seq[None, s:e], pos=torch.arange(s, e, device=dev), cache=self.cache, mask="full",
                         write=False)
-        return out.logits[0, s - start:]
+        return out.logits[0], start
 
 
 @torch.inference_mode()
@@ -220,14 +333,15 @@ def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: in
                      temperature: float, top_k: int, top_p: float, gen: torch.Generator | None,
                      naive: bool = False, row: int = 0, clock: Clock | None = None,
                      stats: Stats | None = None, revise: float = 0.0,
-                     step_events: bool = True) -> Iterator[Event]:
+                     step_events: bool = True, prefix_cache: bool = False,
+                     sub_block: int | None = None, schedule: str = "even") -> Iterator[Event]:
     """Events of one sequence, block by block; counts forwards, steps, canvases and new tokens in `stats`
     (and, with revise > 0, the tokens sent back to <mask> in stats.extra["revisions"]).
     step_events: a Step event (the canvas, read back from the device) after every denoising step."""
     stats = stats if stats is not None else Stats()
     if revise > 0:
         stats.extra.setdefault("revisions", 0)
-    state = Denoising(model, job, mask_id, naive)
+    state = Denoising(model, job, mask_id, naive, prefix_cache)
     seq, hole, P = state.seq, state.hole, job.prefix_len
     index = 0  # canvases (blocks with holes) of this row so far
     for s, e in job.blocks:
@@ -237,13 +351,19 @@ def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: in
         step = 0
         g = max(s, P)  # the block's generated part starts here
         left = torch.full_like(masked, MAX_REVISIONS, dtype=torch.long) if revise > 0 else None
+        # shift, and the position before the block is not recomputed with it (block-causal context, or the prefix
+        # cache): the block's first token is committed alone on its first pass
+        ar_first = job.shift and (not job.full_context or not state.naive) and s > 0 and bool(masked[0])
         while bool(masked.any()):
             logits = state.logits(s, e)  # (Lb, V)
             stats.forwards += 1
             logits[:, mask_id] = float("-inf")
             if job.forbid_eos:
                 logits[:, eos_id] = float("-inf")
-            k = budget[step] if step < len(budget) else 1
+            if schedule == "dream":  # Dream: a count from the holes left and the time grid
+                k = dream_count(int(masked.sum()), step, steps or n)
+            else:
+                k = budget[step] if step < len(budget) else 1
             back = None
             if left is not None:  # revision: committed tokens the model no longer believes go back to <mask>
                 committed = hole[s:e] & ~masked & (seq[s:e] != mask_id) & (seq[s:e] != eos_id)
@@ -255,6 +375,11 @@ def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: in
                 else:
                     back = None
             free = masked if back is None else masked & ~back  # a revised position is proposed from the next pass
+            if step == 0 and ar_first:  # the block's first position reads only finished blocks: commit it alone
+                free = free & (torch.arange(len(free), device=free.device) == 0)
+            if sub_block and bool(free.any()):  # commit only in the first sub-block that still has holes
+                part = torch.arange(len(free), device=free.device) // sub_block
+                free = free & (part == part[free][0])
             if bool(free.any()):
                 x, chosen, ent = denoise_step(logits, seq[s:e], free, rule, k, temperature, top_k, top_p, gen)
             else:
@@ -275,10 +400,11 @@ def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: in
             stats.canvases += 1
             stats.steps += step
             stats.extra.setdefault("steps_per_canvas", []).append(step)
-        out = seq[g:e].tolist()
+        hi = e if job.limit is None else min(e, job.limit)  # (whole blocks: the padding is never emitted)
+        out = seq[g:hi].tolist()
         if not out:
             continue
-        generated = hole[g:e].tolist()
+        generated = hole[g:hi].tolist()
         if clock is not None:
             clock.mark_first()
         if job.stop_at_eos and eos_id in out:
@@ -308,36 +434,65 @@ def check_options(cfg) -> Rule:
           f"--remasking must be low_confidence or random, got {cfg.remasking!r}")
     check(cfg.remasking == "low_confidence" or sampler == "confidence",
           f"--remasking random goes with --sampler confidence, got --sampler {sampler}")
+    check(cfg.sub_block is None or cfg.sub_block > 0, f"--sub-block must be > 0, got {cfg.sub_block}")
+    check(cfg.schedule in ("even", "dream"), f"--schedule must be even or dream, got {cfg.schedule!r}")
     revise = getattr(cfg, "revise", 0.0)
     check(0 <= revise < 1, f"--revise must be in [0, 1) (0 = off), got {revise}")
     return Rule(sampler, cfg.threshold, cfg.entropy_bound, cfg.remasking == "random")
 
 
-def make_job(prompt: Prompt, cfg, train_block: int, context: int, causal_context: bool = False) -> Job:
+def make_job(prompt: Prompt, cfg, train_block: int, context: int, causal_context: bool = False,
+             full_context: bool = False, shift: bool = False) -> Job:
     """Blocks for a request: --block-size, else the training grid (whole sequence when trained without
-    blocks); an infilling/template canvas is one block after the prompt's full blocks (it sees its suffix)."""
+    blocks); an infilling/template canvas is one block after the prompt's full blocks (it sees its suffix).
+    Full context: the grid starts at the end of the prompt (there is no training grid)."""
     plain = prompt.canvas is None
     canvas = [None] * cfg.max_new_tokens if plain else list(prompt.canvas)
     check_fits(context, prompt, cfg.max_new_tokens)
     known = list(prompt.ids) + canvas
+    if shift and not prompt.ids:
+        raise DlmError("this checkpoint predicts each token from the position before it: the prompt must not be "
+                       "empty")
+    P = len(prompt.ids)
+    origin = P if full_context else 0
+    limit = None
+    grid = cfg.block_size or train_block
+    if getattr(cfg, "whole_blocks", False) and plain and grid:  # the last block padded with holes to its full size
+        padded = origin + -(-(len(known) - origin) // grid) * grid
+        padded = min(padded, max(context, len(known)))
+        if padded > len(known):
+            limit, known = len(known), known + [None] * (padded - len(known))
     if cfg.block_size is not None:
-        blocks = plan_blocks(len(prompt.ids), len(known), cfg.block_size)
+        blocks = plan_blocks(P, len(known), cfg.block_size, origin=origin)
     else:
-        blocks = plan_blocks(len(prompt.ids), len(known), train_block or len(known), one_tail=not plain)
-    return Job(known, len(prompt.ids), blocks, stop_at_eos=plain, forbid_eos=not plain,
-               causal_context=causal_context)
+        blocks = plan_blocks(P, len(known), train_block or len(known), one_tail=not plain, origin=origin)
+    return Job(known, P, blocks, stop_at_eos=plain, forbid_eos=not plain, causal_context=causal_context,
+               full_context=full_context, shift=shift, limit=limit)
 
 
 def stream(model, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> Iterator[Event]:
     """The mdlm sampler (cfg: SampleConfig); prompts run one after another (rows of the stream). step_events: a
     Step event after every denoising step (the live view, the server's step streaming, tests)."""
+    asked_cache = cfg.prefix_cache
+    cfg = apply_preset(cfg, ck.config.get("preset"))
     rule = check_options(cfg)
     tok = ck.tokenizer
-    if tok.mask_id is None:
+    mask_id = ck.mask_id  # an imported model's own <mask> id, else the tokenizer's
+    if mask_id is None:
         raise DlmError(f"{ck.path}: the tokenizer has no <mask> token")
     causal = ck.objective == "joint"  # its AR half: the context is causal
-    jobs = [make_job(p, cfg, ck.block_size, model.cfg.max_seq_len, causal) for p in prompts]
-    return _run(model, jobs, rule, cfg, tok.mask_id, tok.eos_id, step_events)
+    context = ck.config.get("context", "block")
+    if context not in ("block", "full"):
+        raise DlmError(f"{ck.path}: context must be block or full, got {context!r}"[:200])
+    full = context == "full"
+    shift = bool(ck.config.get("shift"))
+    if asked_cache and not full:
+        raise DlmError("--prefix-cache applies to a full-attention checkpoint (LLaDA, Dream); this one decodes over "
+                       "an exact KV cache already")
+    if not full:  # (a preset's prefix cache: this checkpoint's exact cache is already there)
+        cfg = cfg.replace(prefix_cache=False)
+    jobs = [make_job(p, cfg, ck.block_size, model.cfg.max_seq_len, causal, full, shift) for p in prompts]
+    return _run(model, jobs, rule, cfg, mask_id, tok.eos_id, step_events)
 
 
 def _run(model, jobs: list[Job], rule: Rule, cfg, mask_id: int, eos_id: int,
@@ -349,6 +504,8 @@ def _run(model, jobs: list[Job], rule: Rule, cfg, mask_id: int, eos_id: int,
         yield from denoise_sequence(model, job, rule, cfg.steps, mask_id, eos_id, temperature=cfg.temperature,
                                     top_k=cfg.top_k, top_p=cfg.top_p, gen=gen, naive=cfg.naive, row=row,
                                     clock=clock, stats=stats, revise=getattr(cfg, "revise", 0.0),
-                                    step_events=step_events)
+                                    step_events=step_events, prefix_cache=getattr(cfg, "prefix_cache", False),
+                                    sub_block=getattr(cfg, "sub_block", None),
+                                    schedule=getattr(cfg, "schedule", "even"))
     stats.extra["forwards_per_canvas"] = stats.forwards / stats.canvases if stats.canvases else 0.0
     yield clock.finish(stats)

@@ -26,8 +26,9 @@ TAIL_LINES = 8  # committed lines kept above the canvas in the terminal view
 class View:
     """What has been committed per row, and the canvas of the latest step."""
 
-    def __init__(self, tokenizer, prompts: list[str]):
+    def __init__(self, tokenizer, prompts: list[str], mask_id: int | None = None):
         self.tok = tokenizer
+        self.mask_id = mask_id if mask_id is not None else tokenizer.mask_id  # an imported model's own, if recorded
         self.prompts = prompts
         self.committed: dict[int, list[int]] = {}
         self.step: Step | None = None
@@ -44,7 +45,7 @@ class View:
     def canvas_text(self, step: Step) -> Text:
         """The canvas as rich Text: fixed tokens bright, noise dim, masks as blocks."""
         out = Text()
-        mask_id = self.tok.mask_id
+        mask_id = self.mask_id
         for tid, fixed in zip(step.canvas, step.fixed):
             if fixed:
                 out.append(self.piece(tid), style="bold green")
@@ -56,7 +57,7 @@ class View:
 
     def compact(self, step: Step, width: int = 100) -> str:
         """One line per step for logs: status, then the canvas with noise as '·' and masks as '░'."""
-        mask_id = self.tok.mask_id
+        mask_id = self.mask_id
         chars = []
         for tid, fixed in zip(step.canvas, step.fixed):
             if fixed:
@@ -148,10 +149,11 @@ def _lines(events: Iterator[Event], view: View, out) -> Iterator[Event]:
 
 
 def live(events: Iterator[Event], tokenizer, prompt: str | list[str], console: Console | None = None,
-         rows: int | None = None) -> Result:
-    """Draw a sampler's events while running it; returns what `drain` returns."""
+         rows: int | None = None, mask_id: int | None = None) -> Result:
+    """Draw a sampler's events while running it; returns what `drain` returns. mask_id: the checkpoint's <mask>
+    (default: the tokenizer's)."""
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     console = console or Console()
-    view = View(tokenizer, prompts)
+    view = View(tokenizer, prompts, mask_id)
     watched = _terminal(events, view, console) if console.is_terminal else _lines(events, view, console.file or sys.stdout)
     return drain(watched, tokenizer.decode, tokenizer.eos_id, rows=rows or len(prompts))

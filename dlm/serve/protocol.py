@@ -129,6 +129,11 @@ class DlmFields(_Strict):
     block_size: int | None = None
     remasking: str | None = None
     revise: float | None = None
+    preset: str | None = None
+    prefix_cache: bool | None = None
+    sub_block: int | None = None
+    schedule: str | None = None
+    whole_blocks: bool | None = None
     canvas_length: int | None = None
     t_max: float | None = None
     t_min: float | None = None
@@ -262,7 +267,7 @@ def _sample_config(served: Served, req: _Common, max_tokens: int) -> SampleConfi
         if name in given and not TEMPERATURE_RANGE[0] <= given[name] <= TEMPERATURE_RANGE[1]:
             raise ApiError(400, f"{name} must be in [{TEMPERATURE_RANGE[0]}, {TEMPERATURE_RANGE[1]}], got {given[name]}",
                            name, "invalid_value")
-    for name in ("fill_length", "canvas_length", "steps", "block_size"):  # sizes: keep allocations bounded
+    for name in ("fill_length", "canvas_length", "steps", "block_size", "sub_block"):  # sizes: bounded allocations
         if name in given and given[name] > served.context:
             raise ApiError(400, f"{name} must be <= {served.context} (the model's context), got {given[name]}",
                            name, "invalid_value")
@@ -514,13 +519,14 @@ class Collector:
     def __init__(self, plan: Plan):
         self.plan = plan
         self.tok = plan.served.ck.tokenizer
+        self.mask_id = plan.served.ck.mask_id
         self.rows = [RowText(self.tok, plan.stops, plan.middle[i], r.prompt.canvas, plan.echo[i])
                      for i, r in enumerate(plan.rows)]
         self.cycles = 0
         self.done: Done | None = None
 
     def piece_text(self, ids: list[int]) -> list[str | None]:
-        mask = self.tok.mask_id
+        mask = self.mask_id
         return [None if t == mask else self.tok.decode([t]) for t in ids]
 
     def feed(self, ev: Event, job=None) -> list[Piece]:

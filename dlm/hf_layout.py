@@ -1,0 +1,166 @@
+"""transformers' Qwen3 / Qwen2 / Llama layout: config.json keys <-> ModelConfig, the weight files of a folder and
+the tensor names (dlm's are transformers' without the `model.` prefix). dlm.hf (export and import of these
+families) and dlm.hf_mdlm (the public masked-diffusion models, most of which use this layout) build on it.
+Nothing here imports transformers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dlm.config import ModelConfig
+from dlm.errors import DlmError
+from dlm.files import mmap_tensors, read_json
+from dlm.tokenizer import Tokenizer
+
+
+def hf_family(cfg: ModelConfig) -> str:
+    """The transformers family a dlm backbone is: Qwen3 (q/k-norm), Qwen2 (q/k/v bias) or Llama (neither)."""
+    if cfg.qk_norm and cfg.attn_bias:
+        raise DlmError("--format hf: q/k-norm with q/k/v biases has no transformers layout (Qwen3 or Qwen2 has one)")
+    return "qwen3" if cfg.qk_norm else "qwen2" if cfg.attn_bias else "llama"
+
+
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+def hf_config(cfg: ModelConfig, tok: Tokenizer, dtype: str = "float32") -> dict[str, Any]:
+    family = hf_family(cfg)
+    rope_params: dict[str, Any] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    if cfg.rope_scaling:
+        rope_params = {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}
+    out: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[family]],
+        "model_type": family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,  # transformers 4.x
+        "rope_scaling": cfg.rope_scaling,
+        "rope_parameters": rope_params,  # transformers 5.x
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": tok.bos_id,
+        "eos_token_id": tok.eos_id,
+        "pad_token_id": tok.pad_id,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    }
+    if family in ("qwen3", "qwen2"):
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+        if family == "qwen2":
+            out.pop("attention_bias")  # Qwen2's q/k/v always carry a bias (the key means nothing to it)
+    else:
+        out.update(mlp_bias=False, pretraining_tp=1)
+    return out
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    params = hf.get("rope_parameters") or {}
+    for key in ("rope_parameters", "rope_scaling"):
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            raise DlmError(f"config.json: {key} must be an object, got {hf[key]!r}"[:200])
+    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind == "default":
+            scaling = None
+        elif kind != "llama3":
+            raise DlmError(f"config.json: rope scaling {kind!r} is not supported (default and llama3 are)")
+        else:
+            scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool):
+        raise DlmError(f"config.json: rope_theta must be a number, got {theta!r}"[:200])
+    return float(theta), scaling
+
+
+def model_config_from_hf(hf: dict[str, Any], source: Path, family: str | None = None) -> ModelConfig:
+    """A Qwen3 / Qwen2 / Llama config.json (or one in their layout: family names which) -> ModelConfig."""
+    kind = family if family is not None else hf.get("model_type")
+    if kind not in ("qwen3", "qwen2", "llama"):
+        raise DlmError(f"{source}: model_type {kind!r} is not supported (qwen3, qwen2, llama, gemma4_text, gemma4, "
+                       f"diffusion_gemma, llada, Dream, sdar and Fast_dLLM_Qwen are)")
+    if (hf.get("attention_bias") and kind != "qwen2") or hf.get("mlp_bias"):
+        raise DlmError(f"{source}: attention/MLP biases are not supported (except Qwen2's q/k/v biases)")
+    if hf.get("use_sliding_window"):
+        raise DlmError(f"{source}: sliding-window attention is not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise DlmError(f"{source}: hidden_act {hf.get('hidden_act')!r} is not supported (silu is)")
+    theta, scaling = _rope(hf)
+
+    def get(key: str, default: Any = None) -> Any:
+        if hf.get(key) is None:
+            if default is None:
+                raise DlmError(f"{source}: {key} is missing (a {kind} config.json has it)")
+            return default
+        v = hf[key]
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise DlmError(f"{source}: {key} must be a number, got {v!r}"[:200])
+        return v
+
+    n_heads, dim = get("num_attention_heads"), get("hidden_size")
+    try:
+        return ModelConfig(
+            vocab_size=get("vocab_size"), dim=dim, n_layers=get("num_hidden_layers"), n_heads=n_heads,
+            n_kv_heads=get("num_key_value_heads", n_heads),
+            head_dim=get("head_dim", dim // n_heads if isinstance(n_heads, int) and n_heads > 0 else 0),
+            ffn_dim=get("intermediate_size"), rope_theta=theta, rope_scaling=scaling,
+            norm_eps=get("rms_norm_eps", 1e-6),
+            qk_norm=kind == "qwen3", attn_bias=kind == "qwen2", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_seq_len=get("max_position_embeddings", 4096),
+        )
+    except DlmError as e:
+        raise DlmError(f"{source}: {e}") from None
+
+
+def weight_files(folder: Path) -> list[str]:
+    """The safetensors files of a transformers folder: model.safetensors, or the shards its index names
+    (plain file names inside the folder: an index cannot point outside it)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        wmap = read_json(index).get("weight_map")
+        if not isinstance(wmap, dict) or not wmap:
+            raise DlmError(f"{index}: weight_map must be a non-empty object of tensor name -> shard file")
+        bad = [f for f in wmap.values()
+               if not isinstance(f, str) or Path(f).name != f or f in ("", ".", "..") or "\\" in f]
+        if bad:
+            raise DlmError(f"{index}: shard {bad[0]!r} is not a plain file name in {folder} (an index may only name "
+                           "files beside it)")
+        files = sorted(set(wmap.values()))
+        return files
+    if (folder / "model.safetensors").is_file():
+        return ["model.safetensors"]
+    raise DlmError(f"{folder}: no model.safetensors or model.safetensors.index.json (only safetensors are read)")
+
+
+def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a transformers folder, memory-mapped (nothing is read until it is used)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for f in weight_files(folder):
+        tensors.update(mmap_tensors(folder / f))
+    return tensors
+
+
+def dlm_name(name: str, cfg: ModelConfig, src: Path) -> str | None:
+    """The dlm name of a transformers tensor (None: not kept)."""
+    if name.startswith("model."):
+        return name[len("model."):]
+    if name == "lm_head.weight":
+        return None if cfg.tie_embeddings else name
+    if "rotary_emb" in name:
+        return None
+    raise DlmError(f"{src}: unexpected tensor {name!r}")
