@@ -22,7 +22,7 @@ import torch
 
 from dlm.checkpoint import Checkpoint, all_finite, check_shapes, save_checkpoint, state_tensors
 from dlm.files import read_json, tensor_shapes, write_folder, write_json, write_tensors
-from dlm import hf_gemma, hf_mdlm
+from dlm import hf_gemma, hf_joint, hf_mdlm
 from dlm.hf_layout import (  # noqa: F401  (the layout's functions, here where they have always been importable)
     ARCHITECTURES, dlm_name, hf_config, hf_family, model_config_from_hf, read_hf_weights, weight_files,
 )
@@ -43,6 +43,10 @@ def export_hf(model: Transformer, tok: Tokenizer, out: str | os.PathLike, dtype:
         return Path(out)
     src = Path(inputs[0]) if inputs else None
     meta = read_json(src / "config.json") if src is not None and (src / "config.json").is_file() else {}
+    if meta.get("family") == hf_joint.FAMILY:  # an imported Nemotron-Labs-Diffusion: its own layout
+        with write_folder(out, overwrite=overwrite, inputs=inputs) as tmp:
+            hf_joint.export_folder(model, tok, tmp, dtype, meta, src)
+        return Path(out)
     if meta.get("family") in hf_mdlm.BY_NAME:  # an imported LLaDA / Dream / SDAR / Fast-dLLM v2: its own layout
         with write_folder(out, overwrite=overwrite, inputs=inputs) as tmp:
             hf_mdlm.export_folder(model, tok, tmp, dtype, meta, src)
@@ -118,6 +122,7 @@ def import_hf(folder: str | os.PathLike, out: str | os.PathLike, overwrite: bool
               target: str | os.PathLike | None = None) -> Path:
     """Read a local Qwen3/Qwen2/Llama/Gemma 4 folder into a dlm checkpoint (objective "ar"), in the dtype it is stored in;
     a LLaDA, Dream, SDAR or Fast-dLLM v2 folder into an mdlm checkpoint with its conventions (dlm.hf_mdlm);
+    a Nemotron-Labs-Diffusion folder into a joint checkpoint (dlm.hf_joint);
     a DiffusionGemma folder into a usdm checkpoint (dlm.hf_gemma); a public DFlash drafter folder into a dflash
     checkpoint for `target` (`import_drafter`).
 
@@ -129,6 +134,8 @@ def import_hf(folder: str | os.PathLike, out: str | os.PathLike, overwrite: bool
     hf = read_json(src / "config.json")
     if is_drafter(hf):
         return import_drafter(src, target, out, overwrite)
+    if hf.get("model_type") in hf_joint.MODEL_TYPES:  # Nemotron-Labs-Diffusion -> joint (dlm.hf_joint)
+        return hf_joint.import_folder(src, out, overwrite, hf, read_hf_weights)
     if hf.get("model_type") in hf_mdlm.MODEL_TYPES:  # LLaDA / Dream / SDAR / Fast-dLLM v2 -> mdlm (dlm.hf_mdlm)
         return hf_mdlm.import_folder(src, out, overwrite, hf, read_hf_weights)
     if hf.get("model_type") in hf_gemma.MODEL_TYPES:  # Gemma 4 / DiffusionGemma (dlm.hf_gemma)

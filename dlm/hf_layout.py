@@ -79,10 +79,11 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind == "default":
             scaling = None
-        elif kind != "llama3":
-            raise DlmError(f"config.json: rope scaling {kind!r} is not supported (default and llama3 are)")
-        else:
-            scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        elif kind not in ("llama3", "yarn"):
+            raise DlmError(f"config.json: rope scaling {kind!r} is not supported (default, llama3 and yarn are)")
+        else:  # (transformers' standardized copy repeats the context length and the old key `type`)
+            scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type", "max_position_embeddings")}
+            scaling["rope_type"] = kind
     if not isinstance(theta, (int, float)) or isinstance(theta, bool):
         raise DlmError(f"config.json: rope_theta must be a number, got {theta!r}"[:200])
     return float(theta), scaling

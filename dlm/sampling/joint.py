@@ -161,13 +161,13 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg, step_events: bool
     check(2 <= B <= speculative.MAX_BLOCK, f"--block-size must be in [2, {speculative.MAX_BLOCK}], got {B}")
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, make_generator(cfg.seed, model.device))
     if sampler in ("self-spec-linear", "self-spec-linear-ar"):
-        drafter = SelfDraft(model, tok.mask_id, B, sampling, ar_first=sampler == "self-spec-linear-ar")
+        drafter = SelfDraft(model, ck.mask_id, B, sampling, ar_first=sampler == "self-spec-linear-ar")
         return speculative.stream(model, ck, prompts, cfg.replace(block_size=B), drafter)
     ar.check_options(model, prompts, cfg, "self-speculation")
     check_lossless_greedy(cfg)
 
     def rows(b: int, p: list[int], spec: SpecStats, clock: Clock) -> Iterator[Event]:
-        return quadratic(model, p, block_size=B, max_new_tokens=cfg.max_new_tokens, mask_id=tok.mask_id,
+        return quadratic(model, p, block_size=B, max_new_tokens=cfg.max_new_tokens, mask_id=ck.mask_id,
                          sampling=sampling, eos_id=tok.eos_id, row=b, stats=spec, clock=clock)
 
     return run_rows(model, ck, [p.ids for p in prompts], cfg, rows, "self-spec-quadratic", B)
