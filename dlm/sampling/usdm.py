@@ -128,13 +128,15 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg, step_events: bool
     step_events: a Step event after every denoising step (the live view, the server's step streaming, tests)."""
     L, steps = check_options(model, ck, cfg)
     tok = ck.tokenizer
-    ctx = model.cfg.max_seq_len
-    jobs = []
-    for p in prompts:
-        p = Prompt(list(p.ids) or [tok.eos_id], p.canvas)  # an empty prompt starts from <eos>, as documents do
-        check_fits(ctx, p, cfg.max_new_tokens)
-        jobs.append(p)
+    jobs = [row_prompt(ck, model, p, cfg) for p in prompts]
     return _generate(model, jobs, L, steps, ck.noise_vocab, tok.eos_id, cfg, step_events)
+
+
+def row_prompt(ck, model: Transformer, p: Prompt, cfg) -> Prompt:
+    """A request as a row: an empty prompt starts from <eos>, as documents do; refused when it does not fit."""
+    p = Prompt(list(p.ids) or [ck.tokenizer.eos_id], p.canvas)
+    check_fits(model.cfg.max_seq_len, p, cfg.max_new_tokens)
+    return p
 
 
 @dataclass
