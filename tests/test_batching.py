@@ -220,3 +220,22 @@ def test_usdm_rows_join_a_running_batch_with_their_own_options(usdm_model):
     for r, c in enumerate(cfgs):
         alone = rows_of(usdm_run(usdm_model, [PROMPTS[r]], c.replace(seed=c.seed + r), False), 1)[0][0]
         assert got[r] == alone, r
+
+
+# eval --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,opts", [("mdlm-small", dict(max_new_tokens=8)),
+                                       ("usdm-small", dict(max_new_tokens=8, steps=6))])
+def test_eval_task_in_batches_gives_the_same_answers_and_counters(name, opts):
+    """`dlm eval --task complete --batch B`: cases as rows of one batch, the same answers, scores and per-case
+    counters as case by case (samples > 1: each sample its own seed, as case by case)."""
+    from dlm.tasks import run_task
+
+    model, ck = load_model(CK / name)
+    cfg = SampleConfig(**opts)
+    one = run_task("complete", model, ck, cfg, n=3, samples=2)
+    many = run_task("complete", model, ck, cfg, n=3, samples=2, batch=4)
+    keys = ("case", "answer", "exact_match", "edit_similarity", "new_tokens", "forwards", "steps", "canvases")
+    assert [{k: r[k] for k in keys} for r in many["cases"]] == [{k: r[k] for k in keys} for r in one["cases"]]
+    assert many["tokens_per_forward"] == one["tokens_per_forward"]
+    assert many["edit_similarity"] == one["edit_similarity"]

@@ -52,7 +52,7 @@ from dlm.sampling.common import (
     Clock, Commit, Event, Prompt, Stats, Step, check_fits, check_sampling, entropy, entropy_bound_accept,
     make_generator, sample_token,
 )
-from dlm.sampling.rows import Programs, Window, batchable, drive
+from dlm.sampling.rows import Programs, Window, batch_stats, batchable, drive
 
 RULES = ("confidence", "threshold", "entropy_bound")
 MAX_REVISIONS = 3  # --revise: times one position may be sent back to <mask> (so a block always ends)
@@ -405,40 +405,44 @@ def _run_in_turn(model, jobs: list[Job], rule: Rule, cfg, mask_id: int, eos_id: 
     yield clock.finish(stats)
 
 
-@torch.inference_mode()
 def _run_batched(model, jobs: list[Job], rule: Rule, cfg, mask_id: int, eos_id: int,
                  step_events: bool = False) -> Iterator[Event]:
+    n = len(jobs)
+    return _run_rows(model, jobs, [rule] * n, [cfg] * n, [row_seed(cfg.seed, r) for r in range(n)], mask_id, eos_id,
+                     step_events)
+
+
+def stream_rows(model, ck, prompts: list[Prompt], cfgs: list, step_events: bool = False) -> Iterator[Event]:
+    """Rows that each bring their own SampleConfig (row r seeded cfgs[r].seed) in one batch (dlm.sampling.stream_rows).
+    Bad options raise here, before any work."""
+    rules = [check_options(c) for c in cfgs]
+    tok = ck.tokenizer
+    if tok.mask_id is None:
+        raise DlmError(f"{ck.path}: the tokenizer has no <mask> token")
+    causal = ck.objective == "joint"
+    jobs = [make_job(p, c, ck.block_size, model.cfg.max_seq_len, causal) for p, c in zip(prompts, cfgs)]
+    return _run_rows(model, jobs, rules, cfgs, [c.seed for c in cfgs], tok.mask_id, tok.eos_id, step_events)
+
+
+@torch.inference_mode()
+def _run_rows(model, jobs: list[Job], rules: list[Rule], cfgs: list, seeds: list, mask_id: int, eos_id: int,
+              step_events: bool = False) -> Iterator[Event]:
     clock = Clock()
     batch = Batch(model, 2 * max(len(j.known) for j in jobs), mask_id, eos_id)
     per_row = []
-    for row, job in enumerate(jobs):
+    for row, (job, rule, c) in enumerate(zip(jobs, rules, cfgs)):
         st = Stats()
         per_row.append(st)
-        for _, ev in batch.add(job, rule, cfg, row, st, clock=clock, step_events=step_events):
+        for _, ev in batch.add(job, rule, c, row, st, gen=make_generator(seeds[row], model.device), clock=clock,
+                               step_events=step_events):
             yield ev
     while len(batch):
         for _, ev in batch.step():
             yield ev
-    yield clock.finish(batch_stats(per_row, batch.forwards))
-
-
-def batch_stats(per_row: list[Stats], forwards: int) -> Stats:
-    """The Done of a batched call: totals over rows, `forwards` the batched forwards, each row's own counters in
-    extra["rows"] (its forwards: the passes it took part in, as if it had run alone)."""
-    stats = Stats(forwards=forwards, extra={"steps_per_canvas": []})
-    for st in per_row:
-        stats.new_tokens += st.new_tokens
-        stats.steps += st.steps
-        stats.canvases += st.canvases
-        stats.extra["steps_per_canvas"] += st.extra.get("steps_per_canvas", [])
-        if "revisions" in st.extra:
-            stats.extra["revisions"] = stats.extra.get("revisions", 0) + st.extra["revisions"]
+    stats = batch_stats(per_row, batch.forwards)
     own = sum(st.forwards for st in per_row)
     stats.extra["forwards_per_canvas"] = own / stats.canvases if stats.canvases else 0.0
-    stats.extra["rows"] = [{"new_tokens": st.new_tokens, "forwards": st.forwards, "steps": st.steps,
-                            "canvases": st.canvases} for st in per_row]
-    stats.extra["rows_per_forward"] = own / forwards if forwards else 0.0
-    return stats
+    yield clock.finish(stats)
 
 
 class Batch(Programs):

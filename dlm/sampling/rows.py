@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from dlm.model import KVCache, Transformer
-from dlm.sampling.common import Event
+from dlm.sampling.common import Event, Stats
 
 
 @dataclass
@@ -312,3 +312,22 @@ class Programs:
         for i in reversed(ended):
             self.drop(i)
         return out
+
+
+def batch_stats(per_row: list[Stats], forwards: int) -> Stats:
+    """The Done of a call whose rows ran together: totals over rows, `forwards` the model calls of the call, each
+    row's own counters in extra["rows"] (its forwards: the passes it took part in, as many as it takes alone)."""
+    stats = Stats(forwards=forwards, extra={"steps_per_canvas": []})
+    for st in per_row:
+        stats.new_tokens += st.new_tokens
+        stats.steps += st.steps
+        stats.canvases += st.canvases
+        stats.draft_forwards += st.draft_forwards
+        stats.extra["steps_per_canvas"] += st.extra.get("steps_per_canvas", [])
+        if "revisions" in st.extra:
+            stats.extra["revisions"] = stats.extra.get("revisions", 0) + st.extra["revisions"]
+    own = sum(st.forwards for st in per_row)
+    stats.extra["rows"] = [{"new_tokens": st.new_tokens, "forwards": st.forwards, "steps": st.steps,
+                            "canvases": st.canvases} for st in per_row]
+    stats.extra["rows_per_forward"] = own / forwards if forwards else 0.0
+    return stats

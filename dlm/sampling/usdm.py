@@ -46,7 +46,7 @@ from dlm.sampling.common import (
     Clock, Commit, Event, Prompt, Stats, Step, check_fits, check_sampling, entropy, entropy_bound_accept,
     make_generator, probs_from_logits, sample_from,
 )
-from dlm.sampling.rows import Programs, Window, batchable, drive
+from dlm.sampling.rows import Programs, Window, batch_stats, batchable, drive
 
 DEFAULT_STEPS = 48  # DiffusionGemma's max_denoising_steps
 # the SampleConfig fields this sampler reads (see dlm.sampling.OPTIONS); --temperature is read to be refused with
@@ -189,38 +189,40 @@ def _generate_in_turn(model: Transformer, jobs: list[Prompt], L: int, steps: int
     yield clock.finish(stats)
 
 
-@torch.inference_mode()
 def _generate_batched(model: Transformer, jobs: list[Prompt], L: int, steps: int, N: int, eos_id: int,
                       cfg, step_events: bool = False) -> Iterator[Event]:
+    n = len(jobs)
+    return _rows(model, jobs, [L] * n, [steps] * n, N, eos_id, [cfg] * n, [row_seed(cfg.seed, r) for r in range(n)],
+                 step_events)
+
+
+def stream_rows(model: Transformer, ck, prompts: list[Prompt], cfgs: list, step_events: bool = False) -> Iterator[Event]:
+    """Rows that each bring their own SampleConfig (row r seeded cfgs[r].seed) in one batch (dlm.sampling.stream_rows).
+    Bad options raise here, before any work."""
+    Ls, steps = zip(*(check_options(model, ck, c) for c in cfgs))
+    jobs = [row_prompt(ck, model, p, c) for p, c in zip(prompts, cfgs)]
+    return _rows(model, jobs, list(Ls), list(steps), ck.noise_vocab, ck.tokenizer.eos_id, cfgs,
+                 [c.seed for c in cfgs], step_events)
+
+
+@torch.inference_mode()
+def _rows(model: Transformer, jobs: list[Prompt], Ls: list[int], steps: list[int], N: int, eos_id: int, cfgs: list,
+          seeds: list, step_events: bool = False) -> Iterator[Event]:
     clock = Clock()
-    longest = max(len(p.ids) + (len(p.canvas) if p.canvas is not None else cfg.max_new_tokens) for p in jobs)
+    longest = max(len(p.ids) + (len(p.canvas) if p.canvas is not None else c.max_new_tokens)
+                  for p, c in zip(jobs, cfgs))
     batch = Batch(model, 2 * longest)
     per_row = []
-    for row, p in enumerate(jobs):
+    for row, (p, c) in enumerate(zip(jobs, cfgs)):
         st = Stats(extra={"steps_per_canvas": []})
         per_row.append(st)
-        for _, ev in batch.add(p, L, steps, N, eos_id, cfg, row, st, clock=clock, step_events=step_events):
+        for _, ev in batch.add(p, Ls[row], steps[row], N, eos_id, c, row, st,
+                               gen=make_generator(seeds[row], model.device), clock=clock, step_events=step_events):
             yield ev
     while len(batch):
         for _, ev in batch.step():
             yield ev
     yield clock.finish(batch_stats(per_row, batch.forwards))
-
-
-def batch_stats(per_row: list[Stats], forwards: int) -> Stats:
-    """The Done of a batched call: totals over rows, `forwards` the batched forwards, each row's own counters in
-    extra["rows"] (its forwards: the passes it took part in, as if it had run alone)."""
-    stats = Stats(forwards=forwards, extra={"steps_per_canvas": []})
-    for st in per_row:
-        stats.new_tokens += st.new_tokens
-        stats.steps += st.steps
-        stats.canvases += st.canvases
-        stats.extra["steps_per_canvas"] += st.extra.get("steps_per_canvas", [])
-    own = sum(st.forwards for st in per_row)
-    stats.extra["rows"] = [{"new_tokens": st.new_tokens, "forwards": st.forwards, "steps": st.steps,
-                            "canvases": st.canvases} for st in per_row]
-    stats.extra["rows_per_forward"] = own / forwards if forwards else 0.0
-    return stats
 
 
 class Batch(Programs):
