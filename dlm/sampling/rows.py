@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor
 
-from dlm.model import KVCache, Transformer
+from dlm.model import KVCache, Transformer, canvas_embeds
 from dlm.sampling.common import Event, Stats
 
 
@@ -43,6 +43,8 @@ class Window:
 
     tokens: Tensor | None = None
     embeds: Tensor | None = None
+    canvas: bool = False  # tokens are a usdm canvas: embedded by canvas_embeds, self-conditioned on probs
+    probs: Tensor | None = None  # (T, V) the previous step's distribution, or None (the canvas's first step)
     mask: Tensor | str | None = None
     keep: int = 0
     out: tuple[int, int] = (0, 0)
@@ -184,9 +186,18 @@ class RowBatch:
         mask = torch.zeros(n, 1, T, Lc + T, dtype=torch.bool, device=dev)
         mask[:, 0, :, :Lc] = (torch.arange(Lc, device=dev)[None] < lengths[:, None])[:, None]  # each row's cache
         mask[:, 0, :, Lc:] = torch.eye(T, dtype=torch.bool, device=dev)  # a pad query sees itself only
-        embeds = any(w.embeds is not None for w in windows)
+        embeds = any(w.embeds is not None or w.canvas for w in windows)
         if embeds:
             x = torch.zeros(n, T, model.cfg.dim, dtype=model.embed_tokens.weight.dtype, device=dev)
+            for soft in (True, False):  # the canvases' embeddings, all rows' positions in one call (per position)
+                rows = [b for b, w in enumerate(windows) if w.canvas and (w.probs is not None) == soft]
+                if rows:
+                    emb = canvas_embeds(model, torch.cat([windows[b].tokens for b in rows])[None],
+                                        torch.cat([windows[b].probs for b in rows])[None] if soft else None)[0]
+                    i = 0
+                    for b in rows:
+                        x[b, :Ts[b]] = emb[i:i + Ts[b]]
+                        i += Ts[b]
         else:
             x = torch.zeros(n, T, dtype=torch.long, device=dev)
         for b, w in enumerate(windows):
@@ -197,9 +208,9 @@ class RowBatch:
                 mask[b, 0, :t, Lc:Lc + t] = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
             else:
                 mask[b, 0, :t, Lc:Lc + t] = w.mask
-            if embeds:
+            if embeds and not w.canvas:
                 x[b, :t] = w.embeds if w.embeds is not None else model.embed_tokens(w.tokens) * model.embed_scale
-            else:
+            elif not embeds:
                 x[b, :t] = w.tokens
         keep = [w.keep for w in windows]
         write = True  # (slots Lc.. are scratch: writing the window there spares the attention a copy of the cache)

@@ -250,7 +250,8 @@ class Batch(Programs):
                 return Window(tokens=torch.tensor(req.ids, device=model.device), mask="causal", keep=m,
                               out=(m - 1, m) if shift else (0, 0))
             n = req.canvas.shape[0]
-            return Window(embeds=canvas_embeds(model, req.canvas[None], req.prev_probs)[0], out=(0, n))
+            return Window(tokens=req.canvas, canvas=True, probs=None if req.prev_probs is None else req.prev_probs[0],
+                          out=(0, n))
 
         def answer(req, out: Tensor) -> Tensor | None:
             if isinstance(req, Prefill):
@@ -336,7 +337,10 @@ def _canvas_program(holes: Tensor, pins: Tensor, N: int, eos_id: int, no_eos: bo
         prev_argmax = argmax
         # self-conditioning of the next step: the tempered softmax (the reference sampler), or the T = 1 softmax
         # that training feeds (untempered)
-        prev_probs = torch.softmax(logits if cfg.self_cond_input == "tempered" else raw, -1)[None]
+        if cfg.self_cond_input == "tempered" and cfg.top_k == 0 and cfg.top_p == 1.0:
+            prev_probs = probs[None]  # (the same softmax of the same logits: probs_from_logits divides by 1.0)
+        else:
+            prev_probs = torch.softmax(logits if cfg.self_cond_input == "tempered" else raw, -1)[None]
         mean_ent = float(ent[holes].mean())
         if step_events:
             yield Step(canvas.tolist(), (accepted | ~holes).tolist(), step, canvas_index, mean_ent, row, offset)
