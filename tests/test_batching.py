@@ -239,3 +239,11 @@ def test_eval_task_in_batches_gives_the_same_answers_and_counters(name, opts):
     assert [{k: r[k] for k in keys} for r in many["cases"]] == [{k: r[k] for k in keys} for r in one["cases"]]
     assert many["tokens_per_forward"] == one["tokens_per_forward"]
     assert many["edit_similarity"] == one["edit_similarity"]
+
+
+def test_eval_batch_must_be_positive(capsys):
+    from dlm.cli import main
+
+    assert main(["eval", "--model", str(CK / "mdlm-small"), "--task", "complete", "--n", "2", "--batch", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--batch must be > 0" in err and len(err.strip().splitlines()) == 1

@@ -36,6 +36,11 @@ and the cache is then cropped back to the finished blocks. The prompt's full blo
 the first pass the same way, so every forward is a denoising step. `--naive` recomputes the whole
 sequence under the same mask at every step instead (no cache): the reference the cached loop must
 match token for token.
+
+Several prompts run as rows of one batch (`Batch`, over dlm/sampling/rows.py): every step, one forward
+serves each row's next pass, each row with its own blocks, K/V slots, positions, mask, options and
+generator (row r seeded seed + r), so a row's tokens are the ones it gets alone; a row whose generation
+ended leaves. The Done's `forwards` then counts the batched calls, extra["rows"] each row's own counters.
 """
 
 from __future__ import annotations

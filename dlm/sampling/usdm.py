@@ -29,7 +29,8 @@ The prompts of a call run as rows of one batch (every row's next pass in one for
 stops adaptively goes on to its next canvas, or leaves), row r sampling with its own generator seeded seed + r.
 
 `forwards` counts every model call: the prompt prefill, every denoising step and the prefill of
-each committed canvas that more text follows.
+each committed canvas that more text follows. With several rows the Done's `forwards` counts the batched
+calls and extra["rows"] holds each row's own counters (its forwards: as many as it takes alone).
 """
 
 from __future__ import annotations
