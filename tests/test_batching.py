@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import random_transformer
+
 from dlm.checkpoint import load_model
-from dlm.sampling import SampleConfig, encode, generate, mdlm, stream, usdm
+from dlm.sampling import SampleConfig, generate, mdlm, usdm
 from dlm.sampling.common import Commit, Done, Prompt, Stats, Step
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -20,8 +20,8 @@ batched matmuls.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
