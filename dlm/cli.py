@@ -173,7 +173,7 @@ def generate_cmd(
 def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None, seq_len: int = 0, batch_size: int = 8,
              max_batches: int = 0, samples: int | None = None, reference: str | None = None, json: bool = False,
              device: str = "cpu", task: str | None = None, n: int = 100, span: str = "line",
-             context: int = 0, clues: str | None = None) -> None:
+             context: int = 0, clues: str | None = None, batch: int = 1) -> None:
     """Held-out loss and perplexity of a checkpoint; or, with --task, what it gets right on a task.
 
     --task complete|infill|sudoku runs the task's cases through the checkpoint's sampler with the generation
@@ -202,6 +202,8 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
         context: --task: tokens of prompt + generation at most (0 = the checkpoint's training window)
         clues: --task sudoku: givens per puzzle, A-B: fresh held-out puzzles of that difficulty (default 40-50;
             easy 40-50, medium 30-40, hard 22-27, extreme 17-21); with --data, only its puzzles in A-B
+        batch: --task, mdlm and usdm checkpoints: cases generated together as rows of one batch (the same answers
+            and tokens per forward, less wall time; 1 = one case at a time)
     """
     from dlm.checkpoint import load_model
     from dlm.config import check_seed
@@ -213,7 +215,7 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
         raise DlmError("--clues goes with --task sudoku")
     if task is not None:
         _eval_task(model, device, scfg, task, data, n, span, context, json, split, 1 if samples is None else samples,
-                   clues)
+                   clues, batch)
         return
     samples = 4 if samples is None else samples
     if batch_size <= 0:
@@ -238,7 +240,7 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
 
 
 def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: int, span: str, context: int,
-               json: bool, split: str = "test", samples: int = 1, clues: str | None = None) -> None:
+               json: bool, split: str = "test", samples: int = 1, clues: str | None = None, batch: int = 1) -> None:
     from dlm.checkpoint import load_model
     from dlm.sampling import SampleConfig
     from dlm.tasks import run_task, task_module
@@ -250,6 +252,8 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
         raise DlmError(f"--context must be >= 0 (0 = the training window), got {context}")
     if samples <= 0:
         raise DlmError(f"--samples must be > 0, got {samples}")
+    if batch <= 0:
+        raise DlmError(f"--batch must be > 0 (1 = one case at a time), got {batch}")
     if data is None and task != "sudoku" and split not in ("val", "test"):
         raise DlmError(f"--split with --task: val (to tune on) or test, got {split!r}")
     extra = {"clues": clues} if clues is not None else {}
@@ -265,7 +269,7 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
                                                              make_generator(scfg.seed, net.device)),
                                scfg.draft_passes, scfg.lookup_ngram)
     res = run_task(task, net, ck, scfg, drafter, data, n, scfg.seed, span, context, progress=not json, cases=cases,
-                   samples=samples)
+                   samples=samples, batch=batch)
     res.pop("cases")
     res.update(model=str(ck.path), paradigm="speculative" if drafter else ck.objective, seed=scfg.seed)
     if task in ("infill", "code-infill"):

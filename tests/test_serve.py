@@ -228,6 +228,38 @@ def test_16_concurrent_streams_are_batched_and_uncorrupted(engine, url, client):
     assert after["max_rows"] >= 4
 
 
+@pytest.mark.parametrize("model,extra", [("mdlm-small", {}), ("usdm-small", {"steps": 8})])
+def test_concurrent_diffusion_streams_are_batched_and_uncorrupted(engine, url, model, extra):
+    """mdlm and usdm requests arriving together share forwards (rows of one batch) and each gets what it gets alone;
+    a request with a stop string leaves the batch early, the others go on."""
+    prompts = PROMPTS[:8]
+    want = [reference(engine, model, p, max_new_tokens=16, **extra) for p in prompts]
+    _idle(url)
+    before = httpx.get(url + "/health").json()["batching"][model]
+    start = threading.Barrier(len(prompts))
+
+    def one(i: int) -> tuple[str, dict]:
+        start.wait()
+        body = {"model": model, "prompt": prompts[i], "max_tokens": 16, "stream": True, "temperature": 0,
+                "stream_options": {"include_usage": True}, **extra}
+        if i == 0:
+            body["stop"] = [want[0][2:5]]  # this one stops early
+        chunks = sse(url, body)
+        return "".join(c["choices"][0]["text"] for c in chunks[:-1] if c != "[DONE]" and c["choices"]), chunks
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(one, range(len(prompts))))
+    assert [g[0] for g in got[1:]] == want[1:]
+    assert got[0][0] == want[0][:want[0].index(want[0][2:5])]
+    after = _idle(url)["batching"][model]
+    steps = after["decode_steps"] - before["decode_steps"]
+    rows = after["decode_rows"] - before["decode_rows"]
+    assert rows / steps > 2, (rows, steps)  # requests shared forwards
+    assert after["max_rows"] >= 4
+    dlm = [c for c in got[1][1] if c != "[DONE]" and c.get("dlm")][-1]["dlm"]
+    assert dlm["batch_rows_mean"] > 1 and dlm["steps"] >= 1 and dlm["canvases"] >= 1
+
+
 def test_queue_limit_answers_429_with_retry_after(engine):
     with running(create_app(engine, max_concurrency=1, max_queue=1)) as base:
         start = threading.Barrier(8)
@@ -252,7 +284,7 @@ def _idle(url: str, timeout: float = 10) -> dict:
     deadline = time.time() + timeout
     while time.time() < deadline:
         h = httpx.get(url + "/health").json()
-        if h["running"] == 0 and h["batching"]["ar-small"]["active_rows"] == 0:
+        if h["running"] == 0 and all(b["active_rows"] == 0 for b in h["batching"].values()):
             return h
         time.sleep(0.05)
     raise AssertionError(f"still busy: {h}")

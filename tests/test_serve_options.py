@@ -22,7 +22,7 @@ from dlm.sampling.speculative import DRAFTER_OPTIONS  # noqa: E402
 
 CK = Path(__file__).resolve().parents[1] / "checkpoints"
 SHIPPED = sorted(p.name for p in CK.iterdir() if (p / "config.json").exists())
-DRAFTERS = ["dflash-small", "ar-draft", "lookup"]
+DRAFTERS = ["dflash-small", "dflash2-small", "ar-draft", "lookup"]
 
 # a valid value of each option, per paradigm where it differs (small sizes: each request is fast)
 VALUES = {"top_k": 5, "steps": 4, "threshold": 0.8, "entropy_bound": 0.2, "block_size": 4, "remasking": "random",
@@ -73,6 +73,8 @@ def test_every_option_a_paradigm_reads_is_accepted_and_others_refused(model, mod
         own = allowed - {o for o, (k, _) in DRAFTER_OPTIONS.items() if kind not in k}  # less another drafter's options
         with running(create_app(engine, max_concurrency=4, max_queue=4)) as url:
             opts = {o: VALUES.get(o) for o in own if o != "sampler"}
+            if draft == "dflash2-small":  # a DFlash 2 selector drafts in one pass (2 is refused, with a 400)
+                opts["draft_passes"] = 1
             if "sampler" in own:
                 opts["sampler"] = SAMPLER[served.paradigm]
             body = _body(model, served.paradigm, **opts)

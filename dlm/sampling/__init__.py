@@ -29,8 +29,9 @@ from dlm.checkpoint import Checkpoint
 from dlm.config import check_seed
 from dlm.errors import DlmError
 from dlm.sampling import ar, joint, mdlm, speculative, usdm
-from dlm.sampling.common import Event, Prompt, Result, drain
+from dlm.sampling.common import Clock, Done, Event, Prompt, Result, drain
 from dlm.sampling.infill import encode_prompt
+from dlm.sampling.rows import batch_stats, batchable
 
 SAMPLERS = {"ar": ar, "mdlm": mdlm, "usdm": usdm, "joint": joint}
 
@@ -147,6 +148,41 @@ def stream(model: nn.Module, ck: Checkpoint, prompts: Sequence[Prompt | Sequence
         raise DlmError(f"checkpoint {ck.path}: objective {ck.objective!r} has no sampler "
                        f"(samplers exist for {sorted(SAMPLERS)}; a dflash drafter is used with --draft)")
     return SAMPLERS[ck.objective].stream(model, ck, ps, cfg, step_events)
+
+
+def stream_rows(model: nn.Module, ck: Checkpoint, prompts: Sequence[Prompt | Sequence[int]], cfgs: Sequence[SampleConfig],
+                step_events: bool = False) -> Iterator[Event]:
+    """Rows that each bring their own SampleConfig, its seed included (row r samples with a generator seeded
+    cfgs[r].seed, not seed + r): eval's cases, the server's requests. mdlm and usdm checkpoints run them as rows of
+    one batch (one forward per step for all of them); other paradigms, drafters, --naive and models the row batch
+    cannot run take them one after another. Events carry their row; one Done: totals, each row's own counters in
+    extra["rows"]. Bad options raise here, before any work."""
+    ps = [p if isinstance(p, Prompt) else Prompt(list(p)) for p in prompts]
+    cfgs = list(cfgs)
+    if not ps or len(ps) != len(cfgs):
+        raise DlmError(f"stream_rows: {len(ps)} prompts and {len(cfgs)} sampling configs (one each, at least one)")
+    for c in cfgs:
+        if c.seed is not None:
+            check_seed(c.seed)
+    if (ck.objective in ("mdlm", "usdm") and batchable(model) and mdlm.rows_fit(ck)
+            and not any(c.naive or c.draft for c in cfgs)):
+        return SAMPLERS[ck.objective].stream_rows(model, ck, ps, cfgs, step_events)
+    streams = [stream(model, ck, [p], c, step_events=step_events) for p, c in zip(ps, cfgs)]  # (checks first)
+    return _in_turn(streams)
+
+
+def _in_turn(streams: list[Iterator[Event]]) -> Iterator[Event]:
+    clock = Clock()
+    per_row = []
+    for r, events in enumerate(streams):
+        for ev in events:
+            if isinstance(ev, Done):
+                per_row.append(ev.stats)
+                continue
+            ev.row = r
+            yield ev
+    stats = batch_stats(per_row, sum(st.forwards for st in per_row))
+    yield clock.finish(stats)
 
 
 def encode(ck: Checkpoint, texts: str | Sequence[str], cfg: SampleConfig) -> list[Prompt]:

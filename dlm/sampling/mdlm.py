@@ -69,6 +69,11 @@ and the cache is then cropped back to the finished blocks. The prompt's full blo
 the first pass the same way, so every forward is a denoising step. `--naive` recomputes the whole
 sequence under the same mask at every step instead (no cache): the reference the cached loop must
 match token for token.
+
+Several prompts run as rows of one batch (`Batch`, over dlm/sampling/rows.py): every step, one forward
+serves each row's next pass, each row with its own blocks, K/V slots, positions, mask, options and
+generator (row r seeded seed + r), so a row's tokens are the ones it gets alone; a row whose generation
+ended leaves. The Done's `forwards` then counts the batched calls, extra["rows"] each row's own counters.
 """
 
 from __future__ import annotations
@@ -85,6 +90,7 @@ from dlm.sampling.common import (
     Clock, Commit, Event, Prompt, Stats, Step, check_fits, check_sampling, entropy, entropy_bound_accept,
     make_generator, sample_token,
 )
+from dlm.sampling.rows import Programs, Window, batch_stats, batchable, drive
 
 RULES = ("confidence", "threshold", "entropy_bound", "entropy")
 MAX_REVISIONS = 3  # --revise: times one position may be sent back to <mask> (so a block always ends)
@@ -210,7 +216,12 @@ def denoise_step(logits: Tensor, x: Tensor, masked: Tensor, rule: Rule, k: int, 
 
     Returns (new tokens (N,), newly committed (N,) bool, mean entropy of the masked positions).
     """
-    cand, conf, ent = propose(logits, temperature, top_k, top_p, gen)
+    if temperature == 0:  # greedy: only the masked positions' proposals are read (the same values, less work)
+        at = masked.nonzero()[:, 0]
+        cand, conf, ent = (t.new_zeros(masked.shape).scatter(0, at, part)
+                           for t, part in zip((x, x.float(), x.float()), propose(logits[at], 0.0, top_k, top_p, gen)))
+    else:  # a draw for every position (what each row's generator consumes stays as it was)
+        cand, conf, ent = propose(logits, temperature, top_k, top_p, gen)
     chosen = rule.select(conf, ent, masked, k, gen)
     return torch.where(chosen, cand, x), chosen, float(ent[masked].mean())
 
@@ -259,7 +270,8 @@ class Job:
 class Denoising:
     """The state of one sequence being denoised: tokens, holes, the block of each position, its cache."""
 
-    def __init__(self, model, job: Job, mask_id: int, naive: bool, prefix_cache: bool = False):
+    def __init__(self, model, job: Job, mask_id: int, naive: bool, prefix_cache: bool = False,
+                 own_cache: bool = True):
         dev = model.device
         naive = naive or (job.full_context and not prefix_cache)  # full context: exact means no cache
         self.model, self.job, self.naive = model, job, naive
@@ -269,7 +281,7 @@ class Denoising:
         self.block_of = torch.empty(total, dtype=torch.long, device=dev)
         for i, (s, e) in enumerate(job.blocks):
             self.block_of[s:e] = i
-        self.cache = None if naive else model.new_cache(1, total)
+        self.cache = None if naive or not own_cache else model.new_cache(1, total)
         self.cached = 0  # positions 0..cached-1 are in the cache (slots == positions)
         self.block = None  # full context with the prefix cache: the block whose prefix the cache holds
         self.before = None  # shift: the output (V,) at the position before the block, from its first pass
@@ -327,6 +339,24 @@ class Denoising:
                         write=False)
         return out.logits[0], start
 
+    def window(self, s: int, e: int) -> Window:
+        """The same pass as `logits` as a request to a RowBatch (this row's cache lives there): the finished
+        blocks not yet cached (kept, block-causal) and block [s, e) (read only); the block's logits come back."""
+        start = min(self.cached, s)
+        mask = None
+        if start < s:
+            mask = mdlm_denoise_mask(self.block_of, start, e, self.job.causal_context)[:, start:]  # (T, T)
+        self.cached = s
+        return Window(tokens=self.seq[start:e], mask=mask, keep=s - start, out=(s - start, e - start))
+
+
+@dataclass
+class Need:
+    """A row program's request: the logits (e - s, V) of this denoising pass over block [s, e)."""
+
+    s: int
+    e: int
+
 
 @torch.inference_mode()
 def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: int, eos_id: int, *,
@@ -338,10 +368,24 @@ def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: in
     """Events of one sequence, block by block; counts forwards, steps, canvases and new tokens in `stats`
     (and, with revise > 0, the tokens sent back to <mask> in stats.extra["revisions"]).
     step_events: a Step event (the canvas, read back from the device) after every denoising step."""
+    state = Denoising(model, job, mask_id, naive, prefix_cache)
+    program = _program(state, rule, steps, mask_id, eos_id, temperature=temperature, top_k=top_k, top_p=top_p,
+                       gen=gen, row=row, clock=clock, stats=stats, revise=revise, step_events=step_events,
+                       sub_block=sub_block, schedule=schedule)
+    yield from drive(program, lambda need: state.logits(need.s, need.e))
+
+
+def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_id: int, *,
+             temperature: float, top_k: int, top_p: float, gen: torch.Generator | None, row: int = 0,
+             clock: Clock | None = None, stats: Stats | None = None, revise: float = 0.0,
+             step_events: bool = True, sub_block: int | None = None,
+             schedule: str = "even") -> Iterator[Event | Need]:
+    """One sequence as a row program: its events, and a Need whenever it needs a denoising pass (the logits
+    of that pass are sent back in). The one-row driver (denoise_sequence) and a batch (Batch) run the same code."""
     stats = stats if stats is not None else Stats()
     if revise > 0:
         stats.extra.setdefault("revisions", 0)
-    state = Denoising(model, job, mask_id, naive, prefix_cache)
+    job = state.job
     seq, hole, P = state.seq, state.hole, job.prefix_len
     index = 0  # canvases (blocks with holes) of this row so far
     for s, e in job.blocks:
@@ -355,7 +399,7 @@ def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: in
         # cache): the block's first token is committed alone on its first pass
         ar_first = job.shift and (not job.full_context or not state.naive) and s > 0 and bool(masked[0])
         while bool(masked.any()):
-            logits = state.logits(s, e)  # (Lb, V)
+            logits = yield Need(s, e)  # (Lb, V)
             stats.forwards += 1
             logits[:, mask_id] = float("-inf")
             if job.forbid_eos:
@@ -471,8 +515,10 @@ def make_job(prompt: Prompt, cfg, train_block: int, context: int, causal_context
 
 
 def stream(model, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> Iterator[Event]:
-    """The mdlm sampler (cfg: SampleConfig); prompts run one after another (rows of the stream). step_events: a
-    Step event after every denoising step (the live view, the server's step streaming, tests)."""
+    """The mdlm sampler (cfg: SampleConfig). Several prompts run as rows of one batch (one forward per step for all
+    of them; `--naive`, and a full-attention or shifted checkpoint, run them one after another), row r sampling with
+    its own generator seeded seed + r. step_events: a Step event after every denoising step (the live view, the
+    server's step streaming, tests)."""
     asked_cache = cfg.prefix_cache
     cfg = apply_preset(cfg, ck.config.get("preset"))
     rule = check_options(cfg)
@@ -495,12 +541,26 @@ def stream(model, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> 
     return _run(model, jobs, rule, cfg, mask_id, tok.eos_id, step_events)
 
 
+def row_seed(seed: int | None, row: int) -> int | None:
+    """Row r of a call samples with its own generator, seeded seed + r (the server's n choices do the same), so a
+    row's tokens do not depend on the rows beside it."""
+    return None if seed is None else seed + row
+
+
 def _run(model, jobs: list[Job], rule: Rule, cfg, mask_id: int, eos_id: int,
          step_events: bool = False) -> Iterator[Event]:
-    gen = make_generator(cfg.seed, model.device)
+    """Rows in one batch (one forward per step for all of them) when the model allows, else one after another."""
+    if len(jobs) > 1 and not cfg.naive and batchable(model) and all(job_fits_rows(j) for j in jobs):
+        return _run_batched(model, jobs, rule, cfg, mask_id, eos_id, step_events)
+    return _run_in_turn(model, jobs, rule, cfg, mask_id, eos_id, step_events)
+
+
+def _run_in_turn(model, jobs: list[Job], rule: Rule, cfg, mask_id: int, eos_id: int,
+                 step_events: bool = False) -> Iterator[Event]:
     clock = Clock()
     stats = Stats(extra={"steps_per_canvas": []})
     for row, job in enumerate(jobs):
+        gen = make_generator(row_seed(cfg.seed, row), model.device)
         yield from denoise_sequence(model, job, rule, cfg.steps, mask_id, eos_id, temperature=cfg.temperature,
                                     top_k=cfg.top_k, top_p=cfg.top_p, gen=gen, naive=cfg.naive, row=row,
                                     clock=clock, stats=stats, revise=getattr(cfg, "revise", 0.0),
@@ -509,3 +569,83 @@ def _run(model, jobs: list[Job], rule: Rule, cfg, mask_id: int, eos_id: int,
                                     schedule=getattr(cfg, "schedule", "even"))
     stats.extra["forwards_per_canvas"] = stats.forwards / stats.canvases if stats.canvases else 0.0
     yield clock.finish(stats)
+
+
+def _run_batched(model, jobs: list[Job], rule: Rule, cfg, mask_id: int, eos_id: int,
+                 step_events: bool = False) -> Iterator[Event]:
+    n = len(jobs)
+    return _run_rows(model, jobs, [rule] * n, [cfg] * n, [row_seed(cfg.seed, r) for r in range(n)], mask_id, eos_id,
+                     step_events)
+
+
+def job_fits_rows(job: Job) -> bool:
+    """Whether a Batch can run this job: block-causal context over the exact cache, unshifted (a full-attention or
+    shifted imported model runs its rows one after another)."""
+    return not job.full_context and not job.shift
+
+
+def rows_fit(ck) -> bool:
+    """Whether a checkpoint's conventions let its requests share a Batch (the server's row batcher asks)."""
+    return ck.config.get("context", "block") == "block" and not ck.config.get("shift")
+
+
+def stream_rows(model, ck, prompts: list[Prompt], cfgs: list, step_events: bool = False) -> Iterator[Event]:
+    """Rows that each bring their own SampleConfig (row r seeded cfgs[r].seed) in one batch (dlm.sampling.stream_rows).
+    Bad options raise here, before any work."""
+    if not rows_fit(ck):
+        raise DlmError(f"{ck.path}: a full-attention or shifted checkpoint runs its rows one after another (stream)")
+    preset = ck.config.get("preset")
+    cfgs = [apply_preset(c, preset).replace(prefix_cache=False) for c in cfgs]
+    rules = [check_options(c) for c in cfgs]
+    mask_id = ck.mask_id
+    if mask_id is None:
+        raise DlmError(f"{ck.path}: the tokenizer has no <mask> token")
+    causal = ck.objective == "joint"
+    jobs = [make_job(p, c, ck.block_size, model.cfg.max_seq_len, causal) for p, c in zip(prompts, cfgs)]
+    return _run_rows(model, jobs, rules, cfgs, [c.seed for c in cfgs], mask_id, ck.tokenizer.eos_id, step_events)
+
+
+@torch.inference_mode()
+def _run_rows(model, jobs: list[Job], rules: list[Rule], cfgs: list, seeds: list, mask_id: int, eos_id: int,
+              step_events: bool = False) -> Iterator[Event]:
+    clock = Clock()
+    batch = Batch(model, 2 * max(len(j.known) for j in jobs), mask_id, eos_id)
+    per_row = []
+    for row, (job, rule, c) in enumerate(zip(jobs, rules, cfgs)):
+        st = Stats()
+        per_row.append(st)
+        for _, ev in batch.add(job, rule, c, row, st, gen=make_generator(seeds[row], model.device), clock=clock,
+                               step_events=step_events):
+            yield ev
+    while len(batch):
+        for _, ev in batch.step():
+            yield ev
+    stats = batch_stats(per_row, batch.forwards)
+    own = sum(st.forwards for st in per_row)
+    stats.extra["forwards_per_canvas"] = own / stats.canvases if stats.canvases else 0.0
+    yield clock.finish(stats)
+
+
+class Batch(Programs):
+    """mdlm rows denoised together: every live row's next pass in one forward (continuous batching).
+
+    Each row keeps its own blocks, rule, budget, sampling options and generator; rows join with `add` and leave when
+    their generation ends or `drop` is called; events come back as (tag, event), the event's `row` the one given.
+    """
+
+    def __init__(self, model, capacity: int, mask_id: int, eos_id: int):
+        super().__init__(model, capacity)
+        self.model, self.mask_id, self.eos_id = model, mask_id, eos_id
+
+    def add(self, job: Job, rule: Rule, cfg, row: int, stats: Stats, *, tag: object = None,
+            gen: torch.Generator | None = None, clock: Clock | None = None,
+            step_events: bool = False) -> list[tuple[object, Event]]:
+        """A new row (cfg: its SampleConfig; gen: its generator, default seeded row_seed(cfg.seed, row));
+        returns the events it produces before its first pass (pinned blocks of a template)."""
+        state = Denoising(self.model, job, self.mask_id, naive=False, own_cache=False)
+        gen = gen if gen is not None else make_generator(row_seed(cfg.seed, row), self.model.device)
+        program = _program(state, rule, cfg.steps, self.mask_id, self.eos_id, temperature=cfg.temperature,
+                           top_k=cfg.top_k, top_p=cfg.top_p, gen=gen, row=row, clock=clock, stats=stats,
+                           revise=getattr(cfg, "revise", 0.0), step_events=step_events,
+                           sub_block=getattr(cfg, "sub_block", None), schedule=getattr(cfg, "schedule", "even"))
+        return super().add(program, lambda need: state.window(need.s, need.e), lambda need, out: out[0], tag)

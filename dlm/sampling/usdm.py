@@ -25,14 +25,17 @@ these aligned logits.
 Infilling (`--suffix`) and templates (`<fill>` markers) are one canvas whose pinned tokens are
 never re-noised; <eos> is not allowed inside their holes (the text continues after them).
 An empty prefix starts from <eos>, the separator every training document follows.
-Prompts of a batch are generated one after another (rows of the event stream).
+The prompts of a call run as rows of one batch (every row's next pass in one forward; a row whose canvas
+stops adaptively goes on to its next canvas, or leaves), row r sampling with its own generator seeded seed + r.
 
 `forwards` counts every model call: the prompt prefill, every denoising step and the prefill of
-each committed canvas that more text follows.
+each committed canvas that more text follows. With several rows the Done's `forwards` counts the batched
+calls and extra["rows"] holds each row's own counters (its forwards: as many as it takes alone).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -44,6 +47,7 @@ from dlm.sampling.common import (
     Clock, Commit, Event, Prompt, Stats, Step, check_fits, check_sampling, entropy, entropy_bound_accept,
     make_generator, probs_from_logits, sample_from,
 )
+from dlm.sampling.rows import Programs, Window, batch_stats, batchable, drive
 
 DEFAULT_STEPS = 48  # DiffusionGemma's max_denoising_steps
 # the SampleConfig fields this sampler reads (see dlm.sampling.OPTIONS); --temperature is read to be refused with
@@ -125,74 +129,201 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg, step_events: bool
     step_events: a Step event after every denoising step (the live view, the server's step streaming, tests)."""
     L, steps = check_options(model, ck, cfg)
     tok = ck.tokenizer
-    ctx = model.cfg.max_seq_len
-    jobs = []
-    for p in prompts:
-        p = Prompt(list(p.ids) or [tok.eos_id], p.canvas)  # an empty prompt starts from <eos>, as documents do
-        check_fits(ctx, p, cfg.max_new_tokens)
-        jobs.append(p)
+    jobs = [row_prompt(ck, model, p, cfg) for p in prompts]
     return _generate(model, jobs, L, steps, ck.noise_vocab, tok.eos_id, cfg, step_events)
 
 
-@torch.inference_mode()
+def row_prompt(ck, model: Transformer, p: Prompt, cfg) -> Prompt:
+    """A request as a row: an empty prompt starts from <eos>, as documents do; refused when it does not fit."""
+    p = Prompt(list(p.ids) or [ck.tokenizer.eos_id], p.canvas)
+    check_fits(model.cfg.max_seq_len, p, cfg.max_new_tokens)
+    return p
+
+
+@dataclass
+class Prefill:
+    """A row program's request: append ids to the row's cache (causal); the next-token logits after them (1, 1, V)
+    come back for a canvas_shift model, else None."""
+
+    ids: list[int]
+
+
+@dataclass
+class Denoise:
+    """A row program's request: one denoiser pass over canvas (n,) at the row's next positions, self-conditioned
+    on prev_probs (1, n, V) or nothing; its logits (1, n, V) fp32 come back."""
+
+    canvas: Tensor
+    prev_probs: Tensor | None
+
+
+def row_seed(seed: int | None, row: int) -> int | None:
+    """Row r of a call samples with its own generator seeded seed + r (as the server's n choices)."""
+    return None if seed is None else seed + row
+
+
 def _generate(model: Transformer, jobs: list[Prompt], L: int, steps: int, N: int, eos_id: int,
               cfg, step_events: bool = False) -> Iterator[Event]:
-    dev = model.device
-    gen = make_generator(cfg.seed, dev)
+    """Rows in one batch when the model allows (one forward per step for every row), else one after another."""
+    if len(jobs) > 1 and batchable(model):
+        return _generate_batched(model, jobs, L, steps, N, eos_id, cfg, step_events)
+    return _generate_in_turn(model, jobs, L, steps, N, eos_id, cfg, step_events)
+
+
+@torch.inference_mode()
+def _generate_in_turn(model: Transformer, jobs: list[Prompt], L: int, steps: int, N: int, eos_id: int,
+                      cfg, step_events: bool = False) -> Iterator[Event]:
     clock = Clock()
     stats = Stats(extra={"steps_per_canvas": []})
     for row, p in enumerate(jobs):
+        gen = make_generator(row_seed(cfg.seed, row), model.device)
         total = len(p.canvas) if p.canvas is not None else cfg.max_new_tokens
         cache = model.new_cache(1, len(p.ids) + total)
-        first = prefill(model, cache, p.ids)  # the prompt
-        stats.forwards += 1
-        done = 0  # tokens of this row committed
-        canvas_index = 0
-        while True:
-            if p.canvas is not None:
-                holes = torch.tensor([c is None for c in p.canvas], device=dev)
-                pins = torch.tensor([0 if c is None else c for c in p.canvas], device=dev)
-            else:
-                n = min(L, total - done)
-                holes = torch.ones(n, dtype=torch.bool, device=dev)
-                pins = torch.zeros(n, dtype=torch.long, device=dev)
-            tokens, used = yield from _denoise_canvas(model, cache, holes, pins, N, eos_id, p.canvas is not None,
-                                                      canvas_index, row, done, steps, cfg, gen, first,
-                                                      step_events)
-            stats.canvases += 1
-            stats.steps += used
-            stats.extra["steps_per_canvas"].append(used)
-            stats.forwards += used
-            ended = False
-            if p.canvas is None:
-                tokens, ended = cut_at_eos(tokens, eos_id)
-            clock.mark_first()
-            yield Commit(tokens, row=row)
-            stats.new_tokens += int(holes.sum()) if p.canvas is not None else len(tokens)
-            done += len(tokens)
-            canvas_index += 1
-            if p.canvas is not None or ended or done >= total:
-                break
-            first = prefill(model, cache, tokens)  # incremental causal prefill
-            stats.forwards += 1
+
+        def answer(req, cache=cache):
+            if isinstance(req, Prefill):
+                return prefill(model, cache, req.ids)
+            pos = torch.arange(cache.length, cache.length + req.canvas.shape[0], device=model.device)
+            return denoise(model, cache, req.canvas[None], pos, req.prev_probs)
+
+        yield from drive(_row(p, L, steps, N, eos_id, cfg, gen, row, clock, stats, step_events, model.device), answer)
     yield clock.finish(stats)
+
+
+def _generate_batched(model: Transformer, jobs: list[Prompt], L: int, steps: int, N: int, eos_id: int,
+                      cfg, step_events: bool = False) -> Iterator[Event]:
+    n = len(jobs)
+    return _rows(model, jobs, [L] * n, [steps] * n, N, eos_id, [cfg] * n, [row_seed(cfg.seed, r) for r in range(n)],
+                 step_events)
+
+
+def stream_rows(model: Transformer, ck, prompts: list[Prompt], cfgs: list, step_events: bool = False) -> Iterator[Event]:
+    """Rows that each bring their own SampleConfig (row r seeded cfgs[r].seed) in one batch (dlm.sampling.stream_rows).
+    Bad options raise here, before any work."""
+    Ls, steps = zip(*(check_options(model, ck, c) for c in cfgs))
+    jobs = [row_prompt(ck, model, p, c) for p, c in zip(prompts, cfgs)]
+    return _rows(model, jobs, list(Ls), list(steps), ck.noise_vocab, ck.tokenizer.eos_id, cfgs,
+                 [c.seed for c in cfgs], step_events)
+
+
+@torch.inference_mode()
+def _rows(model: Transformer, jobs: list[Prompt], Ls: list[int], steps: list[int], N: int, eos_id: int, cfgs: list,
+          seeds: list, step_events: bool = False) -> Iterator[Event]:
+    clock = Clock()
+    longest = max(len(p.ids) + (len(p.canvas) if p.canvas is not None else c.max_new_tokens)
+                  for p, c in zip(jobs, cfgs))
+    batch = Batch(model, 2 * longest)
+    per_row = []
+    for row, (p, c) in enumerate(zip(jobs, cfgs)):
+        st = Stats(extra={"steps_per_canvas": []})
+        per_row.append(st)
+        for _, ev in batch.add(p, Ls[row], steps[row], N, eos_id, c, row, st,
+                               gen=make_generator(seeds[row], model.device), clock=clock, step_events=step_events):
+            yield ev
+    while len(batch):
+        for _, ev in batch.step():
+            yield ev
+    yield clock.finish(batch_stats(per_row, batch.forwards))
+
+
+class Batch(Programs):
+    """usdm rows denoised side by side: every live row's next pass (a denoising step of its canvas, or the prefill of
+    its prompt or of a committed canvas) in one forward; a row whose canvas stops adaptively moves on (or leaves)
+    while the others go on. Each row keeps its own options and generator."""
+
+    def __init__(self, model: Transformer, capacity: int):
+        super().__init__(model, capacity)
+        self.model = model
+
+    def add(self, p: Prompt, L: int, steps: int, N: int, eos_id: int, cfg, row: int, stats: Stats, *,
+            tag: object = None, gen: torch.Generator | None = None, clock: Clock | None = None,
+            step_events: bool = False) -> list[tuple[object, Event]]:
+        """A new row (p: its prompt, an empty one already replaced by <eos>; cfg: its SampleConfig; gen: its
+        generator, default seeded row_seed(cfg.seed, row)); returns its events before its first pass (none)."""
+        model = self.model
+        gen = gen if gen is not None else make_generator(row_seed(cfg.seed, row), model.device)
+        program = _row(p, L, steps, N, eos_id, cfg, gen, row, clock, stats, step_events, model.device)
+        shift = bool(model.cfg.canvas_shift)
+
+        def window(req) -> Window:
+            if isinstance(req, Prefill):
+                m = len(req.ids)
+                return Window(tokens=torch.tensor(req.ids, device=model.device), mask="causal", keep=m,
+                              out=(m - 1, m) if shift else (0, 0))
+            n = req.canvas.shape[0]
+            return Window(tokens=req.canvas, canvas=True, probs=None if req.prev_probs is None else req.prev_probs[0],
+                          out=(0, n))
+
+        def answer(req, out: Tensor) -> Tensor | None:
+            if isinstance(req, Prefill):
+                return out.float() if shift else None
+            return out.float()
+
+        return super().add(program, window, answer, tag)
+
+
+def _row(p: Prompt, L: int, steps: int, N: int, eos_id: int, cfg, gen: torch.Generator, row: int,
+         clock: Clock | None, stats: Stats, step_events: bool, dev: torch.device):
+    """One row as a program: its events, and a Prefill or Denoise request whenever it needs the model (the answer
+    is sent back in). The one-row driver and a batch run the same code."""
+    total = len(p.canvas) if p.canvas is not None else cfg.max_new_tokens
+    first = yield Prefill(list(p.ids))  # the prompt
+    stats.forwards += 1
+    done = 0  # tokens of this row committed
+    canvas_index = 0
+    while True:
+        if p.canvas is not None:
+            holes = torch.tensor([c is None for c in p.canvas], device=dev)
+            pins = torch.tensor([0 if c is None else c for c in p.canvas], device=dev)
+        else:
+            n = min(L, total - done)
+            holes = torch.ones(n, dtype=torch.bool, device=dev)
+            pins = torch.zeros(n, dtype=torch.long, device=dev)
+        tokens, used = yield from _canvas_program(holes, pins, N, eos_id, p.canvas is not None, canvas_index, row,
+                                                  done, steps, cfg, gen, first, step_events, dev)
+        stats.canvases += 1
+        stats.steps += used
+        stats.extra["steps_per_canvas"].append(used)
+        stats.forwards += used
+        ended = False
+        if p.canvas is None:
+            tokens, ended = cut_at_eos(tokens, eos_id)
+        if clock is not None:
+            clock.mark_first()
+        yield Commit(tokens, row=row)
+        stats.new_tokens += int(holes.sum()) if p.canvas is not None else len(tokens)
+        done += len(tokens)
+        canvas_index += 1
+        if p.canvas is not None or ended or done >= total:
+            break
+        first = yield Prefill(tokens)  # incremental causal prefill
+        stats.forwards += 1
 
 
 def _denoise_canvas(model: Transformer, cache, holes: Tensor, pins: Tensor, N: int, eos_id: int, no_eos: bool,
                     canvas_index: int, row: int, offset: int, S: int, cfg, gen: torch.Generator,
                     first: Tensor | None = None, step_events: bool = True):
-    """Denoise one canvas for at most S steps (yields Step events); returns (committed tokens, steps used).
-    first (1, 1, V): the encoder's logits for the canvas's first token (a canvas_shift model), else None."""
-    dev = model.device
+    """Denoise one canvas for at most S steps over a row's own cache (yields Step events); returns (committed
+    tokens, steps used). first (1, 1, V): the encoder's logits for the canvas's first token (a canvas_shift
+    model), else None."""
+    pos = torch.arange(cache.length, cache.length + holes.shape[0], device=model.device)
+    return (yield from drive(_canvas_program(holes, pins, N, eos_id, no_eos, canvas_index, row, offset, S, cfg, gen,
+                                             first, step_events, model.device),
+                             lambda req: denoise(model, cache, req.canvas[None], pos, req.prev_probs)))
+
+
+def _canvas_program(holes: Tensor, pins: Tensor, N: int, eos_id: int, no_eos: bool, canvas_index: int, row: int,
+                    offset: int, S: int, cfg, gen: torch.Generator, first: Tensor | None, step_events: bool,
+                    dev: torch.device):
+    """One canvas as a program: Step events and a Denoise request per step; returns (committed tokens, steps used)."""
     n = holes.shape[0]
-    pos = torch.arange(cache.length, cache.length + n, device=dev)
     canvas = renoise(pins, torch.zeros_like(holes), holes, pins, torch.randint(0, N, (n,), generator=gen, device=dev))
     prev_probs = None
     prev_argmax = None
     stable = 0
     for step in range(1, S + 1):
         T = temperature(step, S, cfg.t_max, cfg.t_min)
-        raw = align_canvas_logits(denoise(model, cache, canvas[None], pos, prev_probs), first)[0]  # (n, V) clean
+        raw = align_canvas_logits((yield Denoise(canvas, prev_probs)), first)[0]  # (n, V) clean
         if no_eos:  # a hole inside a template: the text goes on after it
             raw[holes, eos_id] = float("-inf")
         logits = raw / T  # processed logits
@@ -207,7 +338,10 @@ def _denoise_canvas(model: Transformer, cache, holes: Tensor, pins: Tensor, N: i
         prev_argmax = argmax
         # self-conditioning of the next step: the tempered softmax (the reference sampler), or the T = 1 softmax
         # that training feeds (untempered)
-        prev_probs = torch.softmax(logits if cfg.self_cond_input == "tempered" else raw, -1)[None]
+        if cfg.self_cond_input == "tempered" and cfg.top_k == 0 and cfg.top_p == 1.0:
+            prev_probs = probs[None]  # (the same softmax of the same logits: probs_from_logits divides by 1.0)
+        else:
+            prev_probs = torch.softmax(logits if cfg.self_cond_input == "tempered" else raw, -1)[None]
         mean_ent = float(ent[holes].mean())
         if step_events:
             yield Step(canvas.tolist(), (accepted | ~holes).tolist(), step, canvas_index, mean_ent, row, offset)

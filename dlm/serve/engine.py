@@ -14,11 +14,18 @@ Two ways to run a job:
   joins at the next step boundary instead of waiting for them. Each row keeps its own positions,
   sampling options and random generator, so a row's tokens do not depend on what it shares a
   batch with (greedy rows equal `dlm generate`'s, up to float rounding of batched matmuls).
-- mdlm, usdm and speculative decoding: one worker thread per job runs its rows one after another
-  with `dlm.sampling.stream` (torch releases the GIL inside its ops, so jobs overlap on the cores).
+- mdlm and usdm models: a `RowsBatcher`, one thread per model, runs every active row of every
+  request as a row of one `dlm.sampling.mdlm.Batch` / `usdm.Batch`: each step, one forward serves
+  every row's next pass (an mdlm block's denoising step, a usdm canvas's step or prefill), each row
+  over its own K/V slots, positions and masks. Rows that arrived join at the next step; rows that
+  finished, stopped or were cancelled leave between steps. Each row keeps its own options and
+  generator (seed + choice), so its tokens do not depend on the batch (up to float rounding).
+- speculative decoding, `naive` requests and models the row batch cannot run (a family with its own
+  cache layout): one worker thread per job runs its rows one after another with
+  `dlm.sampling.stream` (torch releases the GIL inside its ops, so jobs overlap on the cores).
 
 Every job ends with exactly one `Done` (its forwards, draft forwards, seconds, time to first token;
-AR: the mean batch its forwards ran in) or one `Failed`.
+batched: the mean batch its forwards ran in) or one `Failed`.
 """
 
 from __future__ import annotations
@@ -39,9 +46,10 @@ from dlm.checkpoint import load_model, open_checkpoint
 from dlm.errors import DlmError
 from dlm.masks import key_valid_mask
 from dlm.model import KVCache, Transformer
-from dlm.sampling import SampleConfig, ar, stream
+from dlm.sampling import SampleConfig, ar, mdlm, stream, usdm
 from dlm.sampling.common import Commit, Done, Event, Prompt, Stats, make_generator, sample_token
 from dlm.drafters import load_drafter
+from dlm.sampling.rows import batchable
 from dlm.sampling.speculative import Drafter, Sampling
 
 log = logging.getLogger("dlm.serve")
@@ -88,10 +96,13 @@ class Job:
         self.stopped = [False] * len(rows)  # the consumer's: a stop string matched in that row
         self.t0 = time.perf_counter()
         self.first: float | None = None
-        # AR batching bookkeeping (the batcher's thread only)
+        # batching bookkeeping (the batcher's thread only)
         self.live = 0
         self.forwards = 0
         self.batch_rows = 0  # rows of all the forwards this job took part in
+        self.steps = 0  # diffusion: denoising steps and canvases of its rows
+        self.canvases = 0
+        self.failed = False  # a Failed was emitted: no Done follows
 
     def emit(self, ev: Event) -> None:
         if self.first is None and isinstance(ev, Commit):
@@ -154,6 +165,7 @@ class Served:
     drafter: Drafter | None = None  # speculative: the drafter this id verifies (its model shared by every request)
     draft: str | None = None  # the drafter's id (folder name, or 'lookup')
     batcher: ARBatcher | None = None  # AR: the batching thread of the target
+    rows: RowsBatcher | None = None  # mdlm, usdm: the batching thread of the model
 
     @property
     def context(self) -> int:
@@ -196,6 +208,8 @@ class Engine:
                 if not model.cfg.arch:  # a gemma4 backbone's cache has per-layer shapes: its requests run one by one
                     served.batcher = ARBatcher(model, ck, max_batch, name)
                 ar_models.append(served)
+            elif ck.objective in ("mdlm", "usdm") and batchable(model) and mdlm.rows_fit(ck):
+                served.rows = RowsBatcher(model, ck, max_batch, name)  # (full-attention / shifted: one by one)
             self.models[name] = served
         if draft:
             if not ar_models:
@@ -223,18 +237,23 @@ class Engine:
         infill = any(r.prompt.canvas is not None for r in rows)  # FIM rows: the AR sampler's own infilling
         if served.batcher is not None and (served.drafter is None or logprobs) and not infill:
             served.batcher.submit(job)
+        elif served.rows is not None and not any(r.cfg.naive for r in rows):
+            served.rows.submit(job)
         else:
             threading.Thread(target=self._run, args=(served, job), daemon=True,
                              name=f"dlm-{served.id}").start()
         return job
 
     def stats(self) -> dict:
-        return {s.id: s.batcher.stats() for s in self.models.values() if s.batcher is not None and s.drafter is None}
+        return {s.id: (s.batcher or s.rows).stats() for s in self.models.values()
+                if (s.batcher is not None and s.drafter is None) or s.rows is not None}
 
     def close(self) -> None:
         for s in self.models.values():
             if s.batcher is not None:
                 s.batcher.close()
+            if s.rows is not None:
+                s.rows.close()
 
     @torch.inference_mode()
     def _run(self, served: Served, job: Job) -> None:
@@ -545,3 +564,168 @@ class ARBatcher:
         self.valid[:, L2:] = False
         self.L = L2
         self.counts["repacks"] += 1
+
+
+# continuous batching of mdlm and usdm requests -------------------------------------------------------
+
+@dataclass(eq=False)
+class _Row:
+    """A diffusion row in the batcher: its job, its index there, its sampler's counters."""
+
+    job: Job
+    index: int
+    stats: Stats = field(default_factory=lambda: Stats(extra={"steps_per_canvas": []}))
+
+
+class RowsBatcher:
+    """One thread that runs every active mdlm or usdm row in one forward per step (continuous batching).
+
+    Between two steps it drops the rows whose request stopped them or went away, admits the rows that arrived
+    (up to max_rows; the rest wait in arrival order) and runs one step of the batch (`mdlm.Batch` / `usdm.Batch`:
+    every row's next pass in one forward); a row whose generation ended leaves the batch there. A job's `Done`
+    comes when its last row is over.
+    """
+
+    def __init__(self, model: Transformer, ck, max_rows: int = 64, name: str = "rows"):
+        self.model, self.ck = model, ck
+        self.paradigm = ck.objective
+        self.max_rows = max_rows
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.waiting: deque[_Row] = deque()
+        self.batch = self._new_batch()
+        self.counts = {"forwards": 0, "decode_steps": 0, "decode_rows": 0, "max_rows": 0}
+        self._closed = False
+        self.thread = threading.Thread(target=self._loop, name=f"dlm-rows-{name}", daemon=True)
+        self.thread.start()
+
+    def _new_batch(self):
+        C = 2 * self.model.cfg.max_seq_len  # the longest row plus its longest window
+        if self.paradigm == "mdlm":
+            tok = self.ck.tokenizer
+            return mdlm.Batch(self.model, C, tok.mask_id, tok.eos_id)
+        return usdm.Batch(self.model, C)
+
+    def submit(self, job: Job) -> None:
+        self.inbox.put(job)
+
+    def close(self) -> None:
+        self._closed = True
+        self.inbox.put(None)
+
+    def stats(self) -> dict:
+        c = dict(self.counts)
+        c["mean_rows_per_step"] = c["decode_rows"] / c["decode_steps"] if c["decode_steps"] else 0.0
+        c["active_rows"] = len(self.batch)
+        c["waiting_rows"] = len(self.waiting)
+        return c
+
+    def _loop(self) -> None:
+        while not self._closed:
+            try:
+                self._take(block=not len(self.batch) and not self.waiting)
+                with torch.inference_mode():
+                    self._drop()
+                    self._admit()
+                    if len(self.batch):
+                        self._step()
+            except Exception as e:  # a bug: fail what is in flight, keep serving
+                log.exception("row batcher failed")
+                rows = [lv.tag for lv in self.batch.live] + list(self.waiting)
+                for job in {id(r.job): r.job for r in rows}.values():
+                    job.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
+                self.waiting.clear()
+                self.batch = self._new_batch()
+
+    def _take(self, block: bool) -> None:
+        jobs = []
+        if block:
+            jobs.append(self.inbox.get())
+        while True:
+            try:
+                jobs.append(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        for job in jobs:
+            if job is None:
+                continue
+            job.live = len(job.rows)
+            self.waiting.extend(_Row(job, i) for i in range(len(job.rows)))
+
+    def _finish(self, r: _Row) -> None:
+        job = r.job
+        job.live -= 1
+        job.steps += r.stats.steps
+        job.canvases += r.stats.canvases
+        if job.live == 0 and not job.failed:
+            job.emit(Done(Stats(forwards=job.forwards, steps=job.steps, canvases=job.canvases,
+                                seconds=time.perf_counter() - job.t0, ttft=job.first,
+                                extra={"batch_rows_mean": job.batch_rows / job.forwards if job.forwards else 0.0})))
+
+    def _drop(self) -> None:
+        """Rows whose request stopped them or went away leave (between two steps)."""
+        for i in range(len(self.batch) - 1, -1, -1):
+            r = self.batch.live[i].tag
+            if r.job.over(r.index):
+                self.batch.drop(i)
+                self._finish(r)
+        if any(r.job.over(r.index) for r in self.waiting):
+            keep = deque()
+            for r in self.waiting:
+                if r.job.over(r.index):
+                    self._finish(r)
+                else:
+                    keep.append(r)
+            self.waiting = keep
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.batch) < self.max_rows:
+            r = self.waiting.popleft()
+            spec = r.job.rows[r.index]
+            try:
+                events = self._add(r, spec.prompt, spec.cfg)
+            except DlmError as e:  # (the options were checked when the request came: not expected)
+                r.job.cancel()
+                r.job.failed = True  # (its other rows leave at the next drop)
+                r.job.emit(Failed(str(e), client=True))
+                self._finish(r)
+                continue
+            self._emit(events)
+            if self.batch.index(r) is None:  # over before any forward (a template with no holes)
+                self._finish(r)
+
+    def _add(self, r: _Row, prompt: Prompt, cfg: SampleConfig) -> list:
+        model, ck = self.model, self.ck
+        step_events = r.job.step_events
+        if self.paradigm == "mdlm":
+            rule = mdlm.check_options(cfg)
+            job = mdlm.make_job(prompt, cfg, ck.block_size, model.cfg.max_seq_len)
+            return self.batch.add(job, rule, cfg, r.index, r.stats, tag=r,
+                                  gen=make_generator(cfg.seed, model.device), step_events=step_events)
+        L, steps = usdm.check_options(model, ck, cfg)
+        p = usdm.row_prompt(ck, model, prompt, cfg)
+        return self.batch.add(p, L, steps, ck.noise_vocab, ck.tokenizer.eos_id, cfg, r.index, r.stats, tag=r,
+                              gen=make_generator(cfg.seed, model.device), step_events=step_events)
+
+    def _emit(self, events: list) -> None:
+        for r, ev in events:
+            if not r.job.over(r.index):
+                r.job.emit(ev)
+
+    def _step(self) -> None:
+        rows = [lv.tag for lv in self.batch.live]
+        before = self.batch.forwards
+        events = self.batch.step()
+        n, f = len(rows), self.batch.forwards - before
+        c = self.counts
+        c["forwards"] += f
+        c["decode_steps"] += 1
+        c["decode_rows"] += n
+        c["max_rows"] = max(c["max_rows"], n)
+        for job in {id(r.job): r.job for r in rows}.values():
+            job.forwards += f
+            job.batch_rows += n * f
+        self._emit(events)
+        live = {id(lv.tag) for lv in self.batch.live}
+        for r in rows:
+            if id(r) not in live:  # its generation ended
+                self._finish(r)

@@ -41,9 +41,34 @@ def run_case(task: Any, case: Case, model, ck, cfg, drafter=None, context: int =
     tok = ck.tokenizer
     res = drain(stream(model, ck, [req.prompt], cfg.replace(max_new_tokens=req.max_new_tokens), drafter),
                 tok.decode, tok.eos_id)
+    return _case_row(task, case, req, res)
+
+
+def _case_row(task: Any, case: Case, req, res) -> dict[str, Any]:
     answer = req.read(res)
     return {"case": case.name, "answer": answer, "target": case.target, **task.score(case, answer),
             **res.stats.as_dict(), "tokens": res.tokens[0], "prompt": req.prompt.ids}
+
+
+def run_cases(task: Any, items: list[tuple[Case, Any]], model, ck, context: int = 0) -> list[dict[str, Any]]:
+    """Several cases (each with its SampleConfig, seed included) as rows of one batch (dlm.sampling.stream_rows):
+    the same answers and per-case counters (new tokens, forwards, steps, canvases: each row's own) as run_case;
+    a case's `seconds` is the batch's wall time shared out evenly (latency is not measured per case here)."""
+    from dlm.sampling import stream_rows
+    from dlm.sampling.common import Result, Stats, drain
+
+    ctx = context or window(ck, model)
+    reqs = [task.request(case, ck, cfg, style_of(ck, None, cfg), ctx) for case, cfg in items]
+    cfgs = [cfg.replace(max_new_tokens=req.max_new_tokens) for req, (_, cfg) in zip(reqs, items)]
+    tok = ck.tokenizer
+    res = drain(stream_rows(model, ck, [r.prompt for r in reqs], cfgs), tok.decode, tok.eos_id, rows=len(reqs))
+    rows = []
+    for i, ((case, _), req) in enumerate(zip(items, reqs)):
+        own = res.stats.extra["rows"][i]
+        st = Stats(new_tokens=own["new_tokens"], forwards=own["forwards"], canvases=own["canvases"],
+                   steps=own["steps"], seconds=res.stats.seconds / len(reqs))
+        rows.append(_case_row(task, case, req, Result([res.tokens[i]], [res.texts[i]], st)))
+    return rows
 
 
 def summarize(task: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -70,12 +95,16 @@ def summarize(task: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_task(name: str, model, ck, cfg, drafter=None, data: str | None = None, n: int = 100, seed: int = 0,
              span: str = "line", context: int = 0, progress: bool = False,
-             cases: list[Case] | None = None, samples: int = 1) -> dict[str, Any]:
+             cases: list[Case] | None = None, samples: int = 1, batch: int = 1) -> dict[str, Any]:
     """Every case of the task (`cases`, else the task's cases of data, n, seed, span) through one method, `samples`
-    times each (seeds seed, seed + 1, ...: pass@k); returns the summary with the per-case rows under "cases"."""
+    times each (seeds seed, seed + 1, ...: pass@k); returns the summary with the per-case rows under "cases".
+    batch > 1: an mdlm or usdm checkpoint runs that many cases at once as rows of one batch (the same answers and
+    counters; only the wall time changes); other methods run case by case."""
     task = task_module(name)
     if samples < 1:
         raise DlmError(f"--samples must be >= 1, got {samples}")
+    if batch < 1:
+        raise DlmError(f"--batch must be >= 1, got {batch}")
     cases = cases if cases is not None else task.cases(data, n, seed, span)
     rows = []
     t0 = time.perf_counter()
@@ -83,10 +112,14 @@ def run_task(name: str, model, ck, cfg, drafter=None, data: str | None = None, n
 
     with Progress(disable=not progress, transient=True) as bar:
         job = bar.add_task(f"{name}", total=len(cases) * samples)
-        for case in cases:
-            for j in range(samples):
-                rows.append(run_case(task, case, model, ck, cfg if j == 0 else cfg.replace(seed=cfg.seed + j), drafter,
-                                     context))
+        items = [(case, cfg if j == 0 else cfg.replace(seed=cfg.seed + j)) for case in cases for j in range(samples)]
+        if batch > 1 and drafter is None and ck.objective in ("mdlm", "usdm") and not cfg.naive:
+            for i in range(0, len(items), batch):
+                rows += run_cases(task, items[i:i + batch], model, ck, context)
+                bar.advance(job, len(items[i:i + batch]))
+        else:
+            for case, c in items:
+                rows.append(run_case(task, case, model, ck, c, drafter, context))
                 bar.advance(job)
     out = summarize(task, rows)
     out["wall_seconds"] = time.perf_counter() - t0
