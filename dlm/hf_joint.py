@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from dlm.checkpoint import all_finite, check_shapes, save_checkpoint, state_tensors
+from dlm.checkpoint import save_checkpoint, state_tensors
 from dlm.config import ModelConfig
 from dlm.errors import DlmError
 from dlm.files import write_folder, write_json, write_tensors
-from dlm.hf_layout import hf_config, model_config_from_hf
-from dlm.model import Transformer, param_shapes
+from dlm.hf_layout import assemble, hf_config, model_config_from_hf
+from dlm.model import Transformer
 from dlm.tokenizer import Tokenizer
 
 MODEL_TYPES = ("ministral_dlm",)
@@ -89,15 +89,7 @@ def import_folder(src: Path, out: Path, overwrite: bool, hf: dict[str, Any], rea
     tok = Tokenizer.from_file(src / "tokenizer.json")
     raw = read_weights(src)
     state = {dlm_name(k, cfg, src): v for k, v in raw.items() if dlm_name(k, cfg, src) is not None}
-    expected, aliases = param_shapes(cfg)
-    check_shapes(expected, {k: tuple(v.shape) for k, v in state.items()}, src, aliases)
-    for k, v in state.items():
-        if not all_finite(v):
-            raise DlmError(f"{src}: tensor {k} holds NaN or infinite values")
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    tied = {"lm_head.weight": state["embed_tokens.weight"]} if cfg.tie_embeddings else {}
-    model.load_state_dict({**state, **tied}, assign=True)
+    model = assemble(cfg, state, src)
     meta = {"objective": "joint", "model": cfg.to_dict(), "imported_from": src.name, "data": "stdlib", **conv,
             "hf_config": hf}
     with write_folder(out, overwrite=overwrite, inputs=(src,)) as tmp:

@@ -165,3 +165,21 @@ def dlm_name(name: str, cfg: ModelConfig, src: Path) -> str | None:
     if "rotary_emb" in name:
         return None
     raise DlmError(f"{src}: unexpected tensor {name!r}")
+
+
+def assemble(cfg: ModelConfig, state: dict[str, torch.Tensor], src: Path):
+    """A Transformer on the meta device holding `state` (dlm names) as its weights, after the names and shapes are
+    held against the config's and every tensor is checked finite (an imported folder's weights, as they are)."""
+    from dlm.checkpoint import all_finite, check_shapes
+    from dlm.model import Transformer, param_shapes
+
+    expected, aliases = param_shapes(cfg)
+    check_shapes(expected, {k: tuple(v.shape) for k, v in state.items()}, src, aliases)
+    for k, v in state.items():
+        if not all_finite(v):
+            raise DlmError(f"{src}: tensor {k} holds NaN or infinite values")
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    tied = {"lm_head.weight": state["embed_tokens.weight"]} if cfg.tie_embeddings else {}
+    model.load_state_dict({**state, **tied}, assign=True)
+    return model

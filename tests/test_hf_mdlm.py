@@ -728,3 +728,26 @@ def test_cli_refusal_is_exit_code_2(imported, tmp_path, capsys):
     assert main(["import", "--hf", str(bad), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.strip().count("\n") == 0 and "block_type" in err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family", ["sdar", "dream"])
+def test_rows_of_an_imported_model_equal_each_row_alone(imported, tok, family):
+    """dlm.sampling.stream_rows (what the server's row batcher and `eval --batch` run): an imported block-causal model
+    (SDAR) shares one forward per step across rows with its preset and its own <mask> id; a shifted full-attention
+    one (Dream) runs its rows in turn. Either way each row's tokens are the row's alone."""
+    from dlm.sampling import stream_rows
+    from dlm.sampling.common import Commit, Done
+
+    _, _, _, model, ck = imported[family]
+    prompts = [tokens(n, 20 + n, tok.vocab_size, (tok.mask_id, tok.eos_id))[0].tolist() for n in (6, 9, 4)]
+    cfg = SampleConfig(max_new_tokens=12)
+    alone = [generate_ids(model, ck, p, cfg) for p in prompts]
+    got, done = {r: [] for r in range(3)}, None
+    for ev in stream_rows(model, ck, [Prompt(p) for p in prompts], [cfg] * 3):
+        if isinstance(ev, Commit):
+            got[ev.row] += ev.tokens
+        if isinstance(ev, Done):
+            done = ev
+    assert [got[r] for r in range(3)] == alone
+    if family == "sdar":  # rows really shared forwards
+        assert done.stats.extra.get("rows_per_forward", 1) > 1

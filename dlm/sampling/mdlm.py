@@ -79,7 +79,7 @@ ended leaves. The Done's `forwards` then counts the batched calls, extra["rows"]
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
@@ -592,17 +592,22 @@ def rows_fit(ck) -> bool:
 def stream_rows(model, ck, prompts: list[Prompt], cfgs: list, step_events: bool = False) -> Iterator[Event]:
     """Rows that each bring their own SampleConfig (row r seeded cfgs[r].seed) in one batch (dlm.sampling.stream_rows).
     Bad options raise here, before any work."""
+    rows = [row_job(model, ck, p, c) for p, c in zip(prompts, cfgs)]
+    jobs, rules, cfgs = [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+    return _run_rows(model, jobs, rules, cfgs, [c.seed for c in cfgs], ck.mask_id, ck.tokenizer.eos_id, step_events)
+
+
+def row_job(model, ck, prompt: Prompt, cfg) -> tuple[Job, Rule, Any]:
+    """A prompt as a row of a Batch: its job, its rule and its options (the checkpoint's preset applied). Raises on
+    bad options and on a checkpoint whose rows cannot share a Batch, before any work."""
     if not rows_fit(ck):
         raise DlmError(f"{ck.path}: a full-attention or shifted checkpoint runs its rows one after another (stream)")
-    preset = ck.config.get("preset")
-    cfgs = [apply_preset(c, preset).replace(prefix_cache=False) for c in cfgs]
-    rules = [check_options(c) for c in cfgs]
-    mask_id = ck.mask_id
-    if mask_id is None:
+    if ck.mask_id is None:
         raise DlmError(f"{ck.path}: the tokenizer has no <mask> token")
-    causal = ck.objective == "joint"
-    jobs = [make_job(p, c, ck.block_size, model.cfg.max_seq_len, causal) for p, c in zip(prompts, cfgs)]
-    return _run_rows(model, jobs, rules, cfgs, [c.seed for c in cfgs], mask_id, ck.tokenizer.eos_id, step_events)
+    cfg = apply_preset(cfg, ck.config.get("preset")).replace(prefix_cache=False)
+    rule = check_options(cfg)
+    job = make_job(prompt, cfg, ck.block_size, model.cfg.max_seq_len, ck.objective == "joint")
+    return job, rule, cfg
 
 
 @torch.inference_mode()

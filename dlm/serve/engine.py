@@ -601,8 +601,7 @@ class RowsBatcher:
     def _new_batch(self):
         C = 2 * self.model.cfg.max_seq_len  # the longest row plus its longest window
         if self.paradigm == "mdlm":
-            tok = self.ck.tokenizer
-            return mdlm.Batch(self.model, C, tok.mask_id, tok.eos_id)
+            return mdlm.Batch(self.model, C, self.ck.mask_id, self.ck.tokenizer.eos_id)
         return usdm.Batch(self.model, C)
 
     def submit(self, job: Job) -> None:
@@ -697,8 +696,7 @@ class RowsBatcher:
         model, ck = self.model, self.ck
         step_events = r.job.step_events
         if self.paradigm == "mdlm":
-            rule = mdlm.check_options(cfg)
-            job = mdlm.make_job(prompt, cfg, ck.block_size, model.cfg.max_seq_len)
+            job, rule, cfg = mdlm.row_job(model, ck, prompt, cfg)
             return self.batch.add(job, rule, cfg, r.index, r.stats, tag=r,
                                   gen=make_generator(cfg.seed, model.device), step_events=step_events)
         L, steps = usdm.check_options(model, ck, cfg)
