@@ -91,3 +91,28 @@ def test_export_is_the_same_folder_and_bad_folders_are_refused(tmp_path, capsys)
         assert run_cli("import", "--hf", str(bad), "--out", str(tmp_path / "x")) == 2
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
+
+
+def test_an_imported_model_evaluates_its_ar_mode_as_transformers_scores_it(tmp_path, capsys):
+    """`dlm eval` of the imported joint checkpoint reports its AR mode's held-out perplexity (library and CLI), and
+    that mode's next-token cross-entropy on a sequence equals transformers' Ministral3ForCausalLM's."""
+    from dlm.data.corpus import Corpus
+    from dlm.evaluate import evaluate
+
+    src, m = nemotron_folder(tmp_path)
+    assert run_cli("import", "--hf", str(src), "--out", str(tmp_path / "ck")) in (0, None)
+    net, ck = load_model(str(tmp_path / "ck"))
+    data = tmp_path / "docs"
+    data.mkdir()
+    for i in range(12):
+        (data / f"{i}.txt").write_text(" ".join("abcdefghij"[(i * j) % 10] for j in range(60)))
+    res = evaluate(net, ck, Corpus(str(data)), "test", seq_len=32, batch_size=2)
+    assert res["tokens"] > 0 and res["ar_mode_perplexity"] > 1
+    ids = torch.tensor([ck.tokenizer.encode(" ".join("abcdefghij"[j % 10] for j in range(40)))])
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(m(ids).logits[0, :-1], ids[0, 1:])
+        got = torch.nn.functional.cross_entropy(net(ids).logits[0, :-1], ids[0, 1:])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert run_cli("eval", "--model", str(tmp_path / "ck"), "--data", str(data), "--split", "test", "--seq-len", "32",
+                   "--json") in (0, None)
+    assert "ar_mode_perplexity" in capsys.readouterr().out
