@@ -15,9 +15,6 @@ from torch import nn
 
 from dlm.errors import DlmError
 
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def add_lora(model: nn.Module, rank: int, alpha: float, targets: tuple[str, ...]) -> nn.Module:
     """Wrap the layers named in targets with rank-R adapters (peft) and freeze every other weight. In place."""
     try:
@@ -34,10 +31,6 @@ def add_lora(model: nn.Module, rank: int, alpha: float, targets: tuple[str, ...]
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)
     return model
-
-
-def has_lora(model: nn.Module) -> bool:
-    return any("lora_" in n for n, _ in model.named_parameters())
 
 
 @torch.no_grad()
