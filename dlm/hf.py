@@ -24,7 +24,7 @@ from dlm.checkpoint import Checkpoint, all_finite, check_shapes, save_checkpoint
 from dlm.files import read_json, tensor_shapes, write_folder, write_json, write_tensors
 from dlm import hf_gemma, hf_joint, hf_mdlm
 from dlm.hf_layout import (  # noqa: F401  (the layout's functions, here where they have always been importable)
-    ARCHITECTURES, dlm_name, hf_config, hf_family, model_config_from_hf, read_hf_weights, weight_files,
+    ARCHITECTURES, assemble, dlm_name, hf_config, hf_family, model_config_from_hf, read_hf_weights, weight_files,
 )
 from dlm.drafter import DFlashDrafter
 from dlm.errors import DlmError
@@ -155,13 +155,7 @@ def import_hf(folder: str | os.PathLike, out: str | os.PathLike, overwrite: bool
     check_shapes(expected, shapes, src, aliases)
     raw = read_hf_weights(src)
     tensors = {dlm_name(k, cfg, src): v for k, v in raw.items() if dlm_name(k, cfg, src) is not None}
-    for k, v in tensors.items():
-        if not all_finite(v):
-            raise DlmError(f"{src}: tensor {k} holds NaN or infinite values")
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    tied = {"lm_head.weight": tensors["embed_tokens.weight"]} if cfg.tie_embeddings else {}
-    model.load_state_dict({**tensors, **tied}, assign=True)
+    model = assemble(cfg, tensors, src)
     dtype = next(iter(raw.values())).dtype
     with write_folder(out, overwrite=overwrite, inputs=(src,)) as tmp:
         save_checkpoint(tmp, model, tok, {"objective": "ar", "model": cfg.to_dict(), "imported_from": src.name,

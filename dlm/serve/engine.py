@@ -324,7 +324,64 @@ def _cache_view(k: torch.Tensor, v: torch.Tensor, n: int, length: int) -> KVCach
     return view
 
 
-class ARBatcher:
+class _BatchThread:
+    """What both batchers share: one daemon thread; jobs arrive through `submit` and join between two steps (each of
+    its rows queued by `_queue`); every round runs `_round` under inference mode; a bug fails the jobs in flight
+    (`_in_flight`), `_reset` empties the batch, and the thread keeps serving."""
+
+    label = "batcher"
+
+    def _start(self, name: str) -> None:
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        self.inbox.put(job)
+
+    def close(self) -> None:
+        self._closed = True
+        self.inbox.put(None)
+
+    def stats(self) -> dict:
+        c = dict(self.counts)
+        c["mean_rows_per_step"] = c["decode_rows"] / c["decode_steps"] if c["decode_steps"] else 0.0
+        c["active_rows"] = self._active()
+        c["waiting_rows"] = len(self.waiting)
+        return c
+
+    def _loop(self) -> None:
+        while not self._closed:
+            try:
+                self._take(block=not self._active() and not self.waiting)
+                with torch.inference_mode():
+                    self._round()
+            except Exception as e:  # a bug: fail what is in flight, keep serving
+                log.exception("%s failed", self.label)
+                for job in {id(r.job): r.job for r in self._in_flight()}.values():
+                    job.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
+                self.waiting.clear()
+                with torch.inference_mode():
+                    self._reset()
+
+    def _take(self, block: bool) -> None:
+        """Move the jobs that arrived into the waiting rows (blocking when there is nothing to do)."""
+        jobs = []
+        if block:
+            jobs.append(self.inbox.get())
+        while True:
+            try:
+                jobs.append(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        for job in jobs:
+            if job is not None:
+                job.live = len(job.rows)
+                self._queue(job)
+
+
+class ARBatcher(_BatchThread):
     """One thread that decodes every active AR row in one forward per step (continuous batching).
 
     The K/V buffers are (n_layers, rows, n_kv_heads, C, head_dim) with one shared column count L
@@ -341,7 +398,6 @@ class ARBatcher:
         self.model, self.tok = model, ck.tokenizer
         self.max_rows = max_rows
         self.C = 2 * model.cfg.max_seq_len
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.waiting: deque[_Slot] = deque()
         self.rows: list[_Slot] = []
         self.k: torch.Tensor | None = None
@@ -350,69 +406,40 @@ class ARBatcher:
         self.L = 0
         self.counts = {"forwards": 0, "prefills": 0, "decode_steps": 0, "decode_rows": 0, "max_rows": 0,
                        "repacks": 0}
-        self._closed = False
-        self.thread = threading.Thread(target=self._loop, name=f"dlm-batch-{name}", daemon=True)
-        self.thread.start()
-
-    def submit(self, job: Job) -> None:
-        self.inbox.put(job)
-
-    def close(self) -> None:
-        self._closed = True
-        self.inbox.put(None)
-
-    def stats(self) -> dict:
-        c = dict(self.counts)
-        c["mean_rows_per_step"] = c["decode_rows"] / c["decode_steps"] if c["decode_steps"] else 0.0
-        c["active_rows"] = len(self.rows)
-        c["waiting_rows"] = len(self.waiting)
-        return c
+        self._start(f"dlm-batch-{name}")
 
     # the loop ---------------------------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        while not self._closed:
-            try:
-                self._take(block=not self.rows and not self.waiting)
-                with torch.inference_mode():
-                    self._drop()
-                    if self.waiting and len(self.rows) < self.max_rows:
-                        self._admit()
-                        self._drop()
-                    if self.rows:
-                        self._step()
-                        self._drop()
-            except Exception as e:  # a bug: fail what is in flight, keep serving
-                log.exception("AR batcher failed")
-                for job in {id(s.job): s.job for s in [*self.rows, *self.waiting]}.values():
-                    job.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
-                self.rows.clear()
-                self.waiting.clear()
-                self.L = 0
-                if self.valid is not None:
-                    with torch.inference_mode():
-                        self.valid.zero_()
+    label = "AR batcher"
 
-    def _take(self, block: bool) -> None:
-        """Move the jobs that arrived into the waiting rows (blocking when there is nothing to do)."""
-        jobs = []
-        if block:
-            jobs.append(self.inbox.get())
-        while True:
-            try:
-                jobs.append(self.inbox.get_nowait())
-            except queue.Empty:
-                break
+    def _active(self) -> int:
+        return len(self.rows)
+
+    def _in_flight(self) -> list:
+        return [*self.rows, *self.waiting]
+
+    def _round(self) -> None:
+        self._drop()
+        if self.waiting and len(self.rows) < self.max_rows:
+            self._admit()
+            self._drop()
+        if self.rows:
+            self._step()
+            self._drop()
+
+    def _reset(self) -> None:
+        self.rows.clear()
+        self.L = 0
+        if self.valid is not None:
+            self.valid.zero_()
+
+    def _queue(self, job: Job) -> None:
         dev = self.model.device
-        for job in jobs:
-            if job is None:
-                continue
-            job.live = len(job.rows)
-            for i, r in enumerate(job.rows):
-                c = r.cfg
-                self.waiting.append(_Slot(job, i, list(r.prompt.ids), c.temperature, c.top_k, c.top_p,
-                                          c.max_new_tokens, r.logprobs,
-                                          make_generator(c.seed, dev) if c.temperature > 0 else None))
+        for i, r in enumerate(job.rows):
+            c = r.cfg
+            self.waiting.append(_Slot(job, i, list(r.prompt.ids), c.temperature, c.top_k, c.top_p,
+                                      c.max_new_tokens, r.logprobs,
+                                      make_generator(c.seed, dev) if c.temperature > 0 else None))
 
     def _finish(self, slot: _Slot) -> None:
         job = slot.job
@@ -577,7 +604,7 @@ class _Row:
     stats: Stats = field(default_factory=lambda: Stats(extra={"steps_per_canvas": []}))
 
 
-class RowsBatcher:
+class RowsBatcher(_BatchThread):
     """One thread that runs every active mdlm or usdm row in one forward per step (continuous batching).
 
     Between two steps it drops the rows whose request stopped them or went away, admits the rows that arrived
@@ -590,13 +617,10 @@ class RowsBatcher:
         self.model, self.ck = model, ck
         self.paradigm = ck.objective
         self.max_rows = max_rows
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.waiting: deque[_Row] = deque()
         self.batch = self._new_batch()
         self.counts = {"forwards": 0, "decode_steps": 0, "decode_rows": 0, "max_rows": 0}
-        self._closed = False
-        self.thread = threading.Thread(target=self._loop, name=f"dlm-rows-{name}", daemon=True)
-        self.thread.start()
+        self._start(f"dlm-rows-{name}")
 
     def _new_batch(self):
         C = 2 * self.model.cfg.max_seq_len  # the longest row plus its longest window
@@ -604,51 +628,25 @@ class RowsBatcher:
             return mdlm.Batch(self.model, C, self.ck.mask_id, self.ck.tokenizer.eos_id)
         return usdm.Batch(self.model, C)
 
-    def submit(self, job: Job) -> None:
-        self.inbox.put(job)
+    label = "row batcher"
 
-    def close(self) -> None:
-        self._closed = True
-        self.inbox.put(None)
+    def _active(self) -> int:
+        return len(self.batch)
 
-    def stats(self) -> dict:
-        c = dict(self.counts)
-        c["mean_rows_per_step"] = c["decode_rows"] / c["decode_steps"] if c["decode_steps"] else 0.0
-        c["active_rows"] = len(self.batch)
-        c["waiting_rows"] = len(self.waiting)
-        return c
+    def _in_flight(self) -> list:
+        return [lv.tag for lv in self.batch.live] + list(self.waiting)
 
-    def _loop(self) -> None:
-        while not self._closed:
-            try:
-                self._take(block=not len(self.batch) and not self.waiting)
-                with torch.inference_mode():
-                    self._drop()
-                    self._admit()
-                    if len(self.batch):
-                        self._step()
-            except Exception as e:  # a bug: fail what is in flight, keep serving
-                log.exception("row batcher failed")
-                rows = [lv.tag for lv in self.batch.live] + list(self.waiting)
-                for job in {id(r.job): r.job for r in rows}.values():
-                    job.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
-                self.waiting.clear()
-                self.batch = self._new_batch()
+    def _round(self) -> None:
+        self._drop()
+        self._admit()
+        if len(self.batch):
+            self._step()
 
-    def _take(self, block: bool) -> None:
-        jobs = []
-        if block:
-            jobs.append(self.inbox.get())
-        while True:
-            try:
-                jobs.append(self.inbox.get_nowait())
-            except queue.Empty:
-                break
-        for job in jobs:
-            if job is None:
-                continue
-            job.live = len(job.rows)
-            self.waiting.extend(_Row(job, i) for i in range(len(job.rows)))
+    def _reset(self) -> None:
+        self.batch = self._new_batch()
+
+    def _queue(self, job: Job) -> None:
+        self.waiting.extend(_Row(job, i) for i in range(len(job.rows)))
 
     def _finish(self, r: _Row) -> None:
         job = r.job
