@@ -505,6 +505,7 @@ def task_cmd(name: Literal["sudoku"], out: str, n: int = 1000,
             bands and stacks permuted, transposed: same difficulty, one solution), shuffled
     """
     import time
+    from pathlib import Path
 
     from dlm.data.csvtask import read_pairs, write_pairs
     from dlm.tasks.sudoku import augment as symmetric_copies
@@ -514,6 +515,8 @@ def task_cmd(name: Literal["sudoku"], out: str, n: int = 1000,
         raise DlmError(f"--out must name a .csv file (training reads .csv as sudoku puzzles), got {out!r}")
     if augment < 1:
         raise DlmError(f"--augment must be >= 1, got {augment}")
+    if source is not None and Path(source).resolve() == Path(out).resolve():
+        raise DlmError(f"--out {out} is the --source file: write the puzzles to another file (the source stays as it is)")
     t0 = time.perf_counter()
     lo, hi = parse_clues(clues)
     if source is not None:

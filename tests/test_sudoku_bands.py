@@ -130,6 +130,9 @@ def test_symmetric_copies_keep_the_clues_and_the_one_solution(tmp_path):
     for args, needle in ((["--augment", "0"], "--augment must be >= 1"), (["--clues", "20-21"], "no puzzle has")):
         code, _, err = _cli("task", "sudoku", "--source", str(src), "--out", str(out), *args)
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+    before = src.read_bytes()
+    code, _, err = _cli("task", "sudoku", "--source", str(src), "--clues", "30-34", "--out", str(src))
+    assert code == 2 and "is the --source file" in err and src.read_bytes() == before
 
 
 def test_eval_clues_band(tmp_path):
