@@ -19,6 +19,9 @@ from dlm.tokenizer import Tokenizer
 
 def hf_family(cfg: ModelConfig) -> str:
     """The transformers family a dlm backbone is: Qwen3 (q/k-norm), Qwen2 (q/k/v bias) or Llama (neither)."""
+    if cfg.moe or cfg.partial_rotary != 1:
+        raise DlmError("--format hf: a mixture-of-experts or partial-rotary backbone has no Qwen3/Qwen2/Llama layout "
+                       "(an imported LLaDA 2 exports to its own)")
     if cfg.qk_norm and cfg.attn_bias:
         raise DlmError("--format hf: q/k-norm with q/k/v biases has no transformers layout (Qwen3 or Qwen2 has one)")
     return "qwen3" if cfg.qk_norm else "qwen2" if cfg.attn_bias else "llama"
