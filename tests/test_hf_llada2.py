@@ -291,6 +291,25 @@ def test_generation_follows_llada2_generate(imported, tok):
     assert stats["forwards"] < n  # the threshold commits several tokens in some passes
 
 
+def test_rows_of_the_imported_model_equal_each_row_alone(imported, tok):
+    """Rows of one batch (the server's row batcher, `eval --batch`) share each forward through the experts; each
+    row's tokens are the ones it gets alone."""
+    from dlm.sampling import stream_rows
+
+    _, _, _, model, ck = imported
+    prompts = [tokens(n, 20 + n, tok.vocab_size, (tok.mask_id, tok.eos_id))[0].tolist() for n in (6, 35, 4)]
+    cfg = SampleConfig(max_new_tokens=12)
+    alone = [generate_ids(model, ck, p, cfg) for p in prompts]
+    got, done = {r: [] for r in range(3)}, None
+    for ev in stream_rows(model, ck, [Prompt(p) for p in prompts], [cfg] * 3):
+        if isinstance(ev, Commit):
+            got[ev.row] += ev.tokens
+        if isinstance(ev, Done):
+            done = ev
+    assert [got[r] for r in range(3)] == alone
+    assert done.stats.extra.get("rows_per_forward", 1) > 1
+
+
 def test_export_round_trip_is_exact(imported, tmp_path):
     """import -> export gives back the public folder: the same config.json, every tensor bit-identical under its
     name (query_key_value fused again, the experts one by one), the remote code; reimported, the same checkpoint."""
@@ -311,8 +330,9 @@ def test_export_round_trip_is_exact(imported, tmp_path):
 
 def test_cli_import_generate_eval_export(imported, tmp_path, capsys):
     """The commands of docs/public-models.md on the tiny folder: import, generate (its preset), eval (the likelihood
-    bound over blocks of 32), export to the same folder."""
+    bound over blocks of 32; the execution-based code task), export to the same folder."""
     from dlm.cli import main
+    from test_code_task import HUMANEVAL
 
     _, folder, hf, _, _ = imported
     assert main(["import", "--hf", str(folder), "--out", str(tmp_path / "ck")]) == 0
@@ -329,8 +349,35 @@ def test_cli_import_generate_eval_export(imported, tmp_path, capsys):
                  "--samples", "2", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["tokens"] > 0 and res["loss_bound"] > 0 and res["samples"] == 2
+    he = tmp_path / "he.jsonl"
+    he.write_text("".join(json.dumps(p) + "\n" for p in HUMANEVAL))
+    assert main(["eval", "--model", str(tmp_path / "ck"), "--task", "code", "--data", str(he), "--max-new-tokens", "8",
+                 "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["problems"] == 2 and 0.0 <= res["pass_at_1"] <= 1.0 and res["forwards"] > 0
     assert main(["export", "--model", str(tmp_path / "ck"), "--out", str(tmp_path / "hf")]) == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text()) == hf
+
+
+def test_lm_eval_adapter_reads_the_block_view(imported, tok):
+    """The lm-eval adapter on the imported checkpoint: a one-token continuation's ELBO is exact, log p(token | the
+    context, <mask>) with the <mask> logit excluded, read at the token's own position under LLaDA 2's block mask
+    (here the reference's logits); a longer one is a seeded Monte-Carlo bound below zero."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from dlm.lmeval import DlmLM
+
+    ref, _, _, _, ck = imported
+    lm = DlmLM(path=str(ck.path), samples=4)
+    ctx = tokens(37, 3, tok.vocab_size, (tok.mask_id,))[0].tolist()  # the token in the second block of 32
+    ll, _ = lm._score(ctx, [11])
+    with torch.no_grad():
+        logits = ref(torch.tensor([ctx + [tok.mask_id]]), attention_mask=block_causal(38, 32)).logits[0, -1]
+    logits[tok.mask_id] = float("-inf")
+    assert ll == pytest.approx(float(torch.log_softmax(logits, -1)[11]), abs=1e-4)
+    (a, _), = lm.loglikelihood([Instance("loglikelihood", {}, ("def f(x):", " return x + 1"), 0)])
+    assert a < 0
 
 
 @pytest.mark.parametrize("change,msg", [
