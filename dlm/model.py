@@ -185,7 +185,7 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         # layer i's feed-forward: a mixture of experts (ModelConfig.moe, from its first_dense layer on) or SwiGLU
-        self.mlp = moe.SparseMoE(cfg.dim, cfg.moe) if moe.is_moe_layer(cfg, i) else MLP(cfg.dim, cfg.ffn_dim)
+        self.mlp = moe.SparseMoE(cfg.dim, cfg.moe, MLP) if moe.is_moe_layer(cfg, i) else MLP(cfg.dim, cfg.ffn_dim)
         self.checkpointing = False  # activation checkpointing: recompute this layer in the backward pass
 
     def forward(self, x, rope, mask, is_causal, cache, layer, write, ctx=None, ctx_rope=None) -> Tensor:

@@ -17,7 +17,7 @@ it), layers.N.mlp.experts.{gate_up_proj, down_proj}, layers.N.mlp.shared_experts
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -87,13 +87,12 @@ class Router(nn.Module):
 class SparseMoE(nn.Module):
     """Routed SwiGLU experts plus the shared experts, over x (B, T, D)."""
 
-    def __init__(self, dim: int, moe: dict[str, Any]):
+    def __init__(self, dim: int, moe: dict[str, Any], mlp: Callable[[int, int], nn.Module]):
+        """mlp(dim, hidden): the backbone's SwiGLU MLP (dlm.model.MLP), the shared experts' module."""
         super().__init__()
-        from dlm.model import MLP
-
         self.gate = Router(dim, moe)
         self.experts = Experts(dim, moe["n_experts"], moe["ffn_dim"], act="silu")
-        self.shared_experts = MLP(dim, moe["ffn_dim"] * moe["shared"]) if moe["shared"] else None
+        self.shared_experts = mlp(dim, moe["ffn_dim"] * moe["shared"]) if moe["shared"] else None
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])  # (N, D)
