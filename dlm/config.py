@@ -236,7 +236,7 @@ class TrainConfig:
         lora_rank: low-rank adaptation (peft): train rank-R adapters on --lora-targets and freeze every other weight (0 = full fine-tuning); the checkpoint holds the merged weights
         lora_alpha: adapter scale alpha (the update is alpha / R x B A; default 2 R)
         lora_targets: comma-separated names of the linear layers that get adapters
-        freeze_router: a mixture-of-experts backbone's routers (gemma4) keep their weights (full fine-tuning; with --lora-rank everything but the adapters is frozen anyway)
+        freeze_router: a mixture-of-experts backbone's routers (gemma4, LLaDA 2) keep their weights (full fine-tuning; with --lora-rank everything but the adapters is frozen anyway)
         block_size: block of block diffusion (mdlm; default 0 = the whole window; joint: default 16) or of the DFlash drafter (dflash; default 16)
         canvas_length: usdm: tokens per canvas
         loss_weight: usdm canvas loss: constant (1) or inverse (1 / (1 - t))

@@ -121,7 +121,7 @@ def export_drafter(drafter: DFlashDrafter, ck: Checkpoint, out: str | os.PathLik
 def import_hf(folder: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False,
               target: str | os.PathLike | None = None) -> Path:
     """Read a local Qwen3/Qwen2/Llama/Gemma 4 folder into a dlm checkpoint (objective "ar"), in the dtype it is stored in;
-    a LLaDA, Dream, SDAR or Fast-dLLM v2 folder into an mdlm checkpoint with its conventions (dlm.hf_mdlm);
+    a LLaDA, Dream, SDAR, Fast-dLLM v2 or LLaDA 2 folder into an mdlm checkpoint with its conventions (dlm.hf_mdlm);
     a Nemotron-Labs-Diffusion folder into a joint checkpoint (dlm.hf_joint);
     a DiffusionGemma folder into a usdm checkpoint (dlm.hf_gemma); a public DFlash drafter folder into a dflash
     checkpoint for `target` (`import_drafter`).

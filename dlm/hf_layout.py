@@ -97,7 +97,7 @@ def model_config_from_hf(hf: dict[str, Any], source: Path, family: str | None = 
     kind = family if family is not None else hf.get("model_type")
     if kind not in ("qwen3", "qwen2", "llama"):
         raise DlmError(f"{source}: model_type {kind!r} is not supported (qwen3, qwen2, llama, gemma4_text, gemma4, "
-                       f"diffusion_gemma, llada, Dream, sdar and Fast_dLLM_Qwen are)")
+                       f"diffusion_gemma, llada, Dream, sdar, Fast_dLLM_Qwen and llada2_moe are)")
     if (hf.get("attention_bias") and kind != "qwen2") or hf.get("mlp_bias"):
         raise DlmError(f"{source}: attention/MLP biases are not supported (except Qwen2's q/k/v biases)")
     if hf.get("use_sliding_window"):

@@ -352,7 +352,8 @@ def side_files(src: Path, hf: dict[str, Any]) -> list[str]:
 
 
 def import_folder(src: Path, out: Path, overwrite: bool, hf: dict[str, Any], read_weights) -> Path:
-    """A local LLaDA / Dream / SDAR / Fast-dLLM v2 folder -> a dlm mdlm checkpoint, in the dtype it is stored in."""
+    """A local LLaDA / Dream / SDAR / Fast-dLLM v2 / LLaDA 2 folder -> a dlm mdlm checkpoint, in the dtype it is stored
+    in."""
     fam = family_of(hf)
     cfg = model_config(hf, src / "config.json")
     conv = conventions(hf, cfg, src / "config.json")

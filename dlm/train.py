@@ -260,7 +260,7 @@ def prepare(cfg: TrainConfig, out: Path, resume: bool, explicit: set[str] | None
     objective = make_objective(cfg, tok)
     model = objective.build_model().to(device)
     if cfg.freeze_router:
-        routers = [p for n, p in model.named_parameters() if ".router." in n]
+        routers = [p for n, p in model.named_parameters() if ".router." in n or ".mlp.gate." in n]  # gemma4, dlm.moe
         if not routers:
             raise DlmError("--freeze-router: this model has no mixture-of-experts router")
         for p in routers:

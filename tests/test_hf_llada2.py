@@ -451,3 +451,26 @@ def test_published_configs_map_to_their_sizes(sizes, total, active, tmp_path):
     c = conventions(hf, cfg, tmp_path / "config.json")
     assert (c["family"], c["block_size"], c["mask_id"], c["shift"], c["context"]) == ("llada2", 32, 156895, False,
                                                                                         "block")
+
+
+def test_fine_tuning_keeps_the_frozen_router(imported, tmp_path, capsys):
+    """`dlm train --init-from` an imported LLaDA 2 with --freeze-router: the experts and the rest learn, the routers
+    (weights and selection bias) keep theirs; the result, no longer in LLaDA 2's conventions, is refused by the
+    export in one line."""
+    from dlm.cli import main
+
+    _, _, _, _, ck = imported
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(16):
+        (docs / f"{i}.txt").write_text("def f(x):\n    return x + %d\n" % i * 8)
+    assert main(["train", "--objective", "mdlm", "--init-from", str(ck.path), "--data", str(docs), "--seq-len", "64",
+                 "--block-size", "32", "--batch-size", "2", "--max-steps", "2", "--eval-every", "2",
+                 "--eval-batches", "1", "--freeze-router", "--quiet", "--out", str(tmp_path / "ft")]) == 0
+    a, b = load_file(ck.path / "model.safetensors"), load_file(tmp_path / "ft" / "model.safetensors")
+    changed = {k for k in a if not torch.equal(a[k], b[k])}
+    assert any(".experts." in k for k in changed) and not any(".mlp.gate." in k for k in changed)
+    capsys.readouterr()
+    assert main(["export", "--model", str(tmp_path / "ft"), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "no transformers layout" in err and err.strip().count("\n") == 0
