@@ -98,7 +98,7 @@ class ModelConfig:
                 "original_max_position_embeddings")), "model.rope_scaling yarn needs factor and "
                   "original_max_position_embeddings")
         p = self.partial_rotary
-        check(0 < p <= 1 and int(self.head_dim * p) % 2 == 0,
+        check(0 < p <= 1 and int(self.head_dim * p) % 2 == 0 and int(self.head_dim * p) >= 2,
               f"model.partial_rotary must be in (0, 1] and turn an even number of the head's {self.head_dim} "
               f"dimensions, got {p}")
         check(p == 1 or self.rope_scaling is None, "model.partial_rotary with rope_scaling is not supported")

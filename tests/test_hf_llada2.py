@@ -474,3 +474,21 @@ def test_fine_tuning_keeps_the_frozen_router(imported, tmp_path, capsys):
     assert main(["export", "--model", str(tmp_path / "ft"), "--out", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert "no transformers layout" in err and err.strip().count("\n") == 0
+
+
+@pytest.mark.parametrize("change,msg", [
+    ({"partial_rotary": 0.01}, "partial_rotary"), ({"partial_rotary": 1.5}, "partial_rotary"),
+    ({"moe": {"n_experts": 8}}, "model.moe must be null or"),
+    ({"moe": {**{"n_experts": 8, "top_k": 2, "ffn_dim": 16, "shared": 0, "first_dense": 0, "n_group": 4,
+                 "topk_group": 1, "scale": 1.0}, "top_k": 5}}, "top_k"),
+    ({"moe": {"n_experts": 8, "top_k": 2, "ffn_dim": 16, "shared": 0, "first_dense": 3, "n_group": 4,
+              "topk_group": 1, "scale": 1.0}}, "first_dense"),
+    ({"moe": {"n_experts": 8, "top_k": 2, "ffn_dim": 16, "shared": 0, "first_dense": 0, "n_group": 4,
+              "topk_group": 1, "scale": "2"}}, "scale"),
+])
+def test_bad_backbone_switches_are_one_line(change, msg):
+    from dlm.config import ModelConfig
+
+    with pytest.raises(DlmError, match=msg) as e:
+        ModelConfig(dim=64, n_heads=4, n_kv_heads=2, n_layers=2, **change)
+    assert "\n" not in str(e.value)
