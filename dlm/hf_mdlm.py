@@ -191,8 +191,8 @@ def model_config_from_llada2(hf: dict[str, Any], source: Path) -> ModelConfig:
     if hf.get("num_experts") is not None:
         moe = {"n_experts": _number(hf, "num_experts", source), "top_k": _number(hf, "num_experts_per_tok", source, 2),
                "ffn_dim": _number(hf, "moe_intermediate_size", source), "shared": hf.get("num_shared_experts") or 0,
-               "first_dense": _number(hf, "first_k_dense_replace", source, 0), "n_group": _number(hf, "n_group", source, 8),
-               "topk_group": _number(hf, "topk_group", source, 4),
+               "first_dense": _number(hf, "first_k_dense_replace", source, 0),
+               "n_group": _number(hf, "n_group", source, 8), "topk_group": _number(hf, "topk_group", source, 4),
                "scale": float(_number(hf, "routed_scaling_factor", source, 2.5, float))}
     dense = moe is None or moe["first_dense"] > 0
     ffn = _number(hf, "intermediate_size", source) if dense else hf.get("intermediate_size") or moe["ffn_dim"]

@@ -322,7 +322,7 @@ def param_shapes(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str
     held against its weights' header before anything is allocated), and the aliases of tied tensors
     (lm_head.weight -> embed_tokens.weight). tests hold this to the state_dict of built models."""
     D = cfg.dim
-    if cfg.arch or cfg.moe:  # a family's own layers, experts: read from the model built on the meta device (allocates nothing)
+    if cfg.arch or cfg.moe:  # own layers, experts: read from the model built on the meta device (allocates nothing)
         with torch.device("meta"):
             m = Transformer(cfg)
         out = {k: tuple(v.shape) for k, v in m.state_dict().items() if k != "lm_head.weight" or not cfg.tie_embeddings}

@@ -43,7 +43,8 @@ def check_moe(moe: Any, n_layers: int) -> None:
     check(0 < moe["top_k"] <= E <= 4096 and 0 < moe["ffn_dim"] <= 1 << 18,
           f"model.moe needs 0 < top_k <= n_experts <= 4096 and ffn_dim > 0, got {moe}"[:200])
     check(g > 0 and E % g == 0 and E // g >= 2 and 0 < moe["topk_group"] <= g,
-          f"model.moe: n_group ({g}) must divide n_experts ({E}) into groups of 2 or more, and 0 < topk_group <= n_group")
+          f"model.moe: n_group ({g}) must divide n_experts ({E}) into groups of 2 or more, and 0 < topk_group <= "
+          "n_group")
     check(moe["top_k"] <= moe["topk_group"] * (E // g),
           f"model.moe: top_k ({moe['top_k']}) must be at most the experts of topk_group groups "
           f"({moe['topk_group'] * (E // g)})")
@@ -63,7 +64,8 @@ class Router(nn.Module):
     def __init__(self, dim: int, moe: dict[str, Any]):
         super().__init__()
         E = moe["n_experts"]
-        self.top_k, self.n_group, self.topk_group, self.scale = moe["top_k"], moe["n_group"], moe["topk_group"], moe["scale"]
+        self.top_k, self.n_group, self.topk_group = moe["top_k"], moe["n_group"], moe["topk_group"]
+        self.scale = moe["scale"]
         self.weight = nn.Parameter(torch.empty(E, dim))
         nn.init.normal_(self.weight, std=0.02)
         self.register_buffer("expert_bias", torch.zeros(E))

@@ -83,8 +83,8 @@ def llada2_tensors(ref) -> dict[str, torch.Tensor]:
     {query_key_value (rows q, k, v), query_layernorm, key_layernorm, dense}, mlp.{gate_proj, up_proj, down_proj}
     (dense layers) or mlp.gate.{weight, expert_bias}, mlp.experts.E.{gate,up,down}_proj, mlp.shared_experts.*."""
     sd = ref.state_dict()
-    out = {"model.word_embeddings.weight": sd["model.embed_tokens.weight"], "model.norm.weight": sd["model.norm.weight"],
-           "lm_head.weight": sd["lm_head.weight"]}
+    out = {"model.word_embeddings.weight": sd["model.embed_tokens.weight"],
+           "model.norm.weight": sd["model.norm.weight"], "lm_head.weight": sd["lm_head.weight"]}
     for i in range(ref.config.num_hidden_layers):
         a, p = f"model.layers.{i}.self_attn.", f"model.layers.{i}."
         out[p + "attention.query_key_value.weight"] = torch.cat([sd[a + f"{n}_proj.weight"] for n in "qkv"])
