@@ -57,7 +57,7 @@ def hf_config(cfg: ModelConfig, tok: Tokenizer, dtype: str = "float32") -> dict[
         "initializer_range": 0.02,
         "use_cache": True,
         "bos_token_id": tok.bos_id,
-        "eos_token_id": tok.eos_id,
+        "eos_token_id": tok.hf_eos_token_id,
         "pad_token_id": tok.pad_id,
         "torch_dtype": dtype,
         "dtype": dtype,

@@ -37,12 +37,11 @@ from typing import Any
 
 import torch
 
-from dlm.checkpoint import save_checkpoint, state_tensors
+from dlm.checkpoint import import_tokenizer, save_checkpoint, state_tensors
 from dlm.config import ModelConfig
 from dlm.errors import DlmError
 from dlm.files import write_folder, write_json, write_tensors
 from dlm.hf_layout import assemble, dlm_name, hf_config, model_config_from_hf
-from dlm.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -360,7 +359,7 @@ def import_folder(src: Path, out: Path, overwrite: bool, hf: dict[str, Any], rea
     if not (src / "tokenizer.json").is_file():
         raise DlmError(f"{src}: no tokenizer.json (dlm reads the fast tokenizer's file; transformers writes one: "
                        "AutoTokenizer.from_pretrained(FOLDER, trust_remote_code=True).save_pretrained(FOLDER))")
-    tok = Tokenizer.from_file(src / "tokenizer.json")
+    tok = import_tokenizer(src, hf)
     raw = read_weights(src)
     state = dlm_state(raw, cfg, fam, src)
     model = assemble(cfg, state, src)

@@ -36,7 +36,7 @@ from dlm.errors import DlmError, check
 from dlm.masks import quadratic_self_spec_mask
 from dlm.model import Transformer
 from dlm.sampling import ar, mdlm, speculative
-from dlm.sampling.common import Clock, Commit, Event, Prompt, Verified, make_generator
+from dlm.sampling.common import Clock, Commit, Eos, Event, Prompt, Verified, eos_set, make_generator
 from dlm.sampling.speculative import Sampling, SpecStats, check_lossless_greedy, run_rows, trim, verify
 
 SELF_SPEC = ("self-spec-linear", "self-spec-linear-ar", "self-spec-quadratic")
@@ -102,7 +102,7 @@ class SelfDraft:
 
 @torch.inference_mode()
 def quadratic(model: Transformer, prompt: Sequence[int], *, block_size: int, max_new_tokens: int, mask_id: int,
-              sampling: Sampling, eos_id: int | None, row: int = 0, stats: SpecStats | None = None,
+              sampling: Sampling, eos_id: Eos, row: int = 0, stats: SpecStats | None = None,
               clock: Clock | None = None) -> Iterator[Event]:
     """Quadratic self-speculation of one prompt (Commit and Verified events)."""
     stats = stats if stats is not None else SpecStats()
@@ -139,7 +139,7 @@ def quadratic(model: Transformer, prompt: Sequence[int], *, block_size: int, max
         new += len(committed)
         yield Verified(firsts[1:].tolist(), n, row=row)
         yield Commit(committed, row=row)
-        if committed[-1] == eos_id:
+        if committed[-1] in eos_set(eos_id):
             break
         d0 = bonus
 
@@ -168,6 +168,6 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg, step_events: bool
 
     def rows(b: int, p: list[int], spec: SpecStats, clock: Clock) -> Iterator[Event]:
         return quadratic(model, p, block_size=B, max_new_tokens=cfg.max_new_tokens, mask_id=ck.mask_id,
-                         sampling=sampling, eos_id=tok.eos_id, row=b, stats=spec, clock=clock)
+                         sampling=sampling, eos_id=tok.eos_ids, row=b, stats=spec, clock=clock)
 
     return run_rows(model, ck, [p.ids for p in prompts], cfg, rows, "self-spec-quadratic", B)

@@ -43,7 +43,8 @@ from dlm.masks import dflash_draft_mask, mdlm_denoise_mask
 from dlm.model import KVCache, Transformer
 from dlm.sampling import ar
 from dlm.sampling.common import (
-    Clock, Commit, Event, Prompt, Stats, Verified, draw, make_generator, probs_from_logits, sample_from,
+    Clock, Commit, Eos, Event, Prompt, Stats, Verified, draw, eos_set, make_generator, probs_from_logits,
+    sample_from, through_eos,
 )
 
 AR_DRAFT_BLOCK = 5  # default block of an AR draft model: 4 proposals + the bonus
@@ -401,12 +402,9 @@ def verify(draft: Tensor, logits: Tensor, q: Tensor | None, sampling: Sampling) 
     return verify_sample(draft, sampling.probs(logits), q, sampling.gen)
 
 
-def trim(tokens: list[int], room: int, eos_id: int | None) -> list[int]:
+def trim(tokens: list[int], room: int, eos_id: Eos) -> list[int]:
     """A cycle's committed tokens, cut to the room left and after an end of text."""
-    tokens = tokens[:room]
-    if eos_id is not None and eos_id in tokens:
-        tokens = tokens[:tokens.index(eos_id) + 1]
-    return tokens
+    return through_eos(tokens[:room], eos_id)[0]
 
 
 def check_lossless_greedy(cfg) -> None:
@@ -482,7 +480,7 @@ class Speculation:
 
 @torch.inference_mode()
 def speculate(target: Transformer, drafter: Drafter, prompt: Sequence[int], *, block_size: int, max_new_tokens: int = 128,
-              sampling: Sampling | None = None, eos_id: int | None = None, row: int = 0,
+              sampling: Sampling | None = None, eos_id: Eos = None, row: int = 0,
               stats: SpecStats | None = None, clock: Clock | None = None) -> Iterator[Event]:
     """Generate from one prompt with `drafter` proposing and `target` verifying (Commit and Verified events)."""
     sampling = sampling or Sampling()
@@ -493,7 +491,7 @@ def speculate(target: Transformer, drafter: Drafter, prompt: Sequence[int], *, b
     if clock is not None:
         clock.mark_first()
     yield Commit([tok], row=row)
-    while new < max_new_tokens and tok != eos_id:
+    while new < max_new_tokens and tok not in eos_set(eos_id):
         draft, n, bonus = spec.cycle(max_new_tokens - new - 1)
         committed = trim(draft[:n].tolist() + [bonus], max_new_tokens - new, eos_id)
         stats.add(len(committed))
@@ -541,7 +539,7 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg, drafter: Drafter 
 
     def rows(b: int, p: list[int], spec: SpecStats, clock: Clock) -> Iterator[Event]:
         return speculate(model, drafter, p, block_size=block_size, max_new_tokens=cfg.max_new_tokens,
-                         sampling=sampling, eos_id=ck.tokenizer.eos_id, row=b, stats=spec, clock=clock)
+                         sampling=sampling, eos_id=ck.tokenizer.eos_ids, row=b, stats=spec, clock=clock)
 
     f0 = drafter.forwards
     return run_rows(model, ck, [p.ids for p in prompts], cfg, rows, drafter.name, block_size,
@@ -572,12 +570,12 @@ def run_rows(model: Transformer, ck, ids: list[list[int]], cfg, rows, name: str,
     stats = spec_stats(spec, name, block_size, sum(len(o) for o in outputs), draft_forwards())
     done = clock.finish(stats)
     if cfg.check_lossless:
-        eos = ck.tokenizer.eos_id
+        eos = ck.tokenizer.eos_ids
         stats.extra["lossless"] = all(o == target_greedy(model, p, cfg.max_new_tokens, eos) for o, p in zip(outputs, ids))
     yield done
 
 
-def target_greedy(model: Transformer, prompt: Sequence[int], max_new_tokens: int, eos_id: int | None) -> list[int]:
+def target_greedy(model: Transformer, prompt: Sequence[int], max_new_tokens: int, eos_id: Eos) -> list[int]:
     """The target's own greedy output (AR with its KV cache): the reference of losslessness."""
     out: list[int] = []
     for ev in ar.decode(model, [list(prompt)], max_new_tokens, eos_id=eos_id):
