@@ -743,7 +743,10 @@ def run_rows(model: Transformer, ck, ids: list[list[int]], cfg, row, name: str, 
     if batched:
         stats.extra["rows"] = [{"new_tokens": len(o), "forwards": st.forwards, "draft_forwards": d.forwards if d is not None else 0,
                                 "cycles": st.cycles} for o, st, d in zip(outputs, specs, drafters)]
-        stats.extra["rows_per_forward"] = sum(st.forwards for st in specs) / batch.forwards if batch.forwards else 0.0
+        # a row's passes of the target: its verify passes, and its draft passes when it drafts over the target
+        own = sum(st.forwards + (d.forwards if d is not None and d.row_model is None else 0)
+                  for st, d in zip(specs, drafters))
+        stats.extra["rows_per_forward"] = own / batch.forwards if batch.forwards else 0.0
     done = clock.finish(stats)
     if cfg.check_lossless:
         eos = ck.tokenizer.eos_id
