@@ -36,7 +36,7 @@ from dlm.errors import DlmError, check
 from dlm.masks import quadratic_self_spec_mask
 from dlm.model import Transformer
 from dlm.sampling import ar, mdlm, speculative
-from dlm.sampling.common import Clock, Commit, Event, Prompt, Verified
+from dlm.sampling.common import Clock, Commit, Event, Prompt, Stats, Verified, make_generator
 from dlm.sampling.rows import Crop, Window, drive, finish, run_one
 from dlm.sampling.speculative import Alone, Sampling, SpecStats, check_lossless_greedy, run_rows, trim, verify
 
@@ -173,18 +173,59 @@ def quadratic_program(prompt: Sequence[int], *, block_size: int, max_new_tokens:
 
 # the sampler ----------------------------------------------------------------------------------------
 
-def stream(model: Transformer, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> Iterator[Event]:
-    """A joint checkpoint's sampler (cfg: SampleConfig): AR mode, diffusion mode or self-speculation."""
+def resolve_sampler(cfg) -> str:
+    """The mode a request runs (auto: self-spec-linear); refuses one that does not belong to a joint checkpoint."""
     sampler = "self-spec-linear" if cfg.sampler == "auto" else cfg.sampler
     if sampler not in SAMPLERS:
         raise DlmError(f"--sampler {cfg.sampler} does not belong to a joint checkpoint "
                        f"(allowed: {', '.join(SAMPLERS)})")
+    return sampler
+
+
+def block_of(ck, cfg) -> int:
+    B = cfg.block_size if cfg.block_size is not None else (ck.block_size or DEFAULT_BLOCK_SIZE)
+    check(2 <= B <= speculative.MAX_BLOCK, f"--block-size must be in [2, {speculative.MAX_BLOCK}], got {B}")
+    return B
+
+
+def batch_row(model: Transformer, ck, prompt: Prompt, cfg, row: int, clock: Clock | None = None,
+              step_events: bool = False) -> tuple:
+    """A request as a row of a speculative.Batch over the joint model (the server's): (program, window, answer (None:
+    its requests are Windows), counters, drafter or None) for its mode, self-speculation or diffusion (not the AR mode: ar.stream), sampling with
+    a generator seeded cfg.seed. Raises on bad options, before any work."""
+    sampler = resolve_sampler(cfg)
+    check(sampler != "ar", "joint's AR mode runs on its own (ar.stream), not as a row of a batch")
+    gen = make_generator(cfg.seed, model.device)
+    if sampler in DIFFUSION:
+        job, rule, c = mdlm.row_job(model, ck, prompt, cfg.replace(sampler=sampler))
+        st = Stats(extra={"steps_per_canvas": []})
+        return (*mdlm.batch_row(model, job, rule, c, row, st, ck.mask_id, ck.tokenizer.eos_id, gen, clock,
+                                step_events), st, None)
+    B = block_of(ck, cfg)
+    ar.check_options(model, [prompt], cfg, "self-speculation")
+    check_lossless_greedy(cfg)
+    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, gen)
+    spec = SpecStats()
+    if sampler == "self-spec-quadratic":
+        program = quadratic_program(prompt.ids, block_size=B, max_new_tokens=cfg.max_new_tokens, mask_id=ck.mask_id,
+                                    sampling=sampling, eos_id=ck.tokenizer.eos_id, row=row, stats=spec, clock=clock,
+                                    dev=model.device)
+        return program, None, None, spec, None
+    d = SelfDraft(model, ck.mask_id, B, sampling, ar_first=sampler == "self-spec-linear-ar")
+    program = speculative.speculation(d, prompt.ids, block_size=B, max_new_tokens=cfg.max_new_tokens,
+                                      sampling=sampling, eos_id=ck.tokenizer.eos_id, row=row, stats=spec, clock=clock,
+                                      dev=model.device)
+    return program, None, None, spec, d
+
+
+def stream(model: Transformer, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> Iterator[Event]:
+    """A joint checkpoint's sampler (cfg: SampleConfig): AR mode, diffusion mode or self-speculation."""
+    sampler = resolve_sampler(cfg)
     if sampler in DIFFUSION:
         return mdlm.stream(model, ck, prompts, cfg.replace(sampler=sampler), step_events)
     if sampler == "ar":
         return ar.stream(model, ck, prompts, cfg.replace(sampler="auto"))
-    B = cfg.block_size if cfg.block_size is not None else (ck.block_size or DEFAULT_BLOCK_SIZE)
-    check(2 <= B <= speculative.MAX_BLOCK, f"--block-size must be in [2, {speculative.MAX_BLOCK}], got {B}")
+    B = block_of(ck, cfg)
     if sampler in ("self-spec-linear", "self-spec-linear-ar"):
         drafter = SelfDraft(model, ck.mask_id, B, Sampling(), ar_first=sampler == "self-spec-linear-ar")
         return speculative.stream(model, ck, prompts, cfg.replace(block_size=B), drafter)

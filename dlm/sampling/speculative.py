@@ -594,6 +594,14 @@ def speculation(drafter: Drafter, prompt: Sequence[int], *, block_size: int, max
         yield Commit(committed, row=row)
 
 
+def _same(request):
+    return request
+
+
+def _out(request, out):
+    return out
+
+
 def _split(out, taps: tuple[int, ...]) -> tuple[Tensor, Tensor | None]:
     return out if taps else (out, None)
 
@@ -672,6 +680,22 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg, drafter: Drafter 
         return program, d, len(p) + cfg.max_new_tokens + block_size + 1
 
     return run_rows(model, ck, [p.ids for p in prompts], cfg, row, drafter.name, block_size, drafter)
+
+
+def batch_row(model: Transformer, ck, prompt: Prompt, cfg, base: Drafter, row: int, stats: SpecStats,
+              clock: Clock | None = None) -> tuple[Iterator, Drafter]:
+    """A request as a row of a Batch (the server's): its program and its own fork of `base`, sampling with a generator
+    seeded cfg.seed. Raises on bad options, before any work."""
+    if ck.objective not in ("ar", "joint"):
+        raise DlmError(f"--draft: speculative decoding verifies with an AR target; {ck.path} is a "
+                       f"{ck.objective} checkpoint")
+    ar.check_options(model, [prompt], cfg, "speculative decoding")
+    check_lossless_greedy(cfg)
+    d = base.fork(cfg)
+    d.sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, make_generator(cfg.seed, model.device))
+    B = resolve_block_size(d, cfg.block_size)
+    return speculation(d, prompt.ids, block_size=B, max_new_tokens=cfg.max_new_tokens, sampling=d.sampling,
+                       eos_id=ck.tokenizer.eos_id, row=row, stats=stats, clock=clock, dev=model.device), d
 
 
 def spec_stats(spec: SpecStats, drafter: str, block_size: int, new: int, draft_forwards: int) -> Stats:
@@ -764,9 +788,10 @@ class Batch(Programs):
         super().__init__(target, capacity or 2 * target.cfg.max_seq_len,
                          {"draft": draft_model} if draft_model is not None else None)
 
-    def add(self, program: Iterator, tag: object = None) -> list[tuple]:
-        """A new row: a row program (`speculation`, joint's `quadratic_program`)."""
-        return super().add(program, lambda req: req, lambda req, out: out, tag)
+    def add(self, program: Iterator, tag: object = None, window=None, answer=None) -> list[tuple]:
+        """A new row: a row program whose requests are Windows (`speculation`, joint's `quadratic_program`), or one
+        with its own `window` and `answer` (a joint model's diffusion row: mdlm.batch_row)."""
+        return super().add(program, window or _same, answer or _out, tag)
 
     @property
     def draft_forwards(self) -> int:
