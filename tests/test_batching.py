@@ -10,15 +10,21 @@ common key range) is far too small to tip an argmax or a draw; the shipped check
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import random_transformer
 
 from dlm.checkpoint import load_model
-from dlm.sampling import SampleConfig, generate, mdlm, usdm
-from dlm.sampling.common import Commit, Done, Prompt, Stats, Step
+from dlm.config import ModelConfig
+from dlm.drafter import DFlashDrafter
+from dlm.sampling import SampleConfig, generate, joint, mdlm, speculative, usdm
+from dlm.sampling.common import Commit, Done, Prompt, Stats, Step, Verified
+from dlm.sampling.joint import SelfDraft
+from dlm.sampling.speculative import ARDraft, DFlashDraft, DiffusionDraft, PromptLookup, Sampling
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -247,3 +253,123 @@ def test_eval_batch_must_be_positive(capsys):
     assert main(["eval", "--model", str(CK / "mdlm-small"), "--task", "complete", "--n", "2", "--batch", "0"]) == 2
     err = capsys.readouterr().err
     assert "--batch must be > 0" in err and len(err.strip().splitlines()) == 1
+
+
+# speculative decoding and joint self-speculation -------------------------------------------------------
+
+def _ck(objective: str = "ar"):
+    """What the speculative and joint samplers read of a checkpoint."""
+    return SimpleNamespace(objective=objective, path="tiny", tokenizer=SimpleNamespace(eos_id=EOS, eos_ids=[EOS]), mask_id=MASK,
+                           block_size=4)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return with_eos(random_transformer(3, 0.3, **TINY), 6)
+
+
+def _perturbed(model, seed: int, std: float):
+    """A copy of `model` with noise on its weights: a drafter that agrees with it often, not always."""
+    m = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * std)
+    return m
+
+
+def _dflash(version: int, passes: int = 1):
+    torch.manual_seed(7 + version)
+    extra = dict(conv_kernel_size=2, conv_group_size=8, selector_rank=4, selector_top_k=5) if version == 2 else {}
+    d = DFlashDrafter(ModelConfig(**{**TINY, "n_layers": 1}), [0, 1], 5, mask_id=MASK, **extra)
+    with torch.no_grad():  # (DFlash 2 starts as DFlash 1: random convolutions and codebooks, so they take part)
+        for p in d.parameters():
+            p.normal_(0, 0.3 if p.dim() >= 2 else 0.1).add_(1.0 if p.dim() == 1 else 0.0)
+    return d.double().eval()
+
+
+DRAFTERS = {
+    "ar": lambda t: ARDraft(_perturbed(t, 1, 0.05), Sampling(), 256),
+    "dflash": lambda t: DFlashDraft(_dflash(1), t, Sampling(), 256),
+    "dflash-2-passes": lambda t: DFlashDraft(_dflash(1), t, Sampling(), 256, passes=2),
+    "dflash2": lambda t: DFlashDraft(_dflash(2), t, Sampling(), 256),
+    "diffusion": lambda t: DiffusionDraft(_perturbed(t, 2, 0.05), MASK, 4, Sampling(), 256, passes=2),
+    "lookup": lambda t: PromptLookup(2),  # (rows fork the drafter with their options: KIND_OPTIONS)
+    "self-spec-linear": lambda t: SelfDraft(t, MASK, 4, Sampling()),
+    "self-spec-linear-ar": lambda t: SelfDraft(t, MASK, 4, Sampling(), ar_first=True),
+}
+KIND_OPTIONS = {"dflash-2-passes": dict(draft_passes=2), "diffusion": dict(draft_passes=2), "lookup": dict(lookup_ngram=2)}
+SPEC = [dict(), dict(temperature=1.0, seed=6), dict(temperature=0.8, top_k=8, seed=5)]
+
+
+def _spec(target, kind: str, prompts, cfg):
+    if kind == "self-spec-quadratic":
+        return list(joint.stream(target, _ck("joint"), [Prompt(p) for p in prompts], cfg.replace(sampler=kind)))
+    drafter = DRAFTERS[kind](target)
+    return list(speculative.stream(target, _ck(), [Prompt(p) for p in prompts], cfg, drafter))
+
+
+def _verified(events, n: int) -> list[list[tuple]]:
+    out: list[list[tuple]] = [[] for _ in range(n)]
+    for e in events:
+        if isinstance(e, Verified):
+            out[e.row].append((e.proposed, e.accepted))
+    return out
+
+
+@pytest.mark.parametrize("opts", SPEC, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "greedy")
+@pytest.mark.parametrize("kind", [*DRAFTERS, "self-spec-quadratic"])
+def test_speculative_rows_equal_each_row_alone(target, kind, opts):
+    """Every kind of drafter (and joint's self-speculation): several prompts in one batch (one target forward per
+    verify step, one drafter forward per draft step) give each row what it gets alone, draft for draft; greedy rows
+    are the target's own greedy output (lossless, row by row)."""
+    cfg = SampleConfig(max_new_tokens=20, block_size=4, **opts, **KIND_OPTIONS.get(kind, {}))
+    events = _spec(target, kind, PROMPTS, cfg)
+    tokens, _, stats = rows_of(events, len(PROMPTS))
+    alone = [_spec(target, kind, [p], cfg.replace(seed=cfg.seed + r)) for r, p in enumerate(PROMPTS)]
+    assert tokens == [rows_of(a, 1)[0][0] for a in alone]
+    assert _verified(events, len(PROMPTS)) == [_verified(a, 1)[0] for a in alone]
+    assert_stopping_points_differ(tokens, 20)
+    own = [rows_of(a, 1)[2] for a in alone]
+    assert [r["forwards"] for r in stats.extra["rows"]] == [st.forwards for st in own]
+    assert [r["draft_forwards"] for r in stats.extra["rows"]] == [st.draft_forwards for st in own]
+    assert stats.extra["cycles"] == sum(st.extra["cycles"] for st in own)
+    assert stats.extra["acceptance_histogram"] == [sum(h) for h in zip(*(st.extra["acceptance_histogram"] for st in own))]
+    assert stats.forwards < sum(st.forwards for st in own) and stats.extra["rows_per_forward"] > 1.5
+    if kind in ("ar", "dflash", "diffusion"):
+        assert 0 < stats.draft_forwards < sum(st.draft_forwards for st in own)  # the drafter's passes shared too
+    assert any(n > 0 for v in _verified(events, len(PROMPTS)) for _, n in v)  # drafts were accepted ...
+    assert any(n == 0 for v in _verified(events, len(PROMPTS)) for _, n in v)  # ... and rejected
+    if not cfg.temperature:
+        assert tokens == [speculative.target_greedy(target, p, 20, EOS) for p in PROMPTS]
+
+
+def test_speculative_rows_join_and_leave_a_running_batch(target):
+    """Rows that join a running speculative batch (DFlash 2 drafting, each row its own options) and a row dropped
+    halfway come out as they do alone."""
+    base = DRAFTERS["dflash2"](target)
+    batch = speculative.Batch(target, base.row_model, 64)  # (the slots grow as rows need them)
+    cfgs = [SampleConfig(max_new_tokens=n, block_size=b, temperature=t, seed=s)
+            for n, b, t, s in [(20, 4, 0.0, 0), (9, 3, 1.0, 1), (24, 5, 0.7, 2), (16, 2, 0.0, 3), (20, 4, 1.0, 4)]]
+    got: list[list[int]] = [[] for _ in PROMPTS]
+    arrive = {0: [0, 1], 2: [2], 5: [3, 4]}
+    step = 0
+    while step == 0 or len(batch) or any(k >= step for k in arrive):
+        for r in arrive.get(step, []):
+            c = cfgs[r]
+            d = base.fork(c)
+            d.sampling = Sampling(c.temperature, c.top_k, c.top_p, torch.Generator().manual_seed(c.seed))
+            batch.add(speculative.speculation(d, PROMPTS[r], block_size=c.block_size, max_new_tokens=c.max_new_tokens,
+                                              sampling=d.sampling, eos_id=EOS, row=r), tag=r)
+        if step == 8 and batch.index(4) is not None:
+            batch.drop(batch.index(4))
+        if len(batch):
+            for r, ev in batch.step():
+                got[r] += ev.tokens if isinstance(ev, Commit) else []
+        step += 1
+    for r, c in enumerate(cfgs):
+        alone = rows_of(_spec(target, "dflash2", [PROMPTS[r]], c), 1)[0][0]
+        if r == 4:
+            assert got[r] == alone[:len(got[r])] and len(got[r]) < len(alone)  # it left early
+        else:
+            assert got[r] == alone, r

@@ -232,8 +232,46 @@ def test_16_concurrent_streams_are_batched_and_uncorrupted(engine, url, client):
 def test_concurrent_diffusion_streams_are_batched_and_uncorrupted(engine, url, model, extra):
     """mdlm and usdm requests arriving together share forwards (rows of one batch) and each gets what it gets alone;
     a request with a stop string leaves the batch early, the others go on."""
-    prompts = PROMPTS[:8]
-    want = [reference(engine, model, p, max_new_tokens=16, **extra) for p in prompts]
+    want = [reference(engine, model, p, max_new_tokens=16, **extra) for p in PROMPTS[:8]]
+    dlm = _concurrent_rows(url, model, want, extra)
+    assert dlm["batch_rows_mean"] > 1 and dlm["steps"] >= 1 and dlm["canvases"] >= 1
+
+
+def test_concurrent_speculative_streams_are_batched_and_uncorrupted(engine, url):
+    """AR + DFlash requests arriving together share the target's verify forwards and the drafter's draft forwards
+    (rows of one batch, each at its own accepted length) and each gets what it gets alone; one that stops early
+    leaves."""
+    s = engine.get("ar-small+dflash-small")
+    cfg = SampleConfig(max_new_tokens=16, draft=str(CK / "dflash-small"))
+    want = [generate(s.model, s.ck, p, cfg).text for p in PROMPTS[:8]]
+    dlm = _concurrent_rows(url, "ar-small+dflash-small", want)
+    assert dlm["batch_rows_mean"] > 1 and dlm["draft_forwards"] >= 1 and dlm["cycles"] >= 1
+
+
+@pytest.fixture(scope="module")
+def joint_url():
+    eng = Engine([str(CK / "joint-small")])
+    with running(create_app(eng, max_concurrency=16, max_queue=16)) as base:
+        yield eng, base
+    eng.close()
+
+
+@pytest.mark.parametrize("sampler", ["auto", "self-spec-quadratic", "threshold"])
+def test_concurrent_joint_streams_are_batched_and_uncorrupted(joint_url, sampler):
+    """A joint model's self-speculation (linear, the default, and quadratic) and diffusion requests share forwards
+    in the same way."""
+    eng, url = joint_url
+    extra = {} if sampler == "auto" else {"sampler": sampler}
+    want = [reference(eng, "joint-small", p, max_new_tokens=16, **extra) for p in PROMPTS[:8]]
+    dlm = _concurrent_rows(url, "joint-small", want, extra)
+    assert dlm["batch_rows_mean"] > 1
+
+
+def _concurrent_rows(url: str, model: str, want: list[str], extra: dict | None = None) -> dict:
+    """8 streamed requests of `model` sent together (the first with a stop string): each text is `want`'s (the first
+    cut at its stop), and they shared forwards; the dlm statistics of the second."""
+    prompts = PROMPTS[:len(want)]
+    extra = extra or {}
     _idle(url)
     before = httpx.get(url + "/health").json()["batching"][model]
     start = threading.Barrier(len(prompts))
@@ -256,8 +294,7 @@ def test_concurrent_diffusion_streams_are_batched_and_uncorrupted(engine, url, m
     rows = after["decode_rows"] - before["decode_rows"]
     assert rows / steps > 2, (rows, steps)  # requests shared forwards
     assert after["max_rows"] >= 4
-    dlm = [c for c in got[1][1] if c != "[DONE]" and c.get("dlm")][-1]["dlm"]
-    assert dlm["batch_rows_mean"] > 1 and dlm["steps"] >= 1 and dlm["canvases"] >= 1
+    return [c for c in got[1][1] if c != "[DONE]" and c.get("dlm")][-1]["dlm"]
 
 
 def test_queue_limit_answers_429_with_retry_after(engine):

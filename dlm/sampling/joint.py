@@ -36,8 +36,9 @@ from dlm.errors import DlmError, check
 from dlm.masks import quadratic_self_spec_mask
 from dlm.model import Transformer
 from dlm.sampling import ar, mdlm, speculative
-from dlm.sampling.common import Clock, Commit, Eos, Event, Prompt, Verified, eos_set, make_generator
-from dlm.sampling.speculative import Sampling, SpecStats, check_lossless_greedy, run_rows, trim, verify
+from dlm.sampling.common import Clock, Commit, Eos, Event, Prompt, Stats, Verified, eos_set, make_generator
+from dlm.sampling.rows import Crop, Window, drive, finish, run_one
+from dlm.sampling.speculative import Alone, Sampling, SpecStats, check_lossless_greedy, run_rows, trim, verify
 
 SELF_SPEC = ("self-spec-linear", "self-spec-linear-ar", "self-spec-quadratic")
 DIFFUSION = mdlm.RULES
@@ -61,6 +62,7 @@ class SelfDraft:
 
     taps: tuple[int, ...] = ()
     kind = "self"
+    row_model = None  # (it asks the target)
 
     def __init__(self, model: Transformer, mask_id: int, block_size: int, sampling: Sampling, ar_first: bool = False):
         self.model, self.mask_id, self.sampling, self.ar_first = model, mask_id, sampling, ar_first
@@ -79,19 +81,27 @@ class SelfDraft:
     def reset(self, prompt: Tensor, feats: Tensor | None) -> None:
         pass
 
+    def answer(self, request):
+        if isinstance(request, Crop):
+            return self.cache.crop(request.length)
+        return run_one(self.model, self.cache, request)
+
     def propose(self, seq: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
+        return finish(self.draft(seq, k), self.answer)
+
+    def draft(self, seq: Tensor, k: int) -> Iterator:
+        """A draft pass over the target's cache (it holds the committed positions before the last token), not
+        written: a request to the target."""
         if k == 0:
             return seq[:0], None
-        start = seq.shape[0] - 1  # the last committed token's position (the cache holds those before it)
-        block = torch.full((1, k + 1), self.mask_id, dtype=torch.long, device=seq.device)
-        block[0, 0] = seq[-1]
-        pos = torch.arange(start, start + k + 1, device=seq.device)
-        if self.ar_first:
-            sees = quadratic_self_spec_mask(0, k, self.cache.length, seq.device)  # one quadratic row: the token causal, masks after
-            logits = self.model(block, pos=pos, cache=self.cache, mask=sees, write=False).logits[0]  # (k + 1, V)
+        block = torch.full((k + 1,), self.mask_id, dtype=torch.long, device=seq.device)
+        block[0] = seq[-1]  # at the last committed token's position, the slots after it
+        if self.ar_first:  # one quadratic row: the token causal, masks after
+            sees = quadratic_self_spec_mask(0, k, 0, seq.device)
+            logits = (yield Window(tokens=block, mask=sees, out=(0, k + 1)))[0]  # (k + 1, V)
             logits = torch.cat([logits[:1], logits[2:]])  # slot 1 from the AR logit; the mask there is context only
         else:
-            logits = self.model(block, pos=pos, cache=self.cache, mask="full", write=False).logits[0, 1:]  # (k, V)
+            logits = (yield Window(tokens=block, out=(1, k + 1)))[0]  # (k, V)
         self.forwards += 1
         logits[:, self.mask_id] = float("-inf")
         return self.sampling.draw(logits)
@@ -105,29 +115,46 @@ def quadratic(model: Transformer, prompt: Sequence[int], *, block_size: int, max
               sampling: Sampling, eos_id: Eos, row: int = 0, stats: SpecStats | None = None,
               clock: Clock | None = None) -> Iterator[Event]:
     """Quadratic self-speculation of one prompt (Commit and Verified events)."""
+    program = quadratic_program(prompt, block_size=block_size, max_new_tokens=max_new_tokens, mask_id=mask_id,
+                                sampling=sampling, eos_id=eos_id, row=row, stats=stats, clock=clock, dev=model.device)
+    yield from drive(program, Alone(model, quadratic_capacity(len(prompt), max_new_tokens, block_size)))
+
+
+def quadratic_capacity(P: int, max_new_tokens: int, L: int) -> int:
+    return P + max_new_tokens + L * (L + 1) + L + 1
+
+
+def quadratic_program(prompt: Sequence[int], *, block_size: int, max_new_tokens: int, mask_id: int, sampling: Sampling,
+                      eos_id: Eos, row: int = 0, stats: SpecStats | None = None, clock: Clock | None = None,
+                      dev: torch.device | str = "cpu") -> Iterator:
+    """Quadratic self-speculation of one prompt as a row program (its events, and its requests to the model: one
+    pass per cycle, then a Crop of its cache to the accepted row-first tokens)."""
     stats = stats if stats is not None else SpecStats()
-    dev, L = model.device, block_size
+    L = block_size
     prompt = list(prompt)
-    cache = model.new_cache(1, len(prompt) + max_new_tokens + L * (L + 1) + L + 1)
-    if len(prompt) > 1:  # the cache holds every committed token but the last (d_0 of the first cycle)
-        model(torch.tensor([prompt[:-1]], device=dev), cache=cache, head=False)
+    c = 0  # the cache holds every committed token but the last (d_0 of the first cycle)
+    if len(prompt) > 1:
+        yield Window(tokens=torch.tensor(prompt[:-1], device=dev), mask="causal", keep=len(prompt) - 1)
         stats.forwards += 1
+        c = len(prompt) - 1
     d0, draft, q = prompt[-1], torch.zeros(0, dtype=torch.long, device=dev), None
     new = 0
     while new < max_new_tokens:
         m = min(draft.shape[0], max_new_tokens - new - 1)
         draft, q = draft[:m], (q[:m] if q is not None else None)
-        c = cache.length
         firsts = torch.cat([torch.tensor([d0], device=dev), draft])  # (m+1,) d_0 .. d_m
         ids = torch.cat([firsts, torch.full(((m + 1) * L,), mask_id, dtype=torch.long, device=dev)])
         pos = torch.cat([c + torch.arange(m + 1, device=dev),
                          (c + 1 + torch.arange(m + 1, device=dev))[:, None].add(torch.arange(L, device=dev)).flatten()])
         t0 = clock.elapsed() if clock is not None else 0.0
-        logits = model(ids[None], pos=pos, cache=cache, mask=quadratic_self_spec_mask(m, L, c, dev)).logits[0]  # (Q, V)
+        Q = ids.shape[0]
+        logits = (yield Window(tokens=ids, pos=pos, mask=quadratic_self_spec_mask(m, L, 0, dev), keep=m + 1,
+                               out=(0, Q)))[0]  # (Q, V)
         stats.forwards += 1
         ar_logits = logits[:m + 1]  # (m+1, V): the AR mode's next-token logits after d_0 .. d_i
         n, bonus = verify(draft, ar_logits, q, sampling)
-        cache.crop(c + n + 1)  # keep d_0 .. d_n (d_0 was committed before, d_1 .. d_n now)
+        c += n + 1  # keep d_0 .. d_n (d_0 was committed before, d_1 .. d_n now)
+        yield Crop(c)
         slots = logits[m + 1:].view(m + 1, L, -1)[n, 1:]  # (L-1, V): row n drafts the block after the bonus
         slots[:, mask_id] = float("-inf")
         draft, q = sampling.draw(slots)
@@ -146,28 +173,69 @@ def quadratic(model: Transformer, prompt: Sequence[int], *, block_size: int, max
 
 # the sampler ----------------------------------------------------------------------------------------
 
-def stream(model: Transformer, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> Iterator[Event]:
-    """A joint checkpoint's sampler (cfg: SampleConfig): AR mode, diffusion mode or self-speculation."""
+def resolve_sampler(cfg) -> str:
+    """The mode a request runs (auto: self-spec-linear); refuses one that does not belong to a joint checkpoint."""
     sampler = "self-spec-linear" if cfg.sampler == "auto" else cfg.sampler
     if sampler not in SAMPLERS:
         raise DlmError(f"--sampler {cfg.sampler} does not belong to a joint checkpoint "
                        f"(allowed: {', '.join(SAMPLERS)})")
+    return sampler
+
+
+def block_of(ck, cfg) -> int:
+    B = cfg.block_size if cfg.block_size is not None else (ck.block_size or DEFAULT_BLOCK_SIZE)
+    check(2 <= B <= speculative.MAX_BLOCK, f"--block-size must be in [2, {speculative.MAX_BLOCK}], got {B}")
+    return B
+
+
+def batch_row(model: Transformer, ck, prompt: Prompt, cfg, row: int, clock: Clock | None = None,
+              step_events: bool = False) -> tuple:
+    """A request as a row of a speculative.Batch over the joint model (the server's): (program, window, answer (None:
+    its requests are Windows), counters, drafter or None) for its mode, self-speculation or diffusion (not the AR mode: ar.stream), sampling with
+    a generator seeded cfg.seed. Raises on bad options, before any work."""
+    sampler = resolve_sampler(cfg)
+    check(sampler != "ar", "joint's AR mode runs on its own (ar.stream), not as a row of a batch")
+    gen = make_generator(cfg.seed, model.device)
+    if sampler in DIFFUSION:
+        job, rule, c = mdlm.row_job(model, ck, prompt, cfg.replace(sampler=sampler))
+        st = Stats(extra={"steps_per_canvas": []})
+        return (*mdlm.batch_row(model, job, rule, c, row, st, ck.mask_id, ck.tokenizer.eos_ids, gen, clock,
+                                step_events), st, None)
+    B = block_of(ck, cfg)
+    ar.check_options(model, [prompt], cfg, "self-speculation")
+    check_lossless_greedy(cfg)
+    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, gen)
+    spec = SpecStats()
+    if sampler == "self-spec-quadratic":
+        program = quadratic_program(prompt.ids, block_size=B, max_new_tokens=cfg.max_new_tokens, mask_id=ck.mask_id,
+                                    sampling=sampling, eos_id=ck.tokenizer.eos_ids, row=row, stats=spec, clock=clock,
+                                    dev=model.device)
+        return program, None, None, spec, None
+    d = SelfDraft(model, ck.mask_id, B, sampling, ar_first=sampler == "self-spec-linear-ar")
+    program = speculative.speculation(d, prompt.ids, block_size=B, max_new_tokens=cfg.max_new_tokens,
+                                      sampling=sampling, eos_id=ck.tokenizer.eos_ids, row=row, stats=spec, clock=clock,
+                                      dev=model.device)
+    return program, None, None, spec, d
+
+
+def stream(model: Transformer, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> Iterator[Event]:
+    """A joint checkpoint's sampler (cfg: SampleConfig): AR mode, diffusion mode or self-speculation."""
+    sampler = resolve_sampler(cfg)
     if sampler in DIFFUSION:
         return mdlm.stream(model, ck, prompts, cfg.replace(sampler=sampler), step_events)
     if sampler == "ar":
         return ar.stream(model, ck, prompts, cfg.replace(sampler="auto"))
-    tok = ck.tokenizer
-    B = cfg.block_size if cfg.block_size is not None else (ck.block_size or DEFAULT_BLOCK_SIZE)
-    check(2 <= B <= speculative.MAX_BLOCK, f"--block-size must be in [2, {speculative.MAX_BLOCK}], got {B}")
-    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, make_generator(cfg.seed, model.device))
+    B = block_of(ck, cfg)
     if sampler in ("self-spec-linear", "self-spec-linear-ar"):
-        drafter = SelfDraft(model, ck.mask_id, B, sampling, ar_first=sampler == "self-spec-linear-ar")
+        drafter = SelfDraft(model, ck.mask_id, B, Sampling(), ar_first=sampler == "self-spec-linear-ar")
         return speculative.stream(model, ck, prompts, cfg.replace(block_size=B), drafter)
     ar.check_options(model, prompts, cfg, "self-speculation")
     check_lossless_greedy(cfg)
 
-    def rows(b: int, p: list[int], spec: SpecStats, clock: Clock) -> Iterator[Event]:
-        return quadratic(model, p, block_size=B, max_new_tokens=cfg.max_new_tokens, mask_id=ck.mask_id,
-                         sampling=sampling, eos_id=tok.eos_ids, row=b, stats=spec, clock=clock)
+    def row(b: int, p: list[int], sampling: Sampling, spec: SpecStats, clock: Clock) -> tuple:
+        program = quadratic_program(p, block_size=B, max_new_tokens=cfg.max_new_tokens, mask_id=ck.mask_id,
+                                    sampling=sampling, eos_id=ck.tokenizer.eos_ids, row=b, stats=spec, clock=clock,
+                                    dev=model.device)
+        return program, None, quadratic_capacity(len(p), cfg.max_new_tokens, B)
 
-    return run_rows(model, ck, [p.ids for p in prompts], cfg, rows, "self-spec-quadratic", B)
+    return run_rows(model, ck, [p.ids for p in prompts], cfg, row, "self-spec-quadratic", B)

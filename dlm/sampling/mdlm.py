@@ -650,10 +650,17 @@ class Batch(Programs):
             step_events: bool = False) -> list[tuple[object, Event]]:
         """A new row (cfg: its SampleConfig; gen: its generator, default seeded row_seed(cfg.seed, row));
         returns the events it produces before its first pass (pinned blocks of a template)."""
-        state = Denoising(self.model, job, self.mask_id, naive=False, own_cache=False)
         gen = gen if gen is not None else make_generator(row_seed(cfg.seed, row), self.model.device)
-        program = _program(state, rule, cfg.steps, self.mask_id, self.eos_id, temperature=cfg.temperature,
-                           top_k=cfg.top_k, top_p=cfg.top_p, gen=gen, row=row, clock=clock, stats=stats,
-                           revise=getattr(cfg, "revise", 0.0), step_events=step_events,
-                           sub_block=getattr(cfg, "sub_block", None), schedule=getattr(cfg, "schedule", "even"))
-        return super().add(program, lambda need: state.window(need.s, need.e), lambda need, out: out[0], tag)
+        return super().add(*batch_row(self.model, job, rule, cfg, row, stats, self.mask_id, self.eos_id, gen, clock,
+                                      step_events), tag)
+
+
+def batch_row(model, job: Job, rule: Rule, cfg, row: int, stats: Stats, mask_id: int, eos_id: int,
+              gen: torch.Generator, clock: Clock | None = None, step_events: bool = False) -> tuple:
+    """A job as a row of a Programs batch: its program, and how its requests become Windows and its outputs answers."""
+    state = Denoising(model, job, mask_id, naive=False, own_cache=False)
+    program = _program(state, rule, cfg.steps, mask_id, eos_id, temperature=cfg.temperature,
+                       top_k=cfg.top_k, top_p=cfg.top_p, gen=gen, row=row, clock=clock, stats=stats,
+                       revise=getattr(cfg, "revise", 0.0), step_events=step_events,
+                       sub_block=getattr(cfg, "sub_block", None), schedule=getattr(cfg, "schedule", "even"))
+    return program, lambda need: state.window(need.s, need.e), lambda need, out: out[0]

@@ -20,12 +20,15 @@ batched matmuls.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from dlm.drafter import DFlashDrafter
+from dlm.masks import dflash_draft_mask
 from dlm.model import KVCache, Transformer, canvas_embeds
 from dlm.sampling.common import Event, Stats
 
@@ -49,23 +52,59 @@ class Window:
     keep: int = 0
     out: tuple[int, int] = (0, 0)
     hidden: bool = False
+    on: str = "target"  # which model (and cache) serves it: a speculating row also asks its drafter ("draft")
+    pos: Tensor | None = None  # (T,) explicit positions (default: the row's next T, after its context)
+    taps: tuple[int, ...] = ()  # also return these layers' outputs over the whole window: (out, (T, F))
+    ctx: Tensor | None = None  # (C, D) a DFlash drafter's new context features: their K/V are kept in the row's
+    # next C slots (always, before the window, which then starts C positions later)
 
     @property
     def length(self) -> int:
         return (self.tokens if self.tokens is not None else self.embeds).shape[0]
 
 
+@dataclass
+class Crop:
+    """A row program's request to cut its cache on `on` back to `length` slots (after a rejected draft); no forward."""
+
+    length: int
+    on: str = "target"
+
+
 def batchable(model) -> bool:
-    """Whether RowBatch can run this model (the plain backbone; a family with its own cache layout runs rows in turn)."""
+    """Whether RowBatch can run this model (the plain backbone, or a DFlash drafter with K/V injection; a family with
+    its own cache layout runs rows in turn)."""
+    if isinstance(model, DFlashDrafter):
+        return model.injection == "kv"
     return isinstance(model, Transformer) and not model.cfg.arch
 
 
-def run_one(model: Transformer, cache: KVCache, w: Window) -> Tensor:
-    """Answer one row's request with a forward of that row alone over its own cache (slots == positions)."""
-    dev = model.device
+def _call(model, x: Tensor | None, embeds: Tensor | None, pos: Tensor, cache: KVCache, mask, write: bool,
+          ctx: Tensor | None, ctx_pos: Tensor | None, taps: tuple[int, ...]) -> tuple[Tensor, dict]:
+    """One forward of the backbone or of a DFlash drafter: the final hidden states (B, T, D) and the taps.
+
+    A drafter reads embeddings, writes the context's K/V into the cache and reads the window without writing it."""
+    if isinstance(model, DFlashDrafter):
+        L0, C = cache.length, 0 if ctx is None else ctx.shape[1]
+        if isinstance(mask, str):
+            mask = dflash_draft_mask(model.injection, L0, C, embeds.shape[1], embeds.device)
+        return model(embeds, ctx, pos, ctx_pos, cache=cache, mask=mask), {}
+    out = model(x, embeds=embeds, pos=pos, cache=cache, mask=mask, write=write, taps=taps, head=False)
+    return out.last, out.taps
+
+
+def _head(model, h: Tensor) -> Tensor:
+    return model.lm_head(h)
+
+
+def run_one(model, cache: KVCache, w: Window):
+    """Answer one row's request with a forward of that row alone over its own cache (slots == positions): its outputs
+    (1, n, V|D), with the taps over the window (T, F) beside them when it asked for taps."""
+    dev = (w.tokens if w.tokens is not None else w.embeds).device
     L0 = cache.length
     T = w.length
-    pos = torch.arange(L0, L0 + T, device=dev)
+    C = 0 if w.ctx is None else w.ctx.shape[0]
+    pos = w.pos if w.pos is not None else torch.arange(L0 + C, L0 + C + T, device=dev)
     mask: Tensor | str
     if w.mask is None:
         mask = "full"
@@ -76,11 +115,16 @@ def run_one(model: Transformer, cache: KVCache, w: Window) -> Tensor:
     write = w.keep > 0
     x = w.tokens[None] if w.tokens is not None else None
     e = w.embeds[None] if w.embeds is not None else None
-    out = model(x, embeds=e, pos=pos, cache=cache, mask=mask, write=write, head=not w.hidden)
+    ctx = w.ctx[None] if C else None
+    ctx_pos = torch.arange(L0, L0 + C, device=dev) if C else None
+    last, taps = _call(model, x, e, pos, cache, mask, write, ctx, ctx_pos, w.taps)
     if write:
-        cache.crop(L0 + w.keep)
+        cache.crop(L0 + C + w.keep)
     a, b = w.out
-    return out.last[:, a:b] if w.hidden else out.logits[:, a:b]
+    res = last[:, a:b] if w.hidden else _head(model, last[:, a:b])
+    if w.taps:
+        return res, torch.cat([taps[i][0] for i in w.taps], -1)
+    return res
 
 
 def drive(program: Iterator, answer) -> Iterator:
@@ -99,36 +143,68 @@ def drive(program: Iterator, answer) -> Iterator:
             yield ev
 
 
-class RowBatch:
-    """The K/V of many rows (slots == positions per row) and the one forward that serves all their requests."""
+def finish(program: Iterator, answer):
+    """Run a program that yields requests only (a drafter's draft) to its end, each answered by answer(request);
+    returns what the program returns."""
+    msg = None
+    while True:
+        try:
+            req = program.send(msg)
+        except StopIteration as stop:
+            return stop.value
+        msg = answer(req)
 
-    def __init__(self, model: Transformer, capacity: int):
+
+class RowBatch:
+    """The K/V of many rows (slots == positions per row) and the one forward that serves all their requests.
+
+    The model is the backbone, or a DFlash drafter (K/V injection) whose rows' caches hold their context K/V. A forward
+    may serve a subset of the rows (the others wait: a speculating row asks its drafter and its target in turn);
+    `crop` cuts a row's cache back (a rejected draft); the slots per row grow when a window would not fit."""
+
+    def __init__(self, model, capacity: int):
         self.model = model
-        self.C = capacity  # slots per row: the longest row plus the longest window
+        self.C = capacity  # slots per row: the longest row plus the longest window (grown on demand)
         self.k: Tensor | None = None
         self.v: Tensor | None = None
         self.length: list[int] = []
         self.forwards = 0  # model calls (a step may take two: RowBatch.forward)
+        self.seconds = 0.0  # wall time of the forwards
 
     def __len__(self) -> int:
         return len(self.length)
 
-    def _reserve(self, n: int) -> None:
+    def _buffers(self, rows: int, C: int) -> KVCache:
+        m = self.model
+        if isinstance(m, DFlashDrafter):
+            p = m.fc.weight
+            return KVCache(m.cfg.n_layers, rows, m.cfg.n_kv_heads, C, m.cfg.head_dim, p.device, p.dtype)
+        return m.new_cache(rows, C)
+
+    def _reserve(self, n: int, C: int | None = None) -> None:
+        """Buffers for at least n rows of at least C slots (rows grown by doubling, the rows' K/V kept)."""
         have = 0 if self.k is None else self.k.shape[1]
-        if n <= have:
+        C = max(C or self.C, self.C)
+        if n <= have and C == self.C and self.k is not None:
             return
-        rows = max(n, 2 * have, 1)
-        cache = self.model.new_cache(rows, self.C)
+        rows = max(n, 2 * have, 1) if n > have else have
+        cache = self._buffers(rows, C)
         if self.k is not None:
-            cache.k[:, :have] = self.k
-            cache.v[:, :have] = self.v
-        self.k, self.v = cache.k, cache.v
+            cache.k[:, :have, :, :self.C] = self.k
+            cache.v[:, :have, :, :self.C] = self.v
+        self.k, self.v, self.C = cache.k, cache.v, C
 
     def add(self) -> int:
         """A new row with an empty cache; its index."""
         self._reserve(len(self.length) + 1)
         self.length.append(0)
         return len(self.length) - 1
+
+    def crop(self, i: int, length: int) -> None:
+        """Row i's cache back to its first `length` slots."""
+        if not 0 <= length <= self.length[i]:
+            raise ValueError(f"crop({length}) outside [0, {self.length[i]}]")
+        self.length[i] = length
 
     def remove(self, i: int) -> int | None:
         """Drop row i; the last row moves into its place. Returns the index that moved (now i), or None."""
@@ -143,16 +219,19 @@ class RowBatch:
         self.length.pop()
         return moved
 
-    def forward(self, windows: list[Window]) -> list[Tensor]:
-        """Every row's request served (windows[b] is row b's); each row's requested outputs (1, n, V|D).
+    def forward(self, windows: list[Window], rows: list[int] | None = None) -> list:
+        """The requests of rows `rows` (default: every row, windows[j] row j's) served; each row's requested outputs
+        (1, n, V|D), with its taps (T, F) beside them when it asked for taps.
 
         Usually one forward. When a few rows ask for much longer windows than the rest (an mdlm row folding its
-        finished block into its pass, a usdm row prefilling its prompt), padding every row to the longest would
-        cost more than a second forward: the rows run in two groups, by window length."""
+        finished block into its pass, a usdm row prefilling its prompt, a speculating row's prompt), padding every
+        row to the longest would cost more than a second forward: the rows run in two groups, by window length."""
         n = len(windows)
-        assert n == len(self.length) and n > 0
-        Ts = [w.length for w in windows]
-        order = sorted(range(n), key=lambda b: Ts[b])
+        rows = list(range(len(self.length))) if rows is None else rows
+        assert n == len(rows) and n > 0
+        t0 = time.perf_counter()
+        Ts = [w.length + (0 if w.ctx is None else w.ctx.shape[0]) for w in windows]
+        order = sorted(range(n), key=lambda j: Ts[j])
         best, cut = n * Ts[order[-1]], n  # padded tokens of one forward
         for i in range(1, n):  # rows order[:i] in a short forward, the rest in a long one
             if Ts[order[i - 1]] < Ts[order[i]]:
@@ -161,34 +240,53 @@ class RowBatch:
                     best, cut = cost, i
         self.forwards += 1 if cut == n else 2
         if cut == n:
-            return self._forward(list(range(n)), windows)
-        res: list[Tensor | None] = [None] * n
-        for idx in (sorted(order[:cut]), sorted(order[cut:])):
-            for b, r in zip(idx, self._forward(idx, [windows[b] for b in idx])):
-                res[b] = r
+            res = self._forward(rows, windows)
+        else:
+            res = [None] * n
+            for grp in (sorted(order[:cut]), sorted(order[cut:])):
+                for j, r in zip(grp, self._forward([rows[j] for j in grp], [windows[j] for j in grp])):
+                    res[j] = r
+        if self.k.device.type == "cuda":
+            torch.cuda.synchronize(self.k.device)
+        self.seconds += time.perf_counter() - t0
         return res
 
     GROUP_COST = 24  # a second forward costs about this many padded tokens (its fixed overhead)
 
-    def _forward(self, idx: list[int], windows: list[Window]) -> list[Tensor]:
+    def _forward(self, idx: list[int], windows: list[Window]) -> list:
         """One forward of rows idx (their windows); the kept K/V land in the rows' own slots."""
-        model, dev = self.model, self.model.device
+        model = self.model
         n = len(idx)
-        whole = idx == list(range(len(self.length)))
         length = [self.length[b] for b in idx]
         Ts = [w.length for w in windows]
-        T, Lc = max(Ts), max(length)
-        if Lc + T > self.C:
-            raise RuntimeError(f"row cache too small: {Lc} + {T} > {self.C}")
+        Cs = [0 if w.ctx is None else w.ctx.shape[0] for w in windows]
+        T, Lc, Cm = max(Ts), max(length), max(Cs)
+        if Lc + Cm + T > self.C:
+            self._reserve(len(self.length), max(Lc + Cm + T, self.C + self.C // 2))
+        dev = self.k.device
+        prefix = idx == list(range(n))  # rows 0..n-1: the forward runs on a view of the buffers
         lengths = torch.tensor(length, device=dev)
-        pos = lengths[:, None] + torch.arange(T, device=dev)[None]  # (n, T) each row's next positions
-        pos = torch.minimum(pos, (lengths + torch.tensor(Ts, device=dev) - 1)[:, None])  # pads repeat the last one
-        mask = torch.zeros(n, 1, T, Lc + T, dtype=torch.bool, device=dev)
+        if all(w.pos is None for w in windows):
+            pos = (lengths + torch.tensor(Cs, device=dev))[:, None] + torch.arange(T, device=dev)[None]  # (n, T)
+            last = (lengths + torch.tensor(Cs, device=dev) + torch.tensor(Ts, device=dev) - 1)[:, None]
+            pos = torch.minimum(pos, last)  # pads repeat the last one
+        else:
+            pos = torch.empty(n, T, dtype=torch.long, device=dev)
+            for j, (w, t) in enumerate(zip(windows, Ts)):
+                p = w.pos if w.pos is not None else torch.arange(length[j] + Cs[j], length[j] + Cs[j] + t, device=dev)
+                pos[j, :t] = p
+                pos[j, t:] = p[-1]
+        K = Lc + Cm + T
+        mask = torch.zeros(n, 1, T, K, dtype=torch.bool, device=dev)
         mask[:, 0, :, :Lc] = (torch.arange(Lc, device=dev)[None] < lengths[:, None])[:, None]  # each row's cache
-        mask[:, 0, :, Lc:] = torch.eye(T, dtype=torch.bool, device=dev)  # a pad query sees itself only
+        if Cm:  # each row's new context
+            mask[:, 0, :, Lc:Lc + Cm] = (torch.arange(Cm, device=dev)[None] < torch.tensor(Cs, device=dev)[:, None])[:, None]
+        mask[:, 0, :, Lc + Cm:] = torch.eye(T, dtype=torch.bool, device=dev)  # a pad query sees itself only
         embeds = any(w.embeds is not None or w.canvas for w in windows)
         if embeds:
-            x = torch.zeros(n, T, model.cfg.dim, dtype=model.embed_tokens.weight.dtype, device=dev)
+            e0 = next((w.embeds for w in windows if w.embeds is not None), None)
+            dtype = e0.dtype if e0 is not None else model.embed_tokens.weight.dtype
+            x = torch.zeros(n, T, model.cfg.dim, dtype=dtype, device=dev)
             for soft in (True, False):  # the canvases' embeddings, all rows' positions in one call (per position)
                 rows = [b for b, w in enumerate(windows) if w.canvas and (w.probs is not None) == soft]
                 if rows:
@@ -200,43 +298,48 @@ class RowBatch:
                         i += Ts[b]
         else:
             x = torch.zeros(n, T, dtype=torch.long, device=dev)
+        ctx = torch.zeros(n, Cm, model.cfg.dim, dtype=x.dtype if embeds else self.k.dtype, device=dev) if Cm else None
         for b, w in enumerate(windows):
             t = Ts[b]
             if w.mask is None:
-                mask[b, 0, :t, Lc:Lc + t] = True
+                mask[b, 0, :t, Lc + Cm:Lc + Cm + t] = True
             elif isinstance(w.mask, str):  # causal
-                mask[b, 0, :t, Lc:Lc + t] = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+                mask[b, 0, :t, Lc + Cm:Lc + Cm + t] = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
             else:
-                mask[b, 0, :t, Lc:Lc + t] = w.mask
+                mask[b, 0, :t, Lc + Cm:Lc + Cm + t] = w.mask
             if embeds and not w.canvas:
                 x[b, :t] = w.embeds if w.embeds is not None else model.embed_tokens(w.tokens) * model.embed_scale
             elif not embeds:
                 x[b, :t] = w.tokens
+            if Cs[b]:
+                ctx[b, :Cs[b]] = w.ctx
+        ctx_pos = lengths[:, None] + torch.arange(Cm, device=dev)[None] if Cm else None
         keep = [w.keep for w in windows]
-        write = True  # (slots Lc.. are scratch: writing the window there spares the attention a copy of the cache)
+        taps = tuple(sorted({i for w in windows for i in w.taps}))
         cache = KVCache.__new__(KVCache)
-        if whole:  # a view of the buffers: the window's K/V are written in place
+        if prefix:  # a view of the buffers: the window's K/V are written in place
             cache.k, cache.v = self.k[:, :n], self.v[:, :n]
-        else:  # a group of the rows: a copy of their slots, the window's K/V copied back below
-            cache.k = torch.cat([self.k[:, idx, :, :Lc], self.k.new_empty(self.k.shape[0], n, self.k.shape[2], T,
+        else:  # some of the rows: a copy of their slots, the window's K/V copied back below
+            cache.k = torch.cat([self.k[:, idx, :, :Lc], self.k.new_empty(self.k.shape[0], n, self.k.shape[2], Cm + T,
                                                                            self.k.shape[4])], 3)
             cache.v = torch.cat([self.v[:, idx, :, :Lc], torch.empty_like(cache.k[:, :, :, Lc:])], 3)
         cache.length = Lc
         spec: Tensor | str = "full" if bool(mask.all()) else mask
-        out = model(None if embeds else x, embeds=x if embeds else None, pos=pos, cache=cache, mask=spec, write=write,
-                    head=False)
-        if write:
-            for j, (b, m) in enumerate(zip(idx, keep)):
-                a = self.length[b]
-                if m and (a != Lc or not whole):  # the kept K/V from the window's slots to the row's own
-                    self.k[:, b, :, a:a + m] = cache.k[:, j, :, Lc:Lc + m].clone()
-                    self.v[:, b, :, a:a + m] = cache.v[:, j, :, Lc:Lc + m].clone()
-                self.length[b] = a + m
+        # (write: slots Lc.. are scratch: writing the window there spares the attention a copy of the cache)
+        last, tapped = _call(model, None if embeds else x, x if embeds else None, pos, cache, spec, True, ctx, ctx_pos,
+                             taps)
+        for j, (b, m) in enumerate(zip(idx, keep)):
+            a = self.length[b]
+            for src, dst, k in ((Lc, a, Cs[j]), (Lc + Cm, a + Cs[j], m)):  # the new context, then the kept window
+                if k and (src != dst or not prefix):  # from the scratch slots to the row's own
+                    self.k[:, b, :, dst:dst + k] = cache.k[:, j, :, src:src + k].clone()
+                    self.v[:, b, :, dst:dst + k] = cache.v[:, j, :, src:src + k].clone()
+            self.length[b] = a + Cs[j] + m
         # the head only where a row asked for logits (one matmul over all of them)
-        res: list[Tensor | None] = [None] * n
+        res: list = [None] * n
         want = [(j, w) for j, w in enumerate(windows) if not w.hidden and w.out[1] > w.out[0]]
         if want:
-            logits = model.lm_head(torch.cat([out.last[j, w.out[0]:w.out[1]] for j, w in want]))
+            logits = _head(model, torch.cat([last[j, w.out[0]:w.out[1]] for j, w in want]))
             i = 0
             for j, w in want:
                 m = w.out[1] - w.out[0]
@@ -244,30 +347,37 @@ class RowBatch:
                 i += m
         for j, w in enumerate(windows):
             if w.hidden:
-                res[j] = out.last[j:j + 1, w.out[0]:w.out[1]]
+                res[j] = last[j:j + 1, w.out[0]:w.out[1]]
             elif res[j] is None:
-                res[j] = out.last.new_zeros(1, 0, model.cfg.vocab_size)
+                res[j] = last.new_zeros(1, 0, model.cfg.vocab_size)
+            if w.taps:
+                res[j] = (res[j], torch.cat([tapped[i][j, :Ts[j]] for i in w.taps], -1))
         return res
 
 
 @dataclass
 class _Live:
     program: Iterator
-    window: Callable  # request -> Window
+    window: Callable  # request -> Window (or Crop)
     answer: Callable  # (request, outputs (1, n, V|D)) -> what the program is sent back
     tag: object
     request: object = None
 
 
 class Programs:
-    """Row programs run together: every live row's next request served by one RowBatch forward (continuous batching).
+    """Row programs run together: every live row's next request served by one RowBatch forward per model (continuous
+    batching). `models` beyond the target (a speculating row's drafter: name -> model) each hold a RowBatch of the
+    same rows; a request's `on` names the one that serves it, a `Crop` cuts the row's cache there.
 
     Rows join with `add` (their first request is served at the next `step`) and leave when their program ends or
     `drop` is called (the last row takes the freed index). Events come back as (tag, event).
     """
 
-    def __init__(self, model: Transformer, capacity: int):
-        self.rows = RowBatch(model, capacity)
+    def __init__(self, model: Transformer, capacity: int, models: dict | None = None):
+        self.batches = {"target": RowBatch(model, capacity)}
+        for name, m in (models or {}).items():
+            self.batches[name] = RowBatch(m, capacity)
+        self.rows = self.batches["target"]
         self.live: list[_Live] = []
 
     def __len__(self) -> int:
@@ -280,16 +390,18 @@ class Programs:
     def add(self, program: Iterator, window: Callable, answer: Callable, tag: object = None) -> list[tuple]:
         """A new row; returns the events its program yields before its first request."""
         live = _Live(program, window, answer, tag)
-        self.rows.add()
+        for b in self.batches.values():
+            b.add()
         self.live.append(live)
         out: list[tuple] = []
-        if not self._advance(live, None, out):
+        if not self._advance(len(self.live) - 1, None, out):
             self.drop(len(self.live) - 1)
         return out
 
     def drop(self, i: int) -> None:
         """Remove row i now (finished, stopped or cancelled)."""
-        self.rows.remove(i)
+        for b in self.batches.values():
+            b.remove(i)
         gone = self.live[i]
         last = self.live.pop()
         if i < len(self.live):
@@ -299,27 +411,38 @@ class Programs:
     def index(self, tag: object) -> int | None:
         return next((i for i, lv in enumerate(self.live) if lv.tag is tag), None)
 
-    def _advance(self, live: _Live, msg, out: list) -> bool:
-        """Run a row's program up to its next request (collecting its events); False when it ended."""
+    def _advance(self, i: int, msg, out: list) -> bool:
+        """Run row i's program up to its next request (collecting its events, applying its crops); False when it
+        ended."""
+        live = self.live[i]
         while True:
             try:
                 ev = live.program.send(msg)
             except StopIteration:
                 return False
             msg = None
-            if not isinstance(ev, Event):
+            if isinstance(ev, Crop):
+                self.batches[ev.on].crop(i, ev.length)
+            elif not isinstance(ev, Event):
                 live.request = ev
                 return True
-            out.append((live.tag, ev))
+            else:
+                out.append((live.tag, ev))
 
     @torch.inference_mode()
     def step(self) -> list[tuple]:
-        """One forward (two, in groups, when that is cheaper): every live row's request; returns their events and
-        drops the rows whose program ended."""
-        outs = self.rows.forward([lv.window(lv.request) for lv in self.live])
+        """One forward per model that some row asks for (two, in groups, when that is cheaper): every live row's
+        request; returns their events and drops the rows whose program ended."""
+        windows = [lv.window(lv.request) for lv in self.live]
+        outs: list = [None] * len(windows)
+        for name, batch in self.batches.items():
+            idx = [i for i, w in enumerate(windows) if w.on == name]
+            if idx:
+                for i, o in zip(idx, batch.forward([windows[i] for i in idx], idx)):
+                    outs[i] = o
         out: list[tuple] = []
         ended = [i for i, (lv, o) in enumerate(zip(self.live, outs))
-                 if not self._advance(lv, lv.answer(lv.request, o), out)]
+                 if not self._advance(i, lv.answer(lv.request, o), out)]
         for i in reversed(ended):
             self.drop(i)
         return out

@@ -22,6 +22,12 @@ Drafter protocol (three methods; attributes taps, and name/default_block_size/fo
                             the n accepted proposals (n + 1,), with the target's taps over them
                             (n + 1, F) or None. (The bonus token is committed but not yet verified.)
 
+Rows: `propose` is the drafter's `draft(seq, k)` program (dlm/sampling/rows.py) answered over the drafter's
+own cache (`answer`); the verifier (`speculation`) is a row program too. Alone, a row's requests are answered
+one by one; in a `Batch`, one target forward serves every row that verifies and one drafter forward every row
+that drafts, each row at its own length (a rejected draft crops that row's cache only). The drafter's model,
+if it has one, is `row_model`: its requests are `on="draft"` (a self-speculating drafter asks the target).
+
 Statistics: forwards (the target's), draft_forwards (the drafter model's), and in Done.stats.extra:
 tau (tokens committed per cycle, bonus included; 1 <= tau <= block size), acceptance_histogram[n]
 (cycles that committed n tokens), cycles, draft_seconds, verify_seconds, gamma (the block size of a
@@ -39,13 +45,15 @@ import torch
 from torch import Tensor
 
 from dlm.errors import DlmError, check
-from dlm.masks import dflash_draft_mask, mdlm_denoise_mask
+from dlm.masks import mdlm_denoise_mask
 from dlm.model import KVCache, Transformer
 from dlm.sampling import ar
 from dlm.sampling.common import (
     Clock, Commit, Eos, Event, Prompt, Stats, Verified, draw, eos_set, make_generator, probs_from_logits,
     sample_from, through_eos,
 )
+from dlm.sampling.mdlm import row_seed
+from dlm.sampling.rows import Crop, Programs, Window, batchable, drive, finish, run_one
 
 AR_DRAFT_BLOCK = 5  # default block of an AR draft model: 4 proposals + the bonus
 LOOKUP_BLOCK = 8
@@ -89,8 +97,16 @@ class Drafter(Protocol):
     forwards: int  # forward passes of the drafter's model so far
     sampling: Sampling  # the distribution it proposes from: the verifier sets the call's before the first cycle
 
+    row_model: object  # the model its `on="draft"` requests run on (None: it asks for none, or asks the target)
+
     def bind(self, cache: KVCache) -> None:
         """The target's KV cache of this sequence (self-speculation drafts over it; the others ignore it)."""
+
+    def draft(self, seq: Tensor, k: int) -> Iterator:
+        """`propose` as a row program: yields Window / Crop requests, returns (tokens, q)."""
+
+    def answer(self, request):
+        """A request of its draft answered over its own cache (the one-row path)."""
 
     def reset(self, prompt: Tensor, feats: Tensor | None) -> None:
         """A new sequence: prompt ids (P,), the target's taps over it (P, F) or None."""
@@ -116,6 +132,7 @@ class PromptLookup:
 
     taps: tuple[int, ...] = ()
     kind = "lookup"
+    row_model = None
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         check(max_ngram >= 1, f"--lookup-ngram must be >= 1, got {max_ngram}")
@@ -133,6 +150,13 @@ class PromptLookup:
 
     def reset(self, prompt: Tensor, feats: Tensor | None) -> None:
         pass
+
+    def draft(self, seq: Tensor, k: int) -> Iterator:
+        return self.propose(seq, k)
+        yield  # (a program that asks for no forward)
+
+    def answer(self, request):
+        raise AssertionError("prompt lookup runs no model")
 
     def propose(self, seq: Tensor, k: int) -> tuple[Tensor, None]:
         S = seq.shape[0]
@@ -167,27 +191,46 @@ class ARDraft:
     def bind(self, cache: KVCache) -> None:
         pass
 
+    @property
+    def row_model(self) -> Transformer:
+        return self.model
+
     def reset(self, prompt: Tensor, feats: Tensor | None) -> None:
-        self.cache = self.model.new_cache(1, self.capacity)
+        self.cache = None  # its own cache, made on the first request of the one-row path
+        self.cached = 0  # positions in its cache
+        self.base = 0
+
+    def answer(self, request):
+        if self.cache is None:
+            self.cache = self.model.new_cache(1, self.capacity)
+        if isinstance(request, Crop):
+            return self.cache.crop(request.length)
+        return run_one(self.model, self.cache, request)
 
     def propose(self, seq: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
+        return finish(self.draft(seq, k), self.answer)
+
+    def draft(self, seq: Tensor, k: int) -> Iterator:
+        yield Crop(self.cached, on="draft")  # the rejected proposals of the last cycle leave its cache
         # feed what the cache lacks (the last committed token, and after a full acceptance one more)
-        x = seq[self.cache.length:][None]
+        x = seq[self.cached:]
         toks, qs = [], []
         self.base = seq.shape[0]
         for i in range(k):
-            logits = self.model(x, cache=self.cache).logits[0, -1]  # (V,)
+            T = x.shape[0]
+            logits = (yield Window(tokens=x, mask="causal", keep=T, out=(T - 1, T), on="draft"))[0, -1]  # (V,)
+            self.cached += T
             self.forwards += 1
             t, q = self.sampling.draw(logits)
             if q is not None:
                 qs.append(q)
             toks.append(t)
-            x = t.view(1, 1)
+            x = t.view(1)
         return torch.stack(toks) if toks else seq[:0], torch.stack(qs) if qs else None
 
     def accept(self, ids: Tensor, feats: Tensor | None) -> None:
         # the cache holds seq + proposals[:k-1]; the accepted ones stay
-        self.cache.crop(min(self.cache.length, self.base + ids.shape[0] - 1))
+        self.cached = min(self.cached, self.base + ids.shape[0] - 1)
 
 
 class DFlashDraft:
@@ -219,14 +262,28 @@ class DFlashDraft:
             return self.d.norm_last(self.target, feats[None])  # (1, n, F)
         return self.target.embed_tokens(ids[None])  # the ablation without target features
 
+    @property
+    def row_model(self):
+        return self.d
+
     def reset(self, prompt: Tensor, feats: Tensor | None) -> None:
-        self.cache = self.d.new_cache(self.capacity)
+        self.cache = None  # its own cache, made on the first request of the one-row path
         self.pending = self._feats(prompt, feats)  # context not yet in the drafter's cache: (1, C, F)
 
+    def answer(self, request):
+        if self.cache is None:
+            self.cache = self.d.new_cache(self.capacity)
+        if isinstance(request, Crop):
+            return self.cache.crop(request.length)
+        return run_one(self.d, self.cache, request)
+
     def propose(self, seq: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
+        return finish(self.draft(seq, k), self.answer)
+
+    def draft(self, seq: Tensor, k: int) -> Iterator:
         if k == 0:
             return seq[:0], None
-        logits = self.logits(seq, k)
+        logits = yield from self.draft_logits(seq, k)
         sel = self.d.candidate_selector
         if sel is None:
             return self.sampling.draw(logits)  # (k,), (k, V): slots drawn independently
@@ -240,11 +297,13 @@ class DFlashDraft:
     def logits(self, seq: Tensor, k: int) -> Tensor:
         """The draft's logits for the k slots after seq's last token (k >= 1); the cache takes the new
         context. (k, V)"""
-        start = seq.shape[0] - 1  # position of the last committed token (the block's anchor)
-        dev = seq.device
+        return finish(self.draft_logits(seq, k), self.answer)
+
+    def draft_logits(self, seq: Tensor, k: int) -> Iterator:
+        """`logits` as a row program: the new context's K/V go to the row's drafter cache, the block is read only."""
+        dev = seq.device  # the block sits at the last committed token's position (its anchor) onwards
         C = self.pending.shape[1]
-        ctx = self.d.context(self.pending) if C else None
-        ctx_pos = torch.arange(start - C, start, device=dev)
+        ctx = self.d.context(self.pending)[0] if C else None  # (C, D)
         block = torch.full((1, k + 1), self.d.mask_id, dtype=torch.long, device=dev)
         block[0, 0] = seq[-1]
         uniform = self.d.block_noise == "uniform"
@@ -252,28 +311,27 @@ class DFlashDraft:
             if self.noise is None:
                 self.noise = torch.Generator(device=dev).manual_seed(0)
             block[0, 1:] = torch.randint(0, self.d.cfg.vocab_size, (k,), generator=self.noise, device=dev)
-        pos = torch.arange(start, start + k + 1, device=dev)
-        L0 = self.cache.length
-        h = self.d(self.d.embed(self.target, block), ctx, pos, ctx_pos, cache=self.cache,
-                   mask=dflash_draft_mask(self.d.injection, L0, C, k + 1, dev))
-        self.forwards += 1
+
+        def ask(ctx=None) -> Iterator:
+            h = yield Window(embeds=self.d.embed(self.target, block)[0], ctx=ctx, out=(1, k + 1), hidden=True,
+                             on="draft")
+            self.forwards += 1
+            return h[0]  # (k, D)
+
+        h = yield from ask(ctx)
         self.pending = self.pending[:, :0]
-        self.hidden = h[0, 1:]  # (k, D): what DFlash 2's selector reads beside the logits
-        logits = self.d.head(self.target, h[0, 1:])  # (k, V)
+        self.hidden = h  # (k, D): what DFlash 2's selector reads beside the logits
+        logits = self.d.head(self.target, h)  # (k, V)
         for _ in range(self.passes - 1 if uniform else 0):  # revise: every slot re-predicted from the last guesses
             block[0, 1:] = logits.argmax(-1)
-            h = self.d(self.d.embed(self.target, block), None, pos, None, cache=self.cache, mask="full")
-            self.forwards += 1
-            logits = self.d.head(self.target, h[0, 1:])
+            logits = self.d.head(self.target, (yield from ask()))
         for _ in range(0 if uniform else self.passes - 1):  # refine: keep confident slots, re-predict the others
             conf, guess = logits.float().softmax(-1).max(-1)  # (k,)
             keep = conf >= 0.9
             if bool(keep.all()) or not bool(keep.any()):
                 break
             block[0, 1:] = torch.where(keep, guess, self.d.mask_id)
-            h = self.d(self.d.embed(self.target, block), None, pos, None, cache=self.cache, mask="full")
-            self.forwards += 1
-            logits = torch.where(keep[:, None], logits, self.d.head(self.target, h[0, 1:]))
+            logits = torch.where(keep[:, None], logits, self.d.head(self.target, (yield from ask())))
         return logits
 
     def accept(self, ids: Tensor, feats: Tensor | None) -> None:
@@ -309,11 +367,25 @@ class DiffusionDraft:
     def bind(self, cache: KVCache) -> None:
         pass
 
+    @property
+    def row_model(self) -> Transformer:
+        return self.model
+
     def reset(self, prompt: Tensor, feats: Tensor | None) -> None:
-        self.cache = self.model.new_cache(1, self.capacity)
+        self.cache = None  # its own cache, made on the first request of the one-row path
         self.cached = 0
 
+    def answer(self, request):
+        if self.cache is None:
+            self.cache = self.model.new_cache(1, self.capacity)
+        if isinstance(request, Crop):
+            return self.cache.crop(request.length)
+        return run_one(self.model, self.cache, request)
+
     def propose(self, seq: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
+        return finish(self.draft(seq, k), self.answer)
+
+    def draft(self, seq: Tensor, k: int) -> Iterator:
         if k == 0:
             return seq[:0], None
         dev, S = seq.device, seq.shape[0]
@@ -322,11 +394,10 @@ class DiffusionDraft:
         ids = torch.cat((seq[start:], torch.full((k,), self.mask_id, dtype=torch.long, device=dev)))
         block_of = torch.arange(stop, device=dev) // self.grid
         block_of[cur:] = cur // self.grid  # the slots join the current block, wherever the grid would cut them
-        logits = self.model(ids[None], pos=torch.arange(start, stop, device=dev), cache=self.cache,
-                            mask=mdlm_denoise_mask(block_of, start, stop, self.causal_context)).logits[0, S - start:]
+        sees = mdlm_denoise_mask(block_of, start, stop, self.causal_context)[:, start:]  # (the cache: always seen)
+        logits = (yield Window(tokens=ids, mask=sees, keep=cur - start, out=(S - start, stop - start), on="draft"))[0]
         self.forwards += 1
-        self.cache.crop(cur)  # keep the finished blocks' K/V
-        self.cached = cur
+        self.cached = cur  # the finished blocks' K/V stay
         logits[:, self.mask_id] = float("-inf")
         for _ in range(self.passes - 1):  # refine: keep confident slots, re-predict the others given them
             conf, guess = logits.float().softmax(-1).max(-1)  # (k,)
@@ -334,8 +405,7 @@ class DiffusionDraft:
             if bool(keep.all()) or not bool(keep.any()):
                 break
             block = torch.cat((seq[cur:], torch.where(keep, guess, self.mask_id)))
-            again = self.model(block[None], pos=torch.arange(cur, stop, device=dev), cache=self.cache, mask="full",
-                               write=False).logits[0, S - cur:]
+            again = (yield Window(tokens=block, out=(S - cur, stop - cur), on="draft"))[0]
             self.forwards += 1
             again[:, self.mask_id] = float("-inf")
             logits = torch.where(keep[:, None], logits, again)
@@ -478,28 +548,90 @@ class Speculation:
         return draft, n, bonus
 
 
+def speculation(drafter: Drafter, prompt: Sequence[int], *, block_size: int, max_new_tokens: int, sampling: Sampling,
+                eos_id: Eos, row: int = 0, stats: SpecStats | None = None, clock: Clock | None = None,
+                dev: torch.device | str = "cpu") -> Iterator:
+    """One prompt's speculative decoding as a row program: its Commit and Verified events, and its requests (the
+    target's prefill and verify passes, its drafter's; a Crop of the target's cache after each verify)."""
+    stats = stats if stats is not None else SpecStats()
+    taps = drafter.taps
+    P = len(prompt)
+    seq = torch.empty(P + max_new_tokens + 1, dtype=torch.long, device=dev)
+    seq[:P] = torch.tensor(list(prompt), dtype=torch.long, device=dev)
+    t0 = time.perf_counter()
+    logits, feats = _split((yield Window(tokens=seq[:P], mask="causal", keep=P, out=(P - 1, P), taps=taps)), taps)
+    stats.forwards += 1
+    tok = int(sampling.draw(logits[0, -1])[0])
+    drafter.reset(seq[:P], feats)
+    stats.verify_seconds += time.perf_counter() - t0
+    seq[P] = tok
+    S, new = P + 1, 1  # committed length (the target's cache holds all of them but the last), new tokens
+    if clock is not None:
+        clock.mark_first()
+    yield Commit([tok], row=row)
+    stop = eos_set(eos_id)
+    while new < max_new_tokens and tok not in stop:
+        t0 = time.perf_counter()
+        draft, q = yield from drafter.draft(seq[:S], min(block_size - 1, max_new_tokens - new - 1))
+        t1 = time.perf_counter()
+        stats.draft_seconds += t1 - t0
+        k = draft.shape[0]
+        block = torch.cat((seq[S - 1:S], draft))  # (k+1,)
+        logits, feats = _split((yield Window(tokens=block, mask="causal", keep=k + 1, out=(0, k + 1), taps=taps)), taps)
+        stats.forwards += 1
+        n, bonus = verify(draft, logits[0], q, sampling)
+        yield Crop(S + n)  # keep the last committed token and the accepted proposals
+        drafter.accept(block[:n + 1], feats[:n + 1] if feats is not None else None)
+        stats.verify_seconds += time.perf_counter() - t1
+        committed = trim(draft[:n].tolist() + [bonus], max_new_tokens - new, eos_id)
+        stats.add(len(committed))
+        seq[S:S + len(committed)] = torch.tensor(committed, device=dev)
+        S += len(committed)
+        new += len(committed)
+        tok = committed[-1]
+        yield Verified(draft.tolist(), n, row=row)
+        yield Commit(committed, row=row)
+
+
+def _same(request):
+    return request
+
+
+def _out(request, out):
+    return out
+
+
+def _split(out, taps: tuple[int, ...]) -> tuple[Tensor, Tensor | None]:
+    return out if taps else (out, None)
+
+
+class Alone:
+    """The one-row answers of a row program: the target's requests over a cache of its own, the drafter's over the
+    drafter's (a self-speculating drafter reads the target's: `bind`)."""
+
+    def __init__(self, target: Transformer, capacity: int, drafter: Drafter | None = None):
+        self.target, self.drafter = target, drafter
+        self.cache = target.new_cache(1, capacity)
+        if drafter is not None:
+            drafter.bind(self.cache)
+
+    def __call__(self, request):
+        if request.on != "target":
+            return self.drafter.answer(request)
+        if isinstance(request, Crop):
+            return self.cache.crop(request.length)
+        return run_one(self.target, self.cache, request)
+
+
 @torch.inference_mode()
 def speculate(target: Transformer, drafter: Drafter, prompt: Sequence[int], *, block_size: int, max_new_tokens: int = 128,
               sampling: Sampling | None = None, eos_id: Eos = None, row: int = 0,
               stats: SpecStats | None = None, clock: Clock | None = None) -> Iterator[Event]:
     """Generate from one prompt with `drafter` proposing and `target` verifying (Commit and Verified events)."""
-    sampling = sampling or Sampling()
-    stats = stats if stats is not None else SpecStats()
-    spec = Speculation(target, drafter, prompt, block_size, max_new_tokens, sampling, stats)
-    tok = spec.prefill()
-    new = 1
-    if clock is not None:
-        clock.mark_first()
-    yield Commit([tok], row=row)
-    while new < max_new_tokens and tok not in eos_set(eos_id):
-        draft, n, bonus = spec.cycle(max_new_tokens - new - 1)
-        committed = trim(draft[:n].tolist() + [bonus], max_new_tokens - new, eos_id)
-        stats.add(len(committed))
-        spec.commit(committed)
-        new += len(committed)
-        tok = committed[-1]
-        yield Verified(draft.tolist(), n, row=row)
-        yield Commit(committed, row=row)
+    program = speculation(drafter, prompt, block_size=block_size, max_new_tokens=max_new_tokens,
+                          sampling=sampling or Sampling(), eos_id=eos_id, row=row, stats=stats, clock=clock,
+                          dev=target.device)
+    yield from drive(program, Alone(target, len(prompt) + max_new_tokens + block_size + 1, drafter))
 
 
 def drafter_capacity(target: Transformer) -> int:
@@ -522,9 +654,12 @@ def resolve_block_size(drafter: Drafter, block_size: int | None) -> int:
 # the sampler ------------------------------------------------------------------------------------------
 
 def stream(model: Transformer, ck, prompts: list[Prompt], cfg, drafter: Drafter | None = None) -> Iterator[Event]:
-    """Speculative decoding of an AR target (cfg: SampleConfig): each prompt in turn, one Done at the end.
+    """Speculative decoding of an AR target (cfg: SampleConfig), one Done at the end. Several prompts run as rows of
+    one Batch (one target forward per verify step, one drafter forward per draft step, for all of them) when the
+    models allow, else one after another; row r drafts with its own fork of `drafter` and samples with its own
+    generator (seeded seed + r), so its tokens are those it gets alone.
 
-    `drafter`: built by dlm.drafters.load_drafter (it is reset for every prompt); the sampler reads nothing from disk.
+    `drafter`: built by dlm.drafters.load_drafter; the sampler reads nothing from disk.
     """
     if ck.objective not in ("ar", "joint"):
         raise DlmError(f"--draft: speculative decoding verifies with an AR target; {ck.path} is a "
@@ -533,17 +668,33 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg, drafter: Drafter 
     check_lossless_greedy(cfg)
     if drafter is None:
         raise DlmError("speculative decoding needs a drafter: load one with dlm.drafters.load_drafter")
-    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, make_generator(cfg.seed, model.device))
-    drafter.sampling = sampling  # the drafter draws from this call's distribution and random stream
     block_size = resolve_block_size(drafter, cfg.block_size)
+    eos = ck.tokenizer.eos_ids
 
-    def rows(b: int, p: list[int], spec: SpecStats, clock: Clock) -> Iterator[Event]:
-        return speculate(model, drafter, p, block_size=block_size, max_new_tokens=cfg.max_new_tokens,
-                         sampling=sampling, eos_id=ck.tokenizer.eos_ids, row=b, stats=spec, clock=clock)
+    def row(b: int, p: list[int], sampling: Sampling, spec: SpecStats, clock: Clock) -> tuple:
+        d = drafter.fork(cfg) if len(prompts) > 1 else drafter
+        d.sampling = sampling  # the drafter draws from its row's distribution and random stream
+        program = speculation(d, p, block_size=block_size, max_new_tokens=cfg.max_new_tokens, sampling=sampling,
+                              eos_id=eos, row=b, stats=spec, clock=clock, dev=model.device)
+        return program, d, len(p) + cfg.max_new_tokens + block_size + 1
 
-    f0 = drafter.forwards
-    return run_rows(model, ck, [p.ids for p in prompts], cfg, rows, drafter.name, block_size,
-                    lambda: drafter.forwards - f0)
+    return run_rows(model, ck, [p.ids for p in prompts], cfg, row, drafter.name, block_size, drafter)
+
+
+def batch_row(model: Transformer, ck, prompt: Prompt, cfg, base: Drafter, row: int, stats: SpecStats,
+              clock: Clock | None = None) -> tuple[Iterator, Drafter]:
+    """A request as a row of a Batch (the server's): its program and its own fork of `base`, sampling with a generator
+    seeded cfg.seed. Raises on bad options, before any work."""
+    if ck.objective not in ("ar", "joint"):
+        raise DlmError(f"--draft: speculative decoding verifies with an AR target; {ck.path} is a "
+                       f"{ck.objective} checkpoint")
+    ar.check_options(model, [prompt], cfg, "speculative decoding")
+    check_lossless_greedy(cfg)
+    d = base.fork(cfg)
+    d.sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, make_generator(cfg.seed, model.device))
+    B = resolve_block_size(d, cfg.block_size)
+    return speculation(d, prompt.ids, block_size=B, max_new_tokens=cfg.max_new_tokens, sampling=d.sampling,
+                       eos_id=ck.tokenizer.eos_ids, row=row, stats=stats, clock=clock, dev=model.device), d
 
 
 def spec_stats(spec: SpecStats, drafter: str, block_size: int, new: int, draft_forwards: int) -> Stats:
@@ -555,24 +706,108 @@ def spec_stats(spec: SpecStats, drafter: str, block_size: int, new: int, draft_f
         "block_size": block_size, "gamma": block_size, "drafter": drafter})  # gamma: the older key
 
 
-def run_rows(model: Transformer, ck, ids: list[list[int]], cfg, rows, name: str, block_size: int,
-             draft_forwards=lambda: 0) -> Iterator[Event]:
-    """Every prompt through `rows(b, prompt, spec, clock)` (one row's Commit/Verified events), then one Done with
-    the pooled verify statistics; with --check-lossless, whether each output is the target's own greedy output."""
-    spec = SpecStats()
+def pooled(specs: list[SpecStats]) -> SpecStats:
+    """The verify-cycle bookkeeping of several rows together."""
+    out = SpecStats()
+    for st in specs:
+        out.cycles += st.cycles
+        out.committed += st.committed
+        out.forwards += st.forwards
+        out.draft_seconds += st.draft_seconds
+        out.verify_seconds += st.verify_seconds
+        out.histogram += [0] * (len(st.histogram) - len(out.histogram))
+        for n, c in enumerate(st.histogram):
+            out.histogram[n] += c
+    return out
+
+
+def rows_batchable(model: Transformer, drafter: Drafter) -> bool:
+    """Whether a Batch can run these rows: the target and the drafter's model (if any) on RowBatch."""
+    m = getattr(drafter, "row_model", None)
+    return batchable(model) and (m is None or batchable(m))
+
+
+@torch.inference_mode()
+def run_rows(model: Transformer, ck, ids: list[list[int]], cfg, row, name: str, block_size: int,
+             drafter: Drafter | None = None) -> Iterator[Event]:
+    """Every prompt as a row program (`row(b, prompt, sampling, spec, clock)` -> (program, its drafter, the slots its
+    target cache needs)): in one Batch when there are several and the models allow, else one after another; then
+    one Done with the pooled verify statistics (batched: `forwards` and `draft_forwards` count the batched calls,
+    extra["rows"] each row's own); with --check-lossless, whether each output is the target's own greedy output."""
+    dev = model.device
     clock = Clock()
+    specs = [SpecStats() for _ in ids]
+    samplings = [Sampling(cfg.temperature, cfg.top_k, cfg.top_p, make_generator(row_seed(cfg.seed, b), dev))
+                 for b in range(len(ids))]
     outputs: list[list[int]] = [[] for _ in ids]
-    for b, p in enumerate(ids):
-        for ev in rows(b, p, spec, clock):
-            if isinstance(ev, Commit):
-                outputs[b].extend(ev.tokens)
-            yield ev
-    stats = spec_stats(spec, name, block_size, sum(len(o) for o in outputs), draft_forwards())
+    rows = [row(b, p, samplings[b], specs[b], clock) for b, p in enumerate(ids)]
+    batched = len(ids) > 1 and all(rows_batchable(model, d) for _, d, _ in rows)
+    if batched:
+        runner = rows[0][1]
+        batch = Batch(model, getattr(runner, "row_model", None), max(c for _, _, c in rows))
+        events = batch.run([p for p, _, _ in rows])
+    else:
+        events = (ev for p, d, c in rows for ev in drive(p, Alone(model, c, d)))
+    for ev in events:
+        if isinstance(ev, Commit):
+            outputs[ev.row].extend(ev.tokens)
+        yield ev
+    drafters = [d for _, d, _ in rows]
+    own_draft = sum(d.forwards for d in drafters) if drafters[0] is not None else 0
+    if drafter is not None and len(ids) > 1:  # the forks' passes, counted on the drafter the caller holds
+        drafter.forwards += own_draft
+    spec = pooled(specs)
+    draft_forwards = own_draft
+    if batched:
+        spec.forwards = batch.forwards
+        draft_forwards = batch.draft_forwards
+        spec.verify_seconds, spec.draft_seconds = batch.seconds()
+    stats = spec_stats(spec, name, block_size, sum(len(o) for o in outputs), draft_forwards)
+    if batched:
+        stats.extra["rows"] = [{"new_tokens": len(o), "forwards": st.forwards, "draft_forwards": d.forwards if d is not None else 0,
+                                "cycles": st.cycles} for o, st, d in zip(outputs, specs, drafters)]
+        # a row's passes of the target: its verify passes, and its draft passes when it drafts over the target
+        own = sum(st.forwards + (d.forwards if d is not None and d.row_model is None else 0)
+                  for st, d in zip(specs, drafters))
+        stats.extra["rows_per_forward"] = own / batch.forwards if batch.forwards else 0.0
     done = clock.finish(stats)
     if cfg.check_lossless:
         eos = ck.tokenizer.eos_ids
         stats.extra["lossless"] = all(o == target_greedy(model, p, cfg.max_new_tokens, eos) for o, p in zip(outputs, ids))
     yield done
+
+
+class Batch(Programs):
+    """Speculating rows together (continuous batching): each step, one target forward serves every row that verifies
+    (or prefills, or drafts over the target: self-speculation) and one forward of the drafter's model every row that
+    drafts, each row at its own length; a rejected draft crops that row's caches only. Rows join with `add` and leave
+    when their program ends or `drop` is called; events come back as (tag, event)."""
+
+    def __init__(self, target: Transformer, draft_model=None, capacity: int = 0):
+        super().__init__(target, capacity or 2 * target.cfg.max_seq_len,
+                         {"draft": draft_model} if draft_model is not None else None)
+
+    def add(self, program: Iterator, tag: object = None, window=None, answer=None) -> list[tuple]:
+        """A new row: a row program whose requests are Windows (`speculation`, joint's `quadratic_program`), or one
+        with its own `window` and `answer` (a joint model's diffusion row: mdlm.batch_row)."""
+        return super().add(program, window or _same, answer or _out, tag)
+
+    @property
+    def draft_forwards(self) -> int:
+        return self.batches["draft"].forwards if "draft" in self.batches else 0
+
+    def seconds(self) -> tuple[float, float]:
+        """Wall time of the target's forwards and of the drafter's."""
+        return self.rows.seconds, self.batches["draft"].seconds if "draft" in self.batches else 0.0
+
+    def run(self, programs: list[Iterator]) -> Iterator[Event]:
+        """Every program to its end, all of them from the start: their events."""
+        for b, p in enumerate(programs):
+            for _, ev in self.add(p, b):
+                yield ev
+        while len(self):
+            for _, ev in self.step():
+                yield ev
 
 
 def target_greedy(model: Transformer, prompt: Sequence[int], max_new_tokens: int, eos_id: Eos) -> list[int]:

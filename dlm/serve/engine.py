@@ -20,9 +20,15 @@ Two ways to run a job:
   over its own K/V slots, positions and masks. Rows that arrived join at the next step; rows that
   finished, stopped or were cancelled leave between steps. Each row keeps its own options and
   generator (seed + choice), so its tokens do not depend on the batch (up to float rounding).
-- speculative decoding, `naive` requests and models the row batch cannot run (a family with its own
-  cache layout): one worker thread per job runs its rows one after another with
-  `dlm.sampling.stream` (torch releases the GIL inside its ops, so jobs overlap on the cores).
+- speculative decoding (a target and its drafter) and joint models (self-speculation and the diffusion
+  mode): a `RowsBatcher` too, over a `dlm.sampling.speculative.Batch`: each step, one target forward
+  serves every row that verifies, prefills, or drafts over the target (self-speculation, a joint
+  row's diffusion step), and one forward of the drafter's model every row that drafts; each row at
+  its own length, its own drafter fork, options and generator.
+- `naive` requests, joint's AR mode, --check-lossless, and models the row batch cannot run (a family
+  with its own cache layout, an input-injection drafter): one worker thread per job runs its rows one
+  after another with `dlm.sampling.stream` (torch releases the GIL inside its ops, so jobs overlap on
+  the cores).
 
 Every job ends with exactly one `Done` (its forwards, draft forwards, seconds, time to first token;
 batched: the mean batch its forwards ran in) or one `Failed`.
@@ -46,11 +52,11 @@ from dlm.checkpoint import load_model, open_checkpoint
 from dlm.errors import DlmError
 from dlm.masks import key_valid_mask
 from dlm.model import KVCache, Transformer
-from dlm.sampling import SampleConfig, ar, mdlm, stream, usdm
+from dlm.sampling import SampleConfig, ar, joint, mdlm, speculative, stream, usdm
 from dlm.sampling.common import Commit, Done, Event, Prompt, Stats, eos_set, make_generator, sample_token
 from dlm.drafters import load_drafter
 from dlm.sampling.rows import batchable
-from dlm.sampling.speculative import Drafter, Sampling
+from dlm.sampling.speculative import Drafter, Sampling, SpecStats, rows_batchable
 
 log = logging.getLogger("dlm.serve")
 
@@ -99,6 +105,7 @@ class Job:
         # batching bookkeeping (the batcher's thread only)
         self.live = 0
         self.forwards = 0
+        self.draft_forwards = 0  # speculative rows: their drafters' own passes
         self.batch_rows = 0  # rows of all the forwards this job took part in
         self.steps = 0  # diffusion: denoising steps and canvases of its rows
         self.canvases = 0
@@ -165,7 +172,7 @@ class Served:
     drafter: Drafter | None = None  # speculative: the drafter this id verifies (its model shared by every request)
     draft: str | None = None  # the drafter's id (folder name, or 'lookup')
     batcher: ARBatcher | None = None  # AR: the batching thread of the target
-    rows: RowsBatcher | None = None  # mdlm, usdm: the batching thread of the model
+    rows: RowsBatcher | None = None  # mdlm, usdm, joint, speculative: the row batching thread
 
     @property
     def context(self) -> int:
@@ -208,7 +215,7 @@ class Engine:
                 if not model.cfg.arch:  # a gemma4 backbone's cache has per-layer shapes: its requests run one by one
                     served.batcher = ARBatcher(model, ck, max_batch, name)
                 ar_models.append(served)
-            elif ck.objective in ("mdlm", "usdm") and batchable(model) and mdlm.rows_fit(ck):
+            elif ck.objective in ("mdlm", "usdm", "joint") and batchable(model) and mdlm.rows_fit(ck):
                 served.rows = RowsBatcher(model, ck, max_batch, name)  # (full-attention / shifted: one by one)
             self.models[name] = served
         if draft:
@@ -218,8 +225,11 @@ class Engine:
             for target in ar_models:
                 base = load_drafter(draft, target.model, target.ck, Sampling())
                 sid = f"{target.id}+{draft_id}"
-                self.models[sid] = Served(sid, "speculative", target.model, target.ck, target.path, base, draft_id,
-                                          target.batcher)
+                served = Served(sid, "speculative", target.model, target.ck, target.path, base, draft_id,
+                                target.batcher)
+                if rows_batchable(target.model, base):
+                    served.rows = RowsBatcher(target.model, target.ck, max_batch, sid, drafter=base)
+                self.models[sid] = served
 
     def get(self, model_id: str) -> Served | None:
         return self.models.get(model_id)
@@ -237,7 +247,7 @@ class Engine:
         infill = any(r.prompt.canvas is not None for r in rows)  # FIM rows: the AR sampler's own infilling
         if served.batcher is not None and (served.drafter is None or logprobs) and not infill:
             served.batcher.submit(job)
-        elif served.rows is not None and not any(r.cfg.naive for r in rows):
+        elif served.rows is not None and served.rows.takes(rows):
             served.rows.submit(job)
         else:
             threading.Thread(target=self._run, args=(served, job), daemon=True,
@@ -245,7 +255,7 @@ class Engine:
         return job
 
     def stats(self) -> dict:
-        return {s.id: (s.batcher or s.rows).stats() for s in self.models.values()
+        return {s.id: (s.rows or s.batcher).stats() for s in self.models.values()
                 if (s.batcher is not None and s.drafter is None) or s.rows is not None}
 
     def close(self) -> None:
@@ -597,25 +607,27 @@ class ARBatcher(_BatchThread):
 
 @dataclass(eq=False)
 class _Row:
-    """A diffusion row in the batcher: its job, its index there, its sampler's counters."""
+    """A row in the batcher: its job, its index there, its sampler's counters (and its drafter: speculation)."""
 
     job: Job
     index: int
-    stats: Stats = field(default_factory=lambda: Stats(extra={"steps_per_canvas": []}))
+    stats: Stats | SpecStats = field(default_factory=lambda: Stats(extra={"steps_per_canvas": []}))
+    drafter: Drafter | None = None
 
 
 class RowsBatcher(_BatchThread):
-    """One thread that runs every active mdlm or usdm row in one forward per step (continuous batching).
+    """One thread that runs every active mdlm, usdm, joint or speculative row in one forward per step and model
+    (continuous batching).
 
     Between two steps it drops the rows whose request stopped them or went away, admits the rows that arrived
-    (up to max_rows; the rest wait in arrival order) and runs one step of the batch (`mdlm.Batch` / `usdm.Batch`:
-    every row's next pass in one forward); a row whose generation ended leaves the batch there. A job's `Done`
-    comes when its last row is over.
+    (up to max_rows; the rest wait in arrival order) and runs one step of the batch (`mdlm.Batch` / `usdm.Batch` /
+    `speculative.Batch`: every row's next pass in one forward per model); a row whose generation ended leaves the
+    batch there. A job's `Done` comes when its last row is over.
     """
 
-    def __init__(self, model: Transformer, ck, max_rows: int = 64, name: str = "rows"):
-        self.model, self.ck = model, ck
-        self.paradigm = ck.objective
+    def __init__(self, model: Transformer, ck, max_rows: int = 64, name: str = "rows", drafter: Drafter | None = None):
+        self.model, self.ck, self.drafter = model, ck, drafter
+        self.paradigm = "speculative" if drafter is not None else ck.objective
         self.max_rows = max_rows
         self.waiting: deque[_Row] = deque()
         self.batch = self._new_batch()
@@ -626,7 +638,24 @@ class RowsBatcher(_BatchThread):
         C = 2 * self.model.cfg.max_seq_len  # the longest row plus its longest window
         if self.paradigm == "mdlm":
             return mdlm.Batch(self.model, C, self.ck.mask_id, self.ck.tokenizer.eos_ids)
-        return usdm.Batch(self.model, C)
+        if self.paradigm == "usdm":
+            return usdm.Batch(self.model, C)
+        return speculative.Batch(self.model, self.drafter.row_model if self.drafter is not None else None, C)
+
+    def takes(self, rows: list[Row]) -> bool:
+        """Whether a request's rows run here (else on a thread of their own: --naive, joint's AR mode, infilling by
+        speculation, --check-lossless)."""
+        if any(r.cfg.naive for r in rows):
+            return False
+        if self.paradigm in ("speculative", "joint"):
+            if any(r.prompt.canvas is not None or r.cfg.check_lossless for r in rows):
+                return False
+            if self.paradigm == "joint":
+                try:
+                    return all(joint.resolve_sampler(r.cfg) != "ar" for r in rows)
+                except DlmError:
+                    return False
+        return True
 
     label = "row batcher"
 
@@ -651,10 +680,14 @@ class RowsBatcher(_BatchThread):
     def _finish(self, r: _Row) -> None:
         job = r.job
         job.live -= 1
-        job.steps += r.stats.steps
-        job.canvases += r.stats.canvases
+        if isinstance(r.stats, Stats):
+            job.steps += r.stats.steps
+            job.canvases += r.stats.canvases
+        if r.drafter is not None and r.drafter.row_model is not None:
+            job.draft_forwards += r.drafter.forwards
         if job.live == 0 and not job.failed:
-            job.emit(Done(Stats(forwards=job.forwards, steps=job.steps, canvases=job.canvases,
+            job.emit(Done(Stats(forwards=job.forwards, draft_forwards=job.draft_forwards, steps=job.steps,
+                                canvases=job.canvases,
                                 seconds=time.perf_counter() - job.t0, ttft=job.first,
                                 extra={"batch_rows_mean": job.batch_rows / job.forwards if job.forwards else 0.0})))
 
@@ -693,6 +726,14 @@ class RowsBatcher(_BatchThread):
     def _add(self, r: _Row, prompt: Prompt, cfg: SampleConfig) -> list:
         model, ck = self.model, self.ck
         step_events = r.job.step_events
+        if self.paradigm == "speculative":
+            r.stats = SpecStats()
+            program, r.drafter = speculative.batch_row(model, ck, prompt, cfg, self.drafter, r.index, r.stats)
+            return self.batch.add(program, tag=r)
+        if self.paradigm == "joint":
+            program, window, answer, r.stats, r.drafter = joint.batch_row(model, ck, prompt, cfg, r.index,
+                                                                          step_events=step_events)
+            return self.batch.add(program, r, window, answer)
         if self.paradigm == "mdlm":
             job, rule, cfg = mdlm.row_job(model, ck, prompt, cfg)
             return self.batch.add(job, rule, cfg, r.index, r.stats, tag=r,
