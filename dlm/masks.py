@@ -234,6 +234,23 @@ def key_valid_mask(valid: Tensor) -> Tensor:
     return dense(key_valid(valid), 1, S, valid.device, batch=B)[:, None]
 
 
+def causal_window(window: int, offset: int) -> Predicate:
+    """A sliding-window layer's band: query i (key index offset + i) sees the last `window` keys up to itself."""
+    return lambda b, h, q, k: (k <= q + offset) & (k > q + offset - window)
+
+
+def causal_layers(cfg, mask: Tensor) -> Tensor | LayerMasks:
+    """A causal layout given as a bool mask (B, 1, T, S) over [cache (S - T) ; T queries] (left-padded prompts, a
+    batch's decoding step), for a backbone with sliding-window layers (a gemma4 ModelConfig; any other gets mask as
+    it is): those layers see the mask within the band of the last window keys. Key index = position within each row
+    (its keys contiguous, ending at its last query), as the padded layouts keep them."""
+    arch = cfg.arch or {}
+    if "sliding" not in arch.get("layer_types", ()):
+        return mask
+    T, S = mask.shape[-2:]
+    return LayerMasks(mask, mask & dense(causal_window(arch["sliding_window"], S - T), T, S, mask.device))
+
+
 def mdlm_denoise(block_of: Tensor, start: int, keys: int, causal_context: bool = False) -> Predicate:
     """Rows from position start (block_of: the block of each position) see keys whose block is not after
     theirs. causal_context: rows of finished blocks see only the keys up to themselves (the causal K/V

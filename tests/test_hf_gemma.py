@@ -218,3 +218,60 @@ def test_a_dflash_drafter_on_an_imported_gemma4_target(tmp_path):
         spec = generate(net, ck, prompt, SampleConfig(max_new_tokens=16, draft=str(tmp_path / "df"),
                                                       check_lossless=True))
         assert spec.text == ar and spec.stats.draft_forwards >= 1, spec.stats
+
+
+def test_concurrent_requests_to_an_imported_gemma4_share_forwards(tmp_path):
+    """The AR batcher holds a gemma4 backbone's cache (one buffer per layer: sliding layers of head dim 8 and 2 KV
+    heads, full ones of 16 and 1): concurrent streams to an imported Gemma 4 share forwards, and each gets the text it
+    gets alone, with prompts shorter and longer than the sliding window (5), some arriving while others decode (a
+    prompt longer than the columns in use moves the rows there). The library's batch of prompts likewise."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from dlm.sampling import SampleConfig, generate
+    from dlm.serve.app import create_app, running
+    from dlm.serve.engine import ARBatcher, Engine
+
+    c, m = hf_model("moe-kv")
+    m.save_pretrained(tmp_path / "src")
+    save_tokenizer(tmp_path / "src")
+    run_cli("import", "--hf", str(tmp_path / "src"), "--out", str(tmp_path / "g4"))
+    first = ["a b", "c d e f g h i", "j k l"]
+    later = ["m n o p q r s t u v w x y z a b c d e", "f", "g h i j k l m n o p"]
+    budget = {p: 10 + 3 * i for i, p in enumerate(first + later)}  # rows end at different steps
+    net, ck = load_model(str(tmp_path / "g4"))
+    want = {p: generate(net, ck, p, SampleConfig(max_new_tokens=budget[p])).text for p in first + later}
+    batch = generate(net, ck, first + later, SampleConfig(max_new_tokens=12))  # the library's batch
+    assert batch.texts == [generate(net, ck, p, SampleConfig(max_new_tokens=12)).text for p in first + later]
+    engine = Engine([str(tmp_path / "g4")])
+    try:
+        assert isinstance(engine.get("g4").batcher, ARBatcher)
+        with running(create_app(engine, max_concurrency=8, max_queue=8)) as url:
+            started = threading.Event()
+            go = threading.Barrier(len(first))
+
+            def one(p: str, wait: bool) -> str:
+                if wait:
+                    started.wait(60)
+                else:
+                    go.wait()
+                text = ""
+                body = {"model": "g4", "prompt": p, "max_tokens": budget[p], "stream": True, "temperature": 0}
+                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                    assert r.status_code == 200, r.read()
+                    for line in r.iter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            text += json.loads(line[6:])["choices"][0]["text"]
+                            started.set()
+                return text
+
+            with ThreadPoolExecutor(len(first) + len(later)) as pool:
+                futures = {p: pool.submit(one, p, p in later) for p in first + later}
+                got = {p: f.result() for p, f in futures.items()}
+            stats = httpx.get(url + "/health").json()["batching"]["g4"]
+    finally:
+        engine.close()
+    assert got == want
+    assert stats["max_rows"] >= 3 and stats["decode_rows"] > 1.5 * stats["decode_steps"], stats

@@ -13,7 +13,7 @@ import torch
 
 from dlm.data.tokens import fim_prompt_ids
 from dlm.errors import DlmError, check
-from dlm.masks import key_valid_mask, padded_prefill_mask
+from dlm.masks import causal_layers, key_valid_mask, padded_prefill_mask
 from dlm.model import Transformer
 from dlm.sampling.common import (
     Clock, Commit, Done, Eos, Event, Prompt, Stats, check_fits, check_sampling, eos_set, is_eos, make_generator,
@@ -124,7 +124,7 @@ def prefill(model: Transformer, prompts: Sequence[Sequence[int]], capacity: int,
     pads = (~valid[:, :P]).sum(1)  # (B,)
     pos = (torch.arange(P, device=dev)[None] - pads[:, None]).clamp(min=0)  # (B, P)
     if bool(pads.any()):
-        mask = padded_prefill_mask(valid[:, :P])  # (B, 1, P, P); a pad query sees itself only
+        mask = causal_layers(model.cfg, padded_prefill_mask(valid[:, :P]))  # (B, 1, P, P); a pad query sees itself only
     else:
         mask = "causal"
     cache = model.new_cache(B, capacity)
@@ -154,7 +154,7 @@ def decode(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens:
         if bool(done.all()) or i == max_new_tokens - 1:
             break
         valid[:, cache.length] = True
-        mask = key_valid_mask(valid[:, :cache.length + 1]) if B > 1 else "causal"  # (B, 1, 1, S)
+        mask = causal_layers(model.cfg, key_valid_mask(valid[:, :cache.length + 1])) if B > 1 else "causal"  # (B,1,1,S)
         logits = model(nxt[:, None], pos=pos[:, None], cache=cache, mask=mask).logits[:, -1]
         pos = pos + 1
         stats.forwards += 1

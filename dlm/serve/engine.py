@@ -37,6 +37,7 @@ batched: the mean batch its forwards ran in) or one `Failed`.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import queue
 import threading
@@ -50,8 +51,8 @@ import torch
 
 from dlm.checkpoint import load_model, open_checkpoint
 from dlm.errors import DlmError
-from dlm.masks import key_valid_mask
-from dlm.model import KVCache, Transformer
+from dlm.masks import causal_layers, key_valid_mask
+from dlm.model import Transformer
 from dlm.sampling import SampleConfig, ar, joint, mdlm, speculative, stream, usdm
 from dlm.sampling.common import Commit, Done, Event, Prompt, Stats, eos_set, make_generator, sample_token
 from dlm.drafters import load_drafter
@@ -212,8 +213,7 @@ class Engine:
             model.register_forward_hook(_count_forward)
             served = Served(name, ck.objective, model, ck, str(path))
             if ck.objective == "ar":
-                if not model.cfg.arch:  # a gemma4 backbone's cache has per-layer shapes: its requests run one by one
-                    served.batcher = ARBatcher(model, ck, max_batch, name)
+                served.batcher = ARBatcher(model, ck, max_batch, name)
                 ar_models.append(served)
             elif ck.objective in ("mdlm", "usdm", "joint") and batchable(model) and mdlm.rows_fit(ck):
                 served.rows = RowsBatcher(model, ck, max_batch, name)  # (full-attention / shifted: one by one)
@@ -327,10 +327,20 @@ class _Slot:
     done: bool = False
 
 
-def _cache_view(k: torch.Tensor, v: torch.Tensor, n: int, length: int) -> KVCache:
-    """A KVCache over the first n rows of the batcher's buffers (a view: writes land in them)."""
-    view = KVCache.__new__(KVCache)
-    view.k, view.v, view.length = k[:, :n], v[:, :n], length
+def _buffers(cache) -> list[torch.Tensor]:
+    """Every K and V buffer of a cache, rows at dim -4 and columns at dim -2: the plain backbone's two
+    (n_layers, B, H, C, hd) tensors, or a gemma4 backbone's one per layer (B, H_i, C, hd_i: the shapes differ)."""
+    return [cache.k, cache.v] if isinstance(cache.k, torch.Tensor) else [*cache.k, *cache.v]
+
+
+def _cache_view(cache, n: int, length: int):
+    """The cache over its first n rows (a view: writes land in it)."""
+    view = copy.copy(cache)
+    if isinstance(cache.k, torch.Tensor):
+        view.k, view.v = cache.k[:, :n], cache.v[:, :n]
+    else:
+        view.k, view.v = [t[:n] for t in cache.k], [t[:n] for t in cache.v]
+    view.length = length
     return view
 
 
@@ -394,14 +404,15 @@ class _BatchThread:
 class ARBatcher(_BatchThread):
     """One thread that decodes every active AR row in one forward per step (continuous batching).
 
-    The K/V buffers are (n_layers, rows, n_kv_heads, C, head_dim) with one shared column count L
-    (C = 2x the context). A step feeds each row its last token at its own position and writes
-    column L for every row; `valid` (rows, C) says which columns each row attends to. Admitted rows
-    are prefilled together (left-padded, one forward) and their K/V copied into the columns just
-    before L; positions are each row's own, so where a row's columns sit does not matter (RoPE is in
-    the keys). A finished row is replaced by the last row (rows stay 0..n-1, the forward runs on a
-    view of them); when L reaches C, or the columns no row uses pile up, every row's columns are
-    moved to the right end of a shorter timeline (repack).
+    The K/V buffers are the model's cache for `rows` rows and C columns (C = 2x the context; a gemma4 backbone's
+    has one buffer per layer, their head dims and KV heads differing), with one shared column count L. A step
+    feeds each row its last token at its own position and writes column L for every row; `valid` (rows, C) says
+    which columns each row attends to. Admitted rows are prefilled together (left-padded, one forward) and their
+    K/V copied into the columns just before L; positions are each row's own (RoPE is in the keys). Each row's
+    columns stay contiguous, ending at L - 1 (a prompt longer than L moves the rows there to the right first):
+    a sliding-window layer's window of the last N keys is its last N columns. A finished row is replaced by the
+    last row (rows stay 0..n-1, the forward runs on a view of them); when L reaches C, or the columns no row uses
+    pile up, every row's columns are moved to the right end of a shorter timeline (repack).
     """
 
     def __init__(self, model: Transformer, ck, max_rows: int = 64, name: str = "ar"):
@@ -410,8 +421,7 @@ class ARBatcher(_BatchThread):
         self.C = 2 * model.cfg.max_seq_len
         self.waiting: deque[_Slot] = deque()
         self.rows: list[_Slot] = []
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
+        self.cache = None  # the model's KV cache for the rows (dlm.model.KVCache or gemma4.KVCache)
         self.valid: torch.Tensor | None = None
         self.L = 0
         self.counts = {"forwards": 0, "prefills": 0, "decode_steps": 0, "decode_rows": 0, "max_rows": 0,
@@ -477,8 +487,8 @@ class ARBatcher(_BatchThread):
     def _remove(self, i: int) -> None:
         last, L = len(self.rows) - 1, self.L
         if i != last:
-            self.k[:, i, :, :L] = self.k[:, last, :, :L]
-            self.v[:, i, :, :L] = self.v[:, last, :, :L]
+            for t in _buffers(self.cache):
+                t[..., i, :, :L, :] = t[..., last, :, :L, :]
             self.valid[i] = self.valid[last]
             self.rows[i] = self.rows[last]
         self.valid[last] = False
@@ -488,17 +498,17 @@ class ARBatcher(_BatchThread):
 
     def _reserve(self, n: int) -> None:
         """Buffers for at least n rows (grown by doubling, the rows kept)."""
-        have = 0 if self.k is None else self.k.shape[1]
+        have = 0 if self.cache is None else _buffers(self.cache)[0].shape[-4]
         if n <= have:
             return
         rows = min(self.max_rows, max(n, 2 * have, 4))
         cache = self.model.new_cache(rows, self.C)
         valid = torch.zeros(rows, self.C, dtype=torch.bool, device=self.model.device)
-        if self.k is not None:
-            cache.k[:, :have] = self.k
-            cache.v[:, :have] = self.v
+        if self.cache is not None:
+            for new, old in zip(_buffers(cache), _buffers(self.cache)):
+                new[..., :have, :, :, :] = old
             valid[:have] = self.valid
-        self.k, self.v, self.valid = cache.k, cache.v, valid
+        self.cache, self.valid = cache, valid
 
     def _admit(self) -> None:
         new = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.max_rows - len(self.rows)))]
@@ -511,10 +521,15 @@ class ARBatcher(_BatchThread):
             job.batch_rows += len(new)
         n, m = len(self.rows), len(new)
         self._reserve(n + m)
-        self.L = max(self.L, W)  # the columns added hold nothing for the rows already there
-        L = self.L
-        self.k[:, n:n + m, :, L - W:L] = pc.k
-        self.v[:, n:n + m, :, L - W:L] = pc.v
+        if W > self.L and n:  # the rows there move right, to end at W - 1 too (each row's columns contiguous)
+            d, L = W - self.L, self.L
+            for t in _buffers(self.cache):
+                t[..., :n, :, d:W, :] = t[..., :n, :, :L, :].clone()
+            self.valid[:n, d:W] = self.valid[:n, :L].clone()
+            self.valid[:n, :d] = False
+        self.L = L = max(self.L, W)
+        for t, p in zip(_buffers(self.cache), _buffers(pc)):
+            t[..., n:n + m, :, L - W:L, :] = p
         self.valid[n:n + m] = False
         self.valid[n:n + m, L - W:L] = pvalid
         for s, p in zip(new, pos.tolist()):
@@ -531,8 +546,8 @@ class ARBatcher(_BatchThread):
         pos = torch.tensor([[s.pos] for s in self.rows], dtype=torch.long, device=dev)  # (n, 1)
         self.valid[:n, L] = True
         seen = self.valid[:n, :L + 1]
-        mask = "causal" if bool(seen.all()) else key_valid_mask(seen)  # (n, 1, 1, L+1)
-        logits = self.model(x, pos=pos, cache=_cache_view(self.k, self.v, n, L), mask=mask).logits[:, -1]
+        mask = "causal" if bool(seen.all()) else causal_layers(self.model.cfg, key_valid_mask(seen))  # (n,1,1,L+1)
+        logits = self.model(x, pos=pos, cache=_cache_view(self.cache, n, L), mask=mask).logits[:, -1]
         self.L = L + 1
         for s in self.rows:
             s.pos += 1
@@ -594,8 +609,8 @@ class ARBatcher(_BatchThread):
         for i, f in enumerate(first):
             d = L2 - (L - f)
             if d != f:
-                self.k[:, i, :, d:L2] = self.k[:, i, :, f:L].clone()
-                self.v[:, i, :, d:L2] = self.v[:, i, :, f:L].clone()
+                for t in _buffers(self.cache):
+                    t[..., i, :, d:L2, :] = t[..., i, :, f:L, :].clone()
                 self.valid[i, d:L2] = self.valid[i, f:L].clone()
                 self.valid[i, :d] = False
         self.valid[:, L2:] = False
