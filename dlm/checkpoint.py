@@ -43,6 +43,34 @@ SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template
 FORMAT_VERSION = 1
 
 
+def hf_eos_ids(folder: Path, hf: dict[str, Any] | None = None) -> int | list[int] | None:
+    """The EOS ids a transformers folder records (an id or a list, as written): generation_config.json's
+    eos_token_id, else config.json's (`hf`: its contents; top level, else its text_config's), else None."""
+    gen = Path(folder) / "generation_config.json"
+    if gen.is_file() and read_json(gen).get("eos_token_id") is not None:
+        return read_json(gen)["eos_token_id"]
+    hf = hf or {}
+    for c in (hf, hf.get("text_config") or {}):
+        if isinstance(c, dict) and c.get("eos_token_id") is not None:
+            return c["eos_token_id"]
+    return None
+
+
+def import_tokenizer(src: Path, hf: dict[str, Any] | None = None) -> Tokenizer:
+    """The tokenizer of a transformers folder, ending text at every EOS id the folder records (hf_eos_ids)."""
+    return with_eos_ids(Tokenizer.from_file(Path(src) / TOKENIZER), hf_eos_ids(src, hf), Path(src))
+
+
+def with_eos_ids(tok: Tokenizer, ids: Any, source: Path) -> Tokenizer:
+    """tok ending text at the EOS ids `ids` (an id or a list; None: as it is), or a one-line error naming source."""
+    if ids is None:
+        return tok
+    try:
+        return tok.use_eos_ids(ids)
+    except DlmError as e:
+        raise DlmError(f"{source}: eos_token_id: {e}") from None
+
+
 def state_tensors(model: nn.Module | dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The model's tensors (or a state dict's: a sharded model's gathered weights), shared ones (a tied LM head)
     stored once."""
@@ -115,8 +143,10 @@ def save_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(out / TOKENIZER)
     write_tensors(out / WEIGHTS, state_tensors(model, dtype), metadata={"format": "pt"})
-    cfg = {"format": "dlm", "version": FORMAT_VERSION, **meta,
-           "tokenizer": {"file": TOKENIZER, "sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size}}
+    tk = {"file": TOKENIZER, "sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size}
+    if tokenizer.eos_record is not None:  # several EOS ids (an imported Gemma 4's): tokenizer.json cannot say
+        tk["eos_ids"] = tokenizer.eos_record
+    cfg = {"format": "dlm", "version": FORMAT_VERSION, **meta, "tokenizer": tk}
     write_json(out / CONFIG, cfg)  # last: a folder with a config.json is complete
 
 
@@ -196,7 +226,7 @@ CONFIG_SCHEMA = {"version": "int", "objective": "str", "model": "dict", "train":
                  "shift": "bool", "context": "str", "preset": "str?", "family": "str"}
 SECTION_SCHEMAS = {
     "train": {"seq_len": "int", "canvas_length": "int", "init_from": "str?", "data": "str"},
-    "tokenizer": {"sha256": "str", "vocab_size": "int"},
+    "tokenizer": {"sha256": "str", "vocab_size": "int", "eos_ids": "ints"},
     "dflash": {"target_layer_ids": "ints", "block_size": "int", "mask_token_id": "int", "injection": "str",
                "target_features": "bool", "last_layer": "str", "target": "dict", "input_embedding_scale": "number",
                "output_multiplier": "number", "final_logit_softcapping": "number?", "conv_kernel_size": "int",
@@ -272,7 +302,7 @@ def open_checkpoint(path: str | os.PathLike, option: str = "--model") -> Checkpo
     check_config(cfg, p / CONFIG)
     if not (p / TOKENIZER).is_file():
         raise DlmError(f"{p / TOKENIZER}: missing")
-    tok = Tokenizer.from_file(p / TOKENIZER)
+    tok = recorded_tokenizer(p, cfg)
     want = cfg.get("tokenizer", {}).get("sha256")
     if want and want != tok.sha256:
         raise DlmError(f"{p / TOKENIZER}: does not match the tokenizer recorded in config.json (sha256 differs)")
@@ -280,6 +310,16 @@ def open_checkpoint(path: str | os.PathLike, option: str = "--model") -> Checkpo
     if vocab is not None and vocab < tok.vocab_size:
         raise DlmError(f"{p / TOKENIZER}: {tok.vocab_size} tokens, more than config.json model.vocab_size {vocab}")
     return Checkpoint(p, cfg, tok)
+
+
+def recorded_tokenizer(folder: Path, cfg: dict[str, Any]) -> Tokenizer:
+    """A checkpoint folder's tokenizer with the EOS ids its config.json records (checkpoints imported before they
+    were recorded there: the ones of the generation_config.json kept beside the weights)."""
+    tok = Tokenizer.from_file(folder / TOKENIZER)
+    ids = cfg.get("tokenizer", {}).get("eos_ids")
+    if ids is None and (folder / "generation_config.json").is_file():
+        ids = hf_eos_ids(folder)
+    return with_eos_ids(tok, ids, folder / CONFIG)
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",

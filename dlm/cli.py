@@ -323,9 +323,9 @@ def export_cmd(model: str, out: str, format: str = "hf", dtype: str = "float32",
 
 def import_cmd(hf: str, out: str, overwrite: bool = False, target: str | None = None) -> None:
     """Import a local Qwen3, Qwen2, Llama or Gemma 4 folder (safetensors, sharded or not) as a dlm AR checkpoint, a
-    LLaDA, Dream, SDAR or Fast-dLLM v2 folder as an mdlm checkpoint (its block, shift, <mask> id and decoding preset
-    recorded: docs/public-models.md), a DiffusionGemma folder as a usdm checkpoint (text weights), or a public DFlash
-    drafter folder (z-lab's layout: dflash_config) as a dlm drafter for --target.
+    LLaDA, Dream, SDAR, Fast-dLLM v2 or LLaDA 2 folder as an mdlm checkpoint (its block, shift, <mask> id and
+    decoding preset recorded: docs/public-models.md), a DiffusionGemma folder as a usdm checkpoint (text weights),
+    or a public DFlash drafter folder (z-lab's layout: dflash_config) as a dlm drafter for --target.
 
     Args:
         hf: the transformers folder (config.json, *.safetensors, tokenizer.json; a drafter has no tokenizer)

@@ -31,6 +31,12 @@ class ModelConfig:
     norm_eps: float = 1e-6
     qk_norm: bool = True  # Qwen3: RMSNorm on q and k per head; Llama: off
     attn_bias: bool = False  # Qwen2 / Qwen2.5 (Dream, Fast-dLLM v2): a bias on the q, k and v projections (not o)
+    # partial rotary (LLaDA 2, GLM 4): RoPE turns the first partial_rotary x head_dim dimensions of each head (its
+    # frequencies over that many), the rest pass unrotated; 1.0 = the whole head
+    partial_rotary: float = 1.0
+    # a mixture of experts in place of the SwiGLU MLP from layer first_dense on (dlm.moe: LLaDA 2's BailingMoeV2 router,
+    # {"n_experts", "top_k", "ffn_dim", "shared", "first_dense", "n_group", "topk_group", "scale"}); None: dense
+    moe: dict[str, Any] | None = None
     tie_embeddings: bool = True
     max_seq_len: int = 1024  # longest position the model is trained and sampled for
     self_cond: bool = False  # uniform-state diffusion: self-conditioning module (DiffusionGemma)
@@ -91,6 +97,15 @@ class ModelConfig:
             check(kind != "yarn" or (self.rope_scaling.get("factor") and self.rope_scaling.get(
                 "original_max_position_embeddings")), "model.rope_scaling yarn needs factor and "
                   "original_max_position_embeddings")
+        p = self.partial_rotary
+        check(0 < p <= 1 and int(self.head_dim * p) % 2 == 0 and int(self.head_dim * p) >= 2,
+              f"model.partial_rotary must be in (0, 1] and turn an even number of the head's {self.head_dim} "
+              f"dimensions, got {p}")
+        check(p == 1 or self.rope_scaling is None, "model.partial_rotary with rope_scaling is not supported")
+        if self.moe is not None:
+            from dlm.moe import check_moe
+            check_moe(self.moe, self.n_layers)
+            check(self.arch is None, "model.moe is the Qwen3/Llama block's; a gemma4 arch has its own (arch.moe)")
         if self.arch is not None:
             from dlm.gemma4 import check_arch
             check_arch(self.arch, self.n_layers)
@@ -124,7 +139,11 @@ class ModelConfig:
         emb = self.vocab_size * d
         pos = self.max_seq_len * d if self.learned_pos else 0
         pos += 3 * (self.grid_pos + 1) * d if self.grid_pos else 0
-        return emb + pos + self.n_layers * per_layer + d + (0 if self.tie_embeddings else emb)
+        moe = 0
+        if self.moe:  # the MoE layers' feed-forward instead of the dense MLP
+            from dlm.moe import num_params
+            moe = (self.n_layers - self.moe["first_dense"]) * (num_params(self) - mlp)
+        return emb + pos + self.n_layers * per_layer + moe + d + (0 if self.tie_embeddings else emb)
 
 
 # the largest sizes a model config may ask for: beyond them a crafted config.json would only allocate until memory
@@ -217,7 +236,7 @@ class TrainConfig:
         lora_rank: low-rank adaptation (peft): train rank-R adapters on --lora-targets and freeze every other weight (0 = full fine-tuning); the checkpoint holds the merged weights
         lora_alpha: adapter scale alpha (the update is alpha / R x B A; default 2 R)
         lora_targets: comma-separated names of the linear layers that get adapters
-        freeze_router: a mixture-of-experts backbone's routers (gemma4) keep their weights (full fine-tuning; with --lora-rank everything but the adapters is frozen anyway)
+        freeze_router: a mixture-of-experts backbone's routers (gemma4, LLaDA 2) keep their weights (full fine-tuning; with --lora-rank everything but the adapters is frozen anyway)
         block_size: block of block diffusion (mdlm; default 0 = the whole window; joint: default 16) or of the DFlash drafter (dflash; default 16)
         canvas_length: usdm: tokens per canvas
         loss_weight: usdm canvas loss: constant (1) or inverse (1 / (1 - t))

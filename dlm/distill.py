@@ -74,7 +74,7 @@ def distill(target: str, out: str, data: str = "stdlib", prompts: int = 4096, ma
     from dlm.device import resolve_device
     from dlm.config import check_seed
     from dlm.sampling import SampleConfig, stream
-    from dlm.sampling.common import Commit
+    from dlm.sampling.common import Commit, before_eos
 
     check(0 < prompts <= MAX_PROMPTS, f"--prompts must be in [1, {MAX_PROMPTS}] (DFlash's drafters learned from "
                                       f"~800k; run several distills for more), got {prompts}")
@@ -113,10 +113,10 @@ def distill(target: str, out: str, data: str = "stdlib", prompts: int = 4096, ma
                     if isinstance(ev, Commit):
                         new[ev.row].extend(ev.tokens)
                 for s, p, t in zip(batch, ids, new):
-                    cut = t.index(tok.eos_id) if tok.eos_id in t else len(t)
-                    n_tokens += cut
+                    t = before_eos(t, tok.eos_ids)
+                    n_tokens += len(t)
                     prompt = tok.decode(p)
-                    fh.write(json.dumps({"text": prompt + tok.decode(t[:cut]), "prompt": prompt,
+                    fh.write(json.dumps({"text": prompt + tok.decode(t), "prompt": prompt,
                                          "source": s.source}) + "\n")
                 progress.update(task, advance=len(batch), tps=n_tokens / (time.perf_counter() - t0))
         os.replace(tmp, dst)

@@ -159,10 +159,12 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Expert weights stored fused: gate_up_proj (E, 2I, D), down_proj (E, D, I)."""
+    """Expert weights stored fused: gate_up_proj (E, 2I, D), down_proj (E, D, I). act: gelu_tanh (GeGLU, Gemma 4's) or
+    silu (SwiGLU, dlm.moe's)."""
 
-    def __init__(self, dim: int, n_experts: int, hidden: int):
+    def __init__(self, dim: int, n_experts: int, hidden: int, act: str = "gelu_tanh"):
         super().__init__()
+        self.act = act
         self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * hidden, dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, hidden))
         nn.init.normal_(self.gate_up_proj, std=0.02)
@@ -171,7 +173,8 @@ class Experts(nn.Module):
 
     def expert(self, e: int, x: Tensor) -> Tensor:
         gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-        return F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e])
+        gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
+        return F.linear(gate * up, self.down_proj[e])
 
     def forward(self, x: Tensor, w: Tensor, idx: Tensor) -> Tensor:
         return (self.forward_grouped if self.grouped else self.forward_eager)(x, w, idx)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from dlm.checkpoint import Checkpoint, all_finite, check_shapes, save_checkpoint, state_tensors
+from dlm.checkpoint import Checkpoint, all_finite, check_shapes, import_tokenizer, save_checkpoint, state_tensors
 from dlm.files import read_json, tensor_shapes, write_folder, write_json, write_tensors
 from dlm import hf_gemma, hf_joint, hf_mdlm
 from dlm.hf_layout import (  # noqa: F401  (the layout's functions, here where they have always been importable)
@@ -66,7 +66,7 @@ def _write_hf(model: Transformer, tok: Tokenizer, tmp: Path, dtype: torch.dtype)
     write_tensors(tmp / "model.safetensors", tensors, metadata={"format": "pt"})
     dname = str(dtype).removeprefix("torch.")
     write_json(tmp / "config.json", hf_config(model.cfg, tok, dname))
-    write_json(tmp / "generation_config.json", {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id,
+    write_json(tmp / "generation_config.json", {"bos_token_id": tok.bos_id, "eos_token_id": tok.hf_eos_token_id,
                                                 "pad_token_id": tok.pad_id})
     tok.save(tmp / "tokenizer.json")
     hfc = tok.hf_config()
@@ -121,7 +121,7 @@ def export_drafter(drafter: DFlashDrafter, ck: Checkpoint, out: str | os.PathLik
 def import_hf(folder: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False,
               target: str | os.PathLike | None = None) -> Path:
     """Read a local Qwen3/Qwen2/Llama/Gemma 4 folder into a dlm checkpoint (objective "ar"), in the dtype it is stored in;
-    a LLaDA, Dream, SDAR or Fast-dLLM v2 folder into an mdlm checkpoint with its conventions (dlm.hf_mdlm);
+    a LLaDA, Dream, SDAR, Fast-dLLM v2 or LLaDA 2 folder into an mdlm checkpoint with its conventions (dlm.hf_mdlm);
     a Nemotron-Labs-Diffusion folder into a joint checkpoint (dlm.hf_joint);
     a DiffusionGemma folder into a usdm checkpoint (dlm.hf_gemma); a public DFlash drafter folder into a dflash
     checkpoint for `target` (`import_drafter`).
@@ -144,7 +144,7 @@ def import_hf(folder: str | os.PathLike, out: str | os.PathLike, overwrite: bool
             print(f"note: {note}", file=sys.stderr)
         return path
     cfg = model_config_from_hf(hf, src / "config.json")
-    tok = Tokenizer.from_file(src / "tokenizer.json")
+    tok = import_tokenizer(src, hf)
     # the config against the weights' headers (names and shapes) before anything is read or allocated
     expected, aliases = param_shapes(cfg)
     shapes = {}

@@ -143,10 +143,9 @@ def import_folder(src, out, overwrite: bool, hf: dict[str, Any], read_weights) -
 
     import torch
 
-    from dlm.checkpoint import SIDE_FILES, all_finite, check_shapes, save_checkpoint
+    from dlm.checkpoint import SIDE_FILES, all_finite, check_shapes, import_tokenizer, save_checkpoint
     from dlm.files import write_folder
     from dlm.model import Transformer, param_shapes
-    from dlm.tokenizer import Tokenizer
 
     src, out = Path(src), Path(out)
     kind = hf.get("model_type")
@@ -176,7 +175,7 @@ def import_folder(src, out, overwrite: bool, hf: dict[str, Any], read_weights) -
     for k, v in state.items():
         if not all_finite(v):
             raise DlmError(f"{src}: tensor {k} holds NaN or infinite values")
-    tok = Tokenizer.from_file(src / "tokenizer.json")
+    tok = import_tokenizer(src, hf)
     with torch.device("meta"):
         model = Transformer(cfg)
     tied = {"lm_head.weight": state["embed_tokens.weight"]} if cfg.tie_embeddings else {}
@@ -242,7 +241,7 @@ def export_folder(model, tok, tmp, dtype, source_config: dict[str, Any] | None, 
     elif src.get("model_type") == "gemma4_text":
         config = {**src, **config}
     config["dtype"] = str(dtype).removeprefix("torch.")
-    for k, v in (("eos_token_id", tok.eos_id), ("bos_token_id", tok.bos_id), ("pad_token_id", tok.pad_id)):
+    for k, v in (("eos_token_id", tok.hf_eos_token_id), ("bos_token_id", tok.bos_id), ("pad_token_id", tok.pad_id)):
         config.setdefault(k, v)
     write_tensors(Path(tmp) / "model.safetensors", tensors, metadata={"format": "pt"})
     write_json(Path(tmp) / "config.json", config)
@@ -255,3 +254,6 @@ def export_folder(model, tok, tmp, dtype, source_config: dict[str, Any] | None, 
                 copied.add(f)
     if "tokenizer_config.json" not in copied:
         write_json(Path(tmp) / "tokenizer_config.json", tok.hf_config())
+    if "generation_config.json" not in copied:  # every EOS id, where transformers' generate reads them
+        write_json(Path(tmp) / "generation_config.json", {"eos_token_id": tok.hf_eos_token_id,
+                                                          "bos_token_id": tok.bos_id, "pad_token_id": tok.pad_id})

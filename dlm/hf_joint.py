@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dlm.checkpoint import save_checkpoint, state_tensors
+from dlm.checkpoint import import_tokenizer, save_checkpoint, state_tensors
 from dlm.config import ModelConfig
 from dlm.errors import DlmError
 from dlm.files import write_folder, write_json, write_tensors
@@ -86,7 +86,7 @@ def import_folder(src: Path, out: Path, overwrite: bool, hf: dict[str, Any], rea
     conv = conventions(hf, cfg, src / "config.json")
     if not (src / "tokenizer.json").is_file():
         raise DlmError(f"{src}: no tokenizer.json (dlm reads the fast tokenizer's file)")
-    tok = Tokenizer.from_file(src / "tokenizer.json")
+    tok = import_tokenizer(src, hf)
     raw = read_weights(src)
     state = {dlm_name(k, cfg, src): v for k, v in raw.items() if dlm_name(k, cfg, src) is not None}
     model = assemble(cfg, state, src)

@@ -19,6 +19,9 @@ from dlm.tokenizer import Tokenizer
 
 def hf_family(cfg: ModelConfig) -> str:
     """The transformers family a dlm backbone is: Qwen3 (q/k-norm), Qwen2 (q/k/v bias) or Llama (neither)."""
+    if cfg.moe or cfg.partial_rotary != 1:
+        raise DlmError("--format hf: a mixture-of-experts or partial-rotary backbone has no Qwen3/Qwen2/Llama layout "
+                       "(an imported LLaDA 2 exports to its own)")
     if cfg.qk_norm and cfg.attn_bias:
         raise DlmError("--format hf: q/k-norm with q/k/v biases has no transformers layout (Qwen3 or Qwen2 has one)")
     return "qwen3" if cfg.qk_norm else "qwen2" if cfg.attn_bias else "llama"
@@ -54,7 +57,7 @@ def hf_config(cfg: ModelConfig, tok: Tokenizer, dtype: str = "float32") -> dict[
         "initializer_range": 0.02,
         "use_cache": True,
         "bos_token_id": tok.bos_id,
-        "eos_token_id": tok.eos_id,
+        "eos_token_id": tok.hf_eos_token_id,
         "pad_token_id": tok.pad_id,
         "torch_dtype": dtype,
         "dtype": dtype,
@@ -94,7 +97,7 @@ def model_config_from_hf(hf: dict[str, Any], source: Path, family: str | None = 
     kind = family if family is not None else hf.get("model_type")
     if kind not in ("qwen3", "qwen2", "llama"):
         raise DlmError(f"{source}: model_type {kind!r} is not supported (qwen3, qwen2, llama, gemma4_text, gemma4, "
-                       f"diffusion_gemma, llada, Dream, sdar and Fast_dLLM_Qwen are)")
+                       f"diffusion_gemma, llada, Dream, sdar, Fast_dLLM_Qwen and llada2_moe are)")
     if (hf.get("attention_bias") and kind != "qwen2") or hf.get("mlp_bias"):
         raise DlmError(f"{source}: attention/MLP biases are not supported (except Qwen2's q/k/v biases)")
     if hf.get("use_sliding_window"):

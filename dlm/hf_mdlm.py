@@ -9,12 +9,19 @@ sampler needs, which the imported checkpoint records at its top level (dlm.sampl
 | dream        | Dream          | Qwen2 (q/k/v bias)              | full         | yes   | 0     | 151666 | dream        |
 | sdar         | sdar           | Qwen3 (q/k-norm)                | block-causal | no    | 4     | 151669 | sdar         |
 | fast-dllm-v2 | Fast_dLLM_Qwen | Qwen2 (q/k/v bias)              | block-causal | yes   | 32    | 151665 | fast-dllm-v2 |
+| llada2       | llada2_moe     | BailingMoeV2 (its own names)    | block-causal | no    | 32    | 156895 | llada2       |
 
 context "full": every position attends to every other (no mask at all); block-causal: a block sees itself and the
 blocks before it (dlm's own mdlm convention, decoded over an exact KV cache). shift: the output at position i
 predicts token i + 1 (a block's first token is predicted by the last position before it). block: the training
 block (`block_size` of SDAR's config, `bd_size` of Fast-dLLM v2's; 0 = none). <mask>: the config's
 `mask_token_id` when it has one, else the family's id above.
+
+LLaDA 2 (LLaDA2.0-mini 16B-A1.4B, LLaDA2.0-flash 100B-A6.1B; remote code modeling_llada2_moe.py) is the Qwen3 block
+(q/k-norm, GQA, SwiGLU) with partial rotary (`partial_rotary_factor`, `ModelConfig.partial_rotary`), a fused
+`query_key_value` projection (split into q, k, v on import, concatenated back on export) and, from layer
+`first_k_dense_replace` on, a mixture of experts with shared experts and a sigmoid, group-limited router
+(`ModelConfig.moe`, dlm.moe); its experts, stored one by one, are stacked into dlm's fused expert tensors.
 
 The source config.json is kept in the checkpoint (`hf_config`), with the files beside the weights that carry the
 tokenizer's settings, chat template and the remote code the config names; export writes them back, so an imported
@@ -30,12 +37,11 @@ from typing import Any
 
 import torch
 
-from dlm.checkpoint import save_checkpoint, state_tensors
+from dlm.checkpoint import import_tokenizer, save_checkpoint, state_tensors
 from dlm.config import ModelConfig
 from dlm.errors import DlmError
 from dlm.files import write_folder, write_json, write_tensors
 from dlm.hf_layout import assemble, dlm_name, hf_config, model_config_from_hf
-from dlm.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,7 @@ FAMILIES = {f.model_type: f for f in (
     Family("sdar", "sdar", "SDARForCausalLM", "qwen3", "block", False, 4, "block_size", 151669, "sdar"),
     Family("fast-dllm-v2", "Fast_dLLM_Qwen", "Fast_dLLM_QwenForCausalLM", "qwen2", "block", True, 32, "bd_size",
            151665, "fast-dllm-v2"),
+    Family("llada2", "llada2_moe", "LLaDA2MoeModelLM", "llada2", "block", False, 32, None, 156895, "llada2"),
 )}
 MODEL_TYPES = tuple(FAMILIES)
 BY_NAME = {f.name: f for f in FAMILIES.values()}
@@ -138,6 +145,150 @@ def llada_names(cfg: ModelConfig) -> dict[str, str]:
     return out
 
 
+# LLaDA 2's layout (modeling_llada2_moe.py: LLaDA2MoeModelLM) ---------------------------------------------------
+
+# config switches that must hold these values (the config class's default when absent)
+LLADA2_REQUIRED = {"hidden_act": ("silu", "silu"), "use_qk_norm": (True, True), "norm_head": (False, False),
+                   "use_bias": (False, True), "use_sliding_window": (False, False), "rope_scaling": (None, None),
+                   "score_function": ("sigmoid", "sigmoid"), "moe_router_enable_expert_bias": (True, True),
+                   "norm_topk_prob": (True, True)}
+LLADA2_WHY = {"use_bias": "a bias on the attention output (dense) is not supported",
+              "norm_topk_prob": "its modeling code normalises the top-k weights whatever the key says"}
+# dlm name inside a layer -> LLaDA 2's (q/k/v: the fused query_key_value; the experts: one module each)
+LLADA2_LAYER = {"input_layernorm.weight": "input_layernorm.weight",
+                "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+                "self_attn.q_norm.weight": "attention.query_layernorm.weight",
+                "self_attn.k_norm.weight": "attention.key_layernorm.weight",
+                "self_attn.o_proj.weight": "attention.dense.weight",
+                "mlp.gate_proj.weight": "mlp.gate_proj.weight", "mlp.up_proj.weight": "mlp.up_proj.weight",
+                "mlp.down_proj.weight": "mlp.down_proj.weight", "mlp.gate.weight": "mlp.gate.weight",
+                "mlp.gate.expert_bias": "mlp.gate.expert_bias",
+                **{f"mlp.shared_experts.{p}_proj.weight": f"mlp.shared_experts.{p}_proj.weight"
+                   for p in ("gate", "up", "down")}}
+LLADA2_TOP = {"embed_tokens.weight": "model.word_embeddings.weight", "norm.weight": "model.norm.weight",
+              "lm_head.weight": "lm_head.weight"}
+
+
+def model_config_from_llada2(hf: dict[str, Any], source: Path) -> ModelConfig:
+    """LLaDA 2's config.json (configuration_llada2_moe.py's keys and defaults) -> ModelConfig with its partial rotary
+    and its mixture of experts."""
+    for key, (want, default) in LLADA2_REQUIRED.items():
+        got = hf.get(key, default)
+        if got != want:
+            why = LLADA2_WHY.get(key, f"{want!r} is")
+            raise DlmError(f"{source}: LLaDA 2 {key} {got!r} is not supported ({why})"[:200])
+    d, heads = _number(hf, "hidden_size", source), _number(hf, "num_attention_heads", source)
+    if heads <= 0 or d % heads:
+        raise DlmError(f"{source}: hidden_size ({d}) must be a multiple of num_attention_heads ({heads})")
+    hd = _number(hf, "head_dim", source, d // heads)
+    prf = float(_number(hf, "partial_rotary_factor", source, 0.5, float))
+    if hf.get("rotary_dim") is not None and _number(hf, "rotary_dim", source) != int(hd * prf):
+        raise DlmError(f"{source}: rotary_dim {hf['rotary_dim']} is not head_dim x partial_rotary_factor "
+                       f"({int(hd * prf)})")
+    layers = _number(hf, "num_hidden_layers", source)
+    moe = None
+    if hf.get("num_experts") is not None:
+        moe = {"n_experts": _number(hf, "num_experts", source), "top_k": _number(hf, "num_experts_per_tok", source, 2),
+               "ffn_dim": _number(hf, "moe_intermediate_size", source), "shared": hf.get("num_shared_experts") or 0,
+               "first_dense": _number(hf, "first_k_dense_replace", source, 0),
+               "n_group": _number(hf, "n_group", source, 8), "topk_group": _number(hf, "topk_group", source, 4),
+               "scale": float(_number(hf, "routed_scaling_factor", source, 2.5, float))}
+    dense = moe is None or moe["first_dense"] > 0
+    ffn = _number(hf, "intermediate_size", source) if dense else hf.get("intermediate_size") or moe["ffn_dim"]
+    kv = hf.get("num_key_value_heads") or heads  # (0: as many as the query heads, the config class says)
+    try:
+        return ModelConfig(
+            vocab_size=_number(hf, "vocab_size", source), dim=d, n_layers=layers, n_heads=heads, n_kv_heads=kv,
+            head_dim=hd, ffn_dim=ffn, rope_theta=float(_number(hf, "rope_theta", source, 10000.0, float)),
+            norm_eps=float(_number(hf, "rms_norm_eps", source, 1e-5, float)), qk_norm=True,
+            attn_bias=bool(hf.get("use_qkv_bias", False)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_seq_len=_number(hf, "max_position_embeddings", source, 16384), partial_rotary=prf, moe=moe)
+    except DlmError as e:
+        raise DlmError(f"{source}: {e}") from None
+
+
+def llada2_names(cfg: ModelConfig) -> dict[str, str]:
+    """dlm name -> LLaDA 2's, for the tensors renamed one to one (not q/k/v nor the routed experts)."""
+    from dlm.moe import is_moe_layer
+
+    out = {k: v for k, v in LLADA2_TOP.items() if k != "lm_head.weight" or not cfg.tie_embeddings}
+    for i in range(cfg.n_layers):
+        m = is_moe_layer(cfg, i)
+        for k, v in LLADA2_LAYER.items():
+            if k.startswith("mlp.") and m != (k.startswith(("mlp.gate.", "mlp.shared_experts."))):
+                continue
+            if k.startswith("mlp.shared_experts.") and not cfg.moe["shared"]:
+                continue
+            out[f"layers.{i}.{k}"] = f"model.layers.{i}.{v}"
+    return out
+
+
+def _qkv_sizes(cfg: ModelConfig) -> list[int]:
+    return [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim]
+
+
+def llada2_to_dlm(raw: dict[str, torch.Tensor], cfg: ModelConfig, source: Path) -> dict[str, torch.Tensor]:
+    """LLaDA 2's tensors under dlm's names: query_key_value split into q, k, v (rows [q ; k ; v], as its attention
+    views the fused output as heads q, then k, then v), the experts of each MoE layer stacked."""
+    from dlm.moe import is_moe_layer
+
+    inv = {v: k for k, v in llada2_names(cfg).items()}
+    raw = dict(raw)
+    out = {}
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        for kind in (("weight", "bias") if cfg.attn_bias else ("weight",)):
+            fused = raw.pop(f"{p}attention.query_key_value.{kind}", None)
+            if fused is None:
+                raise DlmError(f"{source}: tensor {p}attention.query_key_value.{kind} is missing")
+            if fused.shape[0] != sum(_qkv_sizes(cfg)):
+                raise DlmError(f"{source}: tensor {p}attention.query_key_value.{kind} has shape {tuple(fused.shape)}, "
+                               f"config.json implies {sum(_qkv_sizes(cfg))} rows")
+            for name, t in zip("qkv", fused.split(_qkv_sizes(cfg), 0)):
+                out[f"layers.{i}.self_attn.{name}_proj.{kind}"] = t
+        if is_moe_layer(cfg, i):
+            gu, down = [], []
+            for e in range(cfg.moe["n_experts"]):
+                q = f"{p}mlp.experts.{e}."
+                try:
+                    g, u, dn = (raw.pop(f"{q}{w}_proj.weight") for w in ("gate", "up", "down"))
+                except KeyError as err:
+                    raise DlmError(f"{source}: tensor {err.args[0]} is missing") from None
+                gu.append(torch.cat((g, u), 0))
+                down.append(dn)
+            out[f"layers.{i}.mlp.experts.gate_up_proj"] = torch.stack(gu)
+            out[f"layers.{i}.mlp.experts.down_proj"] = torch.stack(down)
+    for name, t in raw.items():
+        if name not in inv:
+            raise DlmError(f"{source}: unexpected tensor {name!r} for LLaDA 2's layout")
+        out[inv[name]] = t
+    return out
+
+
+def dlm_to_llada2(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """dlm's tensors under LLaDA 2's names (the inverse of llada2_to_dlm)."""
+    from dlm.moe import is_moe_layer
+
+    names = llada2_names(cfg)
+    state = dict(state)
+    out = {}
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        for kind in (("weight", "bias") if cfg.attn_bias else ("weight",)):
+            out[f"{p}attention.query_key_value.{kind}"] = torch.cat(
+                [state.pop(f"layers.{i}.self_attn.{n}_proj.{kind}") for n in "qkv"], 0)
+        if is_moe_layer(cfg, i):
+            gu, down = state.pop(f"layers.{i}.mlp.experts.gate_up_proj"), state.pop(f"layers.{i}.mlp.experts.down_proj")
+            I = cfg.moe["ffn_dim"]
+            for e in range(cfg.moe["n_experts"]):
+                q = f"{p}mlp.experts.{e}."
+                out[q + "gate_proj.weight"] = gu[e, :I].contiguous()
+                out[q + "up_proj.weight"] = gu[e, I:].contiguous()
+                out[q + "down_proj.weight"] = down[e].contiguous()
+    out.update({names[k]: v for k, v in state.items()})
+    return out
+
+
 # import / export --------------------------------------------------------------------------------------------
 
 def family_of(hf: dict[str, Any]) -> Family:
@@ -148,6 +299,8 @@ def model_config(hf: dict[str, Any], source: Path) -> ModelConfig:
     fam = family_of(hf)
     if fam.layout == "llada":
         return model_config_from_llada(hf, source)
+    if fam.layout == "llada2":
+        return model_config_from_llada2(hf, source)
     if fam.layout == "qwen2" and hf.get("attention_bias") is False:
         raise DlmError(f"{source}: {fam.model_type} has q/k/v biases (attention_bias false is not its layout)")
     if hf.get("use_sliding_window"):
@@ -181,6 +334,8 @@ def dlm_state(raw: dict[str, torch.Tensor], cfg: ModelConfig, fam: Family, sourc
                 raise DlmError(f"{source}: unexpected tensor {name!r} for LLaDA's layout")
             out[inv[name]] = t
         return out
+    if fam.layout == "llada2":
+        return llada2_to_dlm(raw, cfg, source)
     return {dlm_name(k, cfg, source): v for k, v in raw.items() if dlm_name(k, cfg, source) is not None}
 
 
@@ -196,14 +351,15 @@ def side_files(src: Path, hf: dict[str, Any]) -> list[str]:
 
 
 def import_folder(src: Path, out: Path, overwrite: bool, hf: dict[str, Any], read_weights) -> Path:
-    """A local LLaDA / Dream / SDAR / Fast-dLLM v2 folder -> a dlm mdlm checkpoint, in the dtype it is stored in."""
+    """A local LLaDA / Dream / SDAR / Fast-dLLM v2 / LLaDA 2 folder -> a dlm mdlm checkpoint, in the dtype it is stored
+    in."""
     fam = family_of(hf)
     cfg = model_config(hf, src / "config.json")
     conv = conventions(hf, cfg, src / "config.json")
     if not (src / "tokenizer.json").is_file():
         raise DlmError(f"{src}: no tokenizer.json (dlm reads the fast tokenizer's file; transformers writes one: "
                        "AutoTokenizer.from_pretrained(FOLDER, trust_remote_code=True).save_pretrained(FOLDER))")
-    tok = Tokenizer.from_file(src / "tokenizer.json")
+    tok = import_tokenizer(src, hf)
     raw = read_weights(src)
     state = dlm_state(raw, cfg, fam, src)
     model = assemble(cfg, state, src)
@@ -225,6 +381,22 @@ def layout_keys(cfg: ModelConfig, fam: Family, tok, dtype: str, src: dict[str, A
                "rms_norm_eps": cfg.norm_eps, "max_sequence_length": cfg.max_seq_len,
                "weight_tying": cfg.tie_embeddings, "include_qkv_bias": cfg.attn_bias, "embedding_size": cfg.vocab_size}
         out["vocab_size"] = min(src.get("vocab_size") or cfg.vocab_size, cfg.vocab_size)
+        return out
+    if fam.layout == "llada2":
+        out = {k: want for k, (want, _) in LLADA2_REQUIRED.items()}
+        out.update({"vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
+                    "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+                    "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+                    "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+                    "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings,
+                    "use_qkv_bias": cfg.attn_bias, "partial_rotary_factor": cfg.partial_rotary})
+        if "rotary_dim" in src:
+            out["rotary_dim"] = int(cfg.head_dim * cfg.partial_rotary)
+        m = cfg.moe
+        out.update({"num_experts": m and m["n_experts"], "num_experts_per_tok": m and m["top_k"],
+                    "moe_intermediate_size": m and m["ffn_dim"], "num_shared_experts": m and m["shared"],
+                    "first_k_dense_replace": m["first_dense"] if m else 0, "n_group": m and m["n_group"],
+                    "topk_group": m and m["topk_group"], "routed_scaling_factor": m and m["scale"]})
         return out
     base = hf_config(cfg, tok, dtype)
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -265,13 +437,17 @@ def hf_tensors(model, cfg: ModelConfig, fam: Family, dtype: torch.dtype) -> dict
     if fam.layout == "llada":
         names = llada_names(cfg)
         return {names[k]: v for k, v in state.items()}
+    if fam.layout == "llada2":
+        return dlm_to_llada2(state, cfg)
     return {("" if k.startswith("lm_head.") else "model.") + k: v for k, v in state.items()}
 
 
 def export_folder(model, tok, tmp: Path, dtype: torch.dtype, meta: dict[str, Any], side_dir: Path | None) -> None:
     """Write an imported mdlm checkpoint back in its family's layout into tmp."""
     fam = BY_NAME[meta["family"]]
-    if model.cfg.qk_norm != (fam.layout == "qwen3") or (fam.layout == "qwen2" and not model.cfg.attn_bias):
+    c = model.cfg
+    if (c.qk_norm != (fam.layout in ("qwen3", "llada2")) or (fam.layout == "qwen2" and not c.attn_bias)
+            or (fam.layout != "llada2" and (c.moe or c.partial_rotary != 1))):
         raise DlmError(f"--format hf: this backbone does not fit {fam.name}'s layout")
     dname = str(dtype).removeprefix("torch.")
     write_tensors(tmp / "model.safetensors", hf_tensors(model, model.cfg, fam, dtype), metadata={"format": "pt"})

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from dlm import gemma4
+from dlm import gemma4, moe
 from dlm.config import ModelConfig
 from dlm.errors import DlmError
 from dlm.masks import Mask, sdpa_mask
@@ -53,7 +53,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:
-    hd = cfg.head_dim
+    hd = int(cfg.head_dim * cfg.partial_rotary)  # the rotated dimensions (partial rotary: the first ones)
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))  # (hd/2,)
     rs = cfg.rope_scaling or {}
     if rs.get("rope_type", rs.get("type")) == "yarn":
@@ -179,12 +179,13 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm decoder layer: x + attn(norm(x)); x + mlp(norm(x)). Context features enter raw."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, i: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MLP(cfg.dim, cfg.ffn_dim)
+        # layer i's feed-forward: a mixture of experts (ModelConfig.moe, from its first_dense layer on) or SwiGLU
+        self.mlp = moe.SparseMoE(cfg.dim, cfg.moe, MLP) if moe.is_moe_layer(cfg, i) else MLP(cfg.dim, cfg.ffn_dim)
         self.checkpointing = False  # activation checkpointing: recompute this layer in the backward pass
 
     def forward(self, x, rope, mask, is_causal, cache, layer, write, ctx=None, ctx_rope=None) -> Tensor:
@@ -321,7 +322,7 @@ def param_shapes(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str
     held against its weights' header before anything is allocated), and the aliases of tied tensors
     (lm_head.weight -> embed_tokens.weight). tests hold this to the state_dict of built models."""
     D = cfg.dim
-    if cfg.arch:  # a family's own layers: read from the model built on the meta device (allocates nothing)
+    if cfg.arch or cfg.moe:  # own layers, experts: read from the model built on the meta device (allocates nothing)
         with torch.device("meta"):
             m = Transformer(cfg)
         out = {k: tuple(v.shape) for k, v in m.state_dict().items() if k != "lm_head.weight" or not cfg.tie_embeddings}
@@ -373,7 +374,7 @@ class Transformer(nn.Module):
             self.layers = nn.ModuleList(gemma4.Block(cfg, i) for i in range(cfg.n_layers))
             self.norm = gemma4.RMSNorm(cfg.dim, cfg.norm_eps)
         else:
-            self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+            self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.embed_scale = math.sqrt(cfg.dim) if cfg.arch else 1.0  # Gemma: embeddings (and soft inputs) x sqrt(D)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)

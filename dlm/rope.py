@@ -70,5 +70,9 @@ def query_scale(rs: dict | None, pos: Tensor) -> Tensor | None:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (..., hd); cos, sin (..., r): the first r dimensions turn, the rest pass (partial rotary when r < hd)."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin

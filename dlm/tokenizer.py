@@ -12,6 +12,10 @@ dlm's own tokenizers reserve, at ids 0..15:
   <reserved_0> .. <reserved_7>        kept free for later paradigms (chat roles, separators)
 
 Any HF `tokenizer.json` can be used instead; its specials are found by their usual names.
+A model may end text with several tokens (Gemma 4: <eos> and <end_of_turn>): `eos_ids` holds them all, the first
+being `eos_id`, the one written after documents and used as padding. tokenizer.json cannot say which they are; a
+checkpoint records them in its config.json (`tokenizer.eos_ids`, set by `use_eos_ids`), an imported model takes
+them from its generation_config.json or config.json (`eos_token_id`, an id or a list).
 Special-token strings inside ordinary text are encoded as text (never as control tokens).
 """
 
@@ -61,6 +65,8 @@ class Tokenizer:
         if ids["eos"] is None:
             raise DlmError(f"tokenizer {source}: no end-of-text token (looked for {_ALIASES['eos']})")
         self.eos_id: int = ids["eos"]
+        self.eos_ids: tuple[int, ...] = (self.eos_id,)  # every id that ends text (use_eos_ids); the first is eos_id
+        self._found_eos = self.eos_id
         self.bos_id: int = ids["bos"] if ids["bos"] is not None else self.eos_id
         self.pad_id: int = ids["pad"] if ids["pad"] is not None else self.eos_id
         self.mask_id: int | None = ids["mask"]
@@ -75,6 +81,26 @@ class Tokenizer:
             if i is not None:
                 return i
         return None
+
+    def use_eos_ids(self, ids) -> Tokenizer:
+        """End text at any of `ids` (an id or a list, as transformers' eos_token_id); the first becomes eos_id."""
+        ids = [ids] if isinstance(ids, int) else list(ids or [])
+        if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size
+                              for i in ids):
+            raise DlmError(f"EOS ids must be token ids of the tokenizer, in [0, {self.vocab_size}), got {ids!r}"[:240])
+        self.eos_ids = tuple(ids)  # in the order given (an export writes them back as they were)
+        self.eos_id = self.eos_ids[0]
+        return self
+
+    @property
+    def eos_record(self) -> list[int] | None:
+        """The EOS ids a checkpoint records beside tokenizer.json: None when they are the one tokenizer.json names."""
+        return None if self.eos_ids == (self._found_eos,) else list(self.eos_ids)
+
+    @property
+    def hf_eos_token_id(self) -> int | list[int]:
+        """eos_token_id as transformers' config.json and generation_config.json hold it: an id, or the list."""
+        return self.eos_id if len(self.eos_ids) == 1 else list(self.eos_ids)
 
     # construction ---------------------------------------------------------------------------
     @classmethod
@@ -151,7 +177,7 @@ class Tokenizer:
 
     @property
     def special_ids(self) -> set[int]:
-        return {i for i in (self.pad_id, self.bos_id, self.eos_id, self.mask_id, self.fim_prefix_id,
+        return {i for i in (self.pad_id, self.bos_id, *self.eos_ids, self.mask_id, self.fim_prefix_id,
                             self.fim_suffix_id, self.fim_middle_id, self.fill_id) if i is not None}
 
     def hf_config(self) -> dict:

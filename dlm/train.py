@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from dlm.checkpoint import SIDE_FILES, load_weights, open_checkpoint, save_checkpoint
+from dlm.checkpoint import SIDE_FILES, load_weights, open_checkpoint, recorded_tokenizer, save_checkpoint
 from dlm.trainstate import find_state, restore_optimizer, save_state
 from dlm.files import read_json, read_tensors
 from dlm.device import resolve_device
@@ -70,6 +70,8 @@ def make_optimizer(params: list[nn.Parameter], cfg: TrainConfig, fused: bool) ->
 
 def resolve_tokenizer(cfg: TrainConfig, corpus: Corpus, out: Path, resuming: bool) -> Tokenizer:
     if resuming:
+        if (out / "config.json").is_file():  # with the EOS ids it records
+            return recorded_tokenizer(out, read_json(out / "config.json"))
         return Tokenizer.from_file(out / "tokenizer.json")
     if cfg.tokenizer == "char":  # (a file named char: --tokenizer ./char)
         return Tokenizer.train_chars(corpus.texts("train"))
@@ -260,7 +262,7 @@ def prepare(cfg: TrainConfig, out: Path, resume: bool, explicit: set[str] | None
     objective = make_objective(cfg, tok)
     model = objective.build_model().to(device)
     if cfg.freeze_router:
-        routers = [p for n, p in model.named_parameters() if ".router." in n]
+        routers = [p for n, p in model.named_parameters() if ".router." in n or ".mlp.gate." in n]  # gemma4, dlm.moe
         if not routers:
             raise DlmError("--freeze-router: this model has no mixture-of-experts router")
         for p in routers:

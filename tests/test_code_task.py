@@ -128,3 +128,16 @@ def test_cli_eval_code_on_a_shipped_model(files):
     assert 0.0 <= res["pass_at_1"] <= 1.0 and res["forwards"] > 0
     bad = subprocess.run(cmd[:9] + [str(he.parent / "missing.jsonl")], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "no such file" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("name", ["mdlm-small", "joint-small", "usdm-small"])
+def test_eval_code_on_every_shipped_paradigm(files, name, capsys):
+    """`dlm eval --task code` through each shipped reference's own sampler (the diffusion ones included)."""
+    from dlm.cli import main
+
+    he, _ = files
+    assert main(["eval", "--model", str(ROOT / "checkpoints" / name), "--task", "code", "--data", str(he),
+                 "--max-new-tokens", "8", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["problems"] == 2 and res["paradigm"] == name.split("-")[0] and 0.0 <= res["pass_at_1"] <= 1.0
+    assert res["forwards"] > 0

@@ -507,7 +507,9 @@ def test_presets_fill_only_what_was_not_given():
     assert apply_preset(base, "sdar").whole_blocks and not apply_preset(base, "llada").whole_blocks
     assert apply_preset(base, "fast-dllm").prefix_cache
     assert (apply_preset(base, "dream").sampler, apply_preset(base, "dream").schedule) == ("entropy", "dream")
-    assert set(PRESETS) == {"llada", "fast-dllm", "dream", "sdar", "fast-dllm-v2"}
+    assert set(PRESETS) == {"llada", "fast-dllm", "dream", "sdar", "fast-dllm-v2", "llada2"}
+    l2 = apply_preset(base, "llada2")
+    assert (l2.sampler, l2.threshold, l2.block_size, l2.steps, l2.whole_blocks) == ("threshold", 0.95, 32, 32, True)
     with pytest.raises(DlmError, match="--preset must be one of"):
         apply_preset(base.replace(preset="nope"))
 
@@ -751,3 +753,32 @@ def test_rows_of_an_imported_model_equal_each_row_alone(imported, tok, family):
     assert [got[r] for r in range(3)] == alone
     if family == "sdar":  # rows really shared forwards
         assert done.stats.extra.get("rows_per_forward", 1) > 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cli_eval_of_each_family(imported, family, tmp_path, capsys):
+    """`dlm eval` on each imported family: the likelihood bound read with the family's convention (LLaDA, Dream,
+    SDAR; Fast-dLLM v2's shifted blocks are refused in one line, exit 2), and the execution-based code task through
+    the family's own decoding preset (every family)."""
+    from dlm.cli import main
+    from test_code_task import HUMANEVAL
+
+    _, _, _, _, ck = imported[family]
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(8):
+        (docs / f"{i}.txt").write_text("def f(x):\n    return x + %d\n" % i * 4)
+    rc = main(["eval", "--model", str(ck.path), "--data", str(docs), "--split", "test", "--seq-len", "32",
+               "--samples", "2", "--json"])
+    out, err = capsys.readouterr()
+    if family == "fast-dllm-v2":
+        assert rc == 2 and "shifted block model" in err and err.strip().count("\n") == 0
+    else:
+        res = json.loads(out)
+        assert rc == 0 and res["tokens"] > 0 and res["loss_bound"] > 0 and res["samples"] == 2
+    he = tmp_path / "he.jsonl"
+    he.write_text("".join(json.dumps(p) + "\n" for p in HUMANEVAL))
+    assert main(["eval", "--model", str(ck.path), "--task", "code", "--data", str(he), "--max-new-tokens", "8",
+                 "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["problems"] == 2 and 0.0 <= res["pass_at_1"] <= 1.0 and res["forwards"] > 0

@@ -86,25 +86,36 @@ def test_generate_until_is_the_sampler_cut_at_the_stop(ar):
 
 
 def test_a_local_task_through_lm_eval(tmp_path):
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(d) + "\n" for d in [
-        {"q": "import", "choices": [" os", " )))"], "gold": 0},
-        {"q": "def f(x):\n    return", "choices": [" x", " ]]]"], "gold": 0}]))
-    (tmp_path / "dlm_local.yaml").write_text(
-        "task: dlm_local\ndataset_path: json\ndataset_kwargs:\n  data_files: " + str(data) + "\n"
-        "test_split: train\noutput_type: multiple_choice\ndoc_to_text: \"{{q}}\"\ndoc_to_choice: \"{{choices}}\"\n"
-        "doc_to_target: \"{{gold}}\"\nmetric_list:\n  - metric: acc\n")
+    """scripts/lmeval/dlm_mc.yaml (BENCHMARKS section 10's local task) through lm_eval's command line; ar-small's
+    exact log-likelihoods get 5 of its 6 items."""
+    root = CK.parent
     out = tmp_path / "out"
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "dlm.lmeval", "--model", "dlm", "--model_args",
-                        f"path={CK / 'ar-small'}", "--tasks", "dlm_local", "--include_path", str(tmp_path),
+                        f"path={CK / 'ar-small'}", "--tasks", "dlm_mc", "--include_path", "scripts/lmeval",
                         "--device", "cpu", "--output_path", str(out)], capture_output=True, text=True, env=env,
-                       timeout=300)
+                       timeout=300, cwd=root)
     assert r.returncode == 0, r.stderr[-2000:]
     (res,) = list(out.rglob("results_*.json"))
-    acc = json.loads(res.read_text())["results"]["dlm_local"]["acc,none"]
-    assert 0.0 <= acc <= 1.0
+    acc = json.loads(res.read_text())["results"]["dlm_mc"]["acc,none"]
+    assert acc == pytest.approx(5 / 6)
     bad = subprocess.run([sys.executable, "-m", "dlm.lmeval", "--model", "dlm", "--model_args",
-                          f"path={CK / 'dflash-small'}", "--tasks", "dlm_local", "--include_path", str(tmp_path),
-                          "--device", "cpu"], capture_output=True, text=True, env=env, timeout=300)
+                          f"path={CK / 'dflash-small'}", "--tasks", "dlm_mc", "--include_path", "scripts/lmeval",
+                          "--device", "cpu"], capture_output=True, text=True, env=env, timeout=300, cwd=root)
     assert bad.returncode == 2 and "cannot be evaluated on its own" in bad.stderr
+
+
+@pytest.mark.parametrize("name", ["joint-small", "usdm-small"])
+def test_causal_paradigms_score_exactly_and_generate(name):
+    """The other shipped references: joint-small (its AR mode) and usdm-small (its causal encoder) score a
+    continuation as the sum of their next-token log-probabilities, and generate_until runs their own sampler."""
+    lm = DlmLM(path=str(CK / name))
+    ctx, cont = "def add(a, b):\n    return", " a + b"
+    (ll, _), = lm.loglikelihood([req("loglikelihood", ctx, cont)])
+    c, w = lm.tok.encode(ctx), lm.tok.encode(ctx + cont)
+    with torch.inference_mode():
+        logp = torch.log_softmax(lm.model(torch.tensor([w])).logits[0].float(), -1)
+    assert ll == pytest.approx(sum(float(logp[k - 1, w[k]]) for k in range(len(c), len(w))), abs=1e-4)
+    (out,) = lm.generate_until([req("generate_until", ctx, {"until": ["\n\n"], "max_gen_toks": 8})])
+    assert isinstance(out, str) and "\n\n" not in out
+

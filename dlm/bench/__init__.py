@@ -119,7 +119,7 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
             s["infill_tokens_per_forward"] = median([r["tokens_per_forward"] for r in infill_rows[k][0]])
         if not task:
             first = rows[k][0]
-            s["gen_ppl"] = median([gen_perplexity(net, r["prompt"], r["tokens"], ck.tokenizer.eos_id) for r in first])
+            s["gen_ppl"] = median([gen_perplexity(net, r["prompt"], r["tokens"], ck.tokenizer.eos_ids) for r in first])
             s["entropy"] = median([unigram_entropy(r["tokens"]) for r in first])
         summaries.append(s)
     by_name = {s["method"]: s for s in summaries}

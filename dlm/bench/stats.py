@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from dlm.bench.harness import Method
+from dlm.sampling.common import Eos, through_eos
 
 
 def median(xs: list[float]) -> float:
@@ -59,7 +60,7 @@ def noisy(v: float, lo: float, hi: float) -> bool:
 
 
 @torch.inference_mode()
-def gen_perplexity(ref, prompt: list[int], new: list[int], eos_id: int | None = None) -> float:
+def gen_perplexity(ref, prompt: list[int], new: list[int], eos_id: Eos = None) -> float:
     """Perplexity of generated tokens under the reference AR model, conditioned on the prompt.
 
     The quality column every paradigm shares (all share the reference tokenizer). Tokens after
@@ -69,8 +70,7 @@ def gen_perplexity(ref, prompt: list[int], new: list[int], eos_id: int | None = 
 
     import torch.nn.functional as F
 
-    if eos_id is not None and eos_id in new:
-        new = new[:new.index(eos_id) + 1]
+    new = through_eos(new, eos_id)[0]
     if not new:
         return float("nan")
     seq = torch.tensor([prompt + new], device=ref.device)[:, -ref.cfg.max_seq_len:]

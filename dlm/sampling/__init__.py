@@ -67,7 +67,7 @@ class SampleConfig:
         entropy_bound: entropy-bound acceptance: cumulative entropy minus its largest entropy <= this
         block_size: a block of positions: mdlm's semi-autoregressive block (default: the checkpoint's training block, else the whole generation); speculative: the block of one verify cycle, the last committed token + block_size-1 proposals (default: the drafter's: its block size for DFlash, 5 for an AR draft, 8 for lookup)
         remasking: mdlm: low_confidence | random
-        preset: mdlm: a public model's decoding recipe: llada | fast-dllm | dream | sdar | fast-dllm-v2 | none (options given explicitly win; default: the one an imported checkpoint records, docs/public-models.md)
+        preset: mdlm: a public model's decoding recipe: llada | fast-dllm | dream | sdar | fast-dllm-v2 | llada2 | none (options given explicitly win; default: the one an imported checkpoint records, docs/public-models.md)
         prefix_cache: mdlm, a full-attention checkpoint (LLaDA, Dream): Fast-dLLM's approximate prefix cache (a block's later passes read the K/V its first pass computed for the positions before it); off = exact, the whole sequence every step
         schedule: mdlm: positions committed per step: even (a block's holes spread evenly over --steps, LLaDA) or dream (Dream's time grid, linspace(1, 1e-3, steps + 1): int(holes x (1 - t[i+1] / t[i])), the rest at the last step)
         whole_blocks: mdlm: pad the last block with holes to its full size and denoise it whole, as training saw blocks (SDAR, Fast-dLLM v2); what lies past --max-new-tokens is dropped
@@ -196,5 +196,5 @@ def generate(model: nn.Module, ck: Checkpoint, prompts: str | list[str], cfg: Sa
     """Sample and decode: the Python entry point behind `dlm generate`."""
     cfg = cfg or SampleConfig()
     ps = encode(ck, prompts, cfg)
-    return drain(stream(model, ck, ps, cfg, step_events=keep_events), ck.tokenizer.decode, ck.tokenizer.eos_id,
+    return drain(stream(model, ck, ps, cfg, step_events=keep_events), ck.tokenizer.decode, ck.tokenizer.eos_ids,
                  rows=len(ps), keep_events=keep_events)

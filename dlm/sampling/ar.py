@@ -16,7 +16,8 @@ from dlm.errors import DlmError, check
 from dlm.masks import key_valid_mask, padded_prefill_mask
 from dlm.model import Transformer
 from dlm.sampling.common import (
-    Clock, Commit, Done, Event, Prompt, Stats, check_fits, check_sampling, make_generator, sample_token,
+    Clock, Commit, Done, Eos, Event, Prompt, Stats, check_fits, check_sampling, eos_set, is_eos, make_generator,
+    sample_token,
 )
 
 
@@ -53,8 +54,8 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg, step_events: bool
     ids = [p.ids for p in prompts]
     if cfg.naive:
         return decode_naive(model, ids, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed,
-                            tok.eos_id)
-    return decode(model, ids, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, tok.eos_id,
+                            tok.eos_ids)
+    return decode(model, ids, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, tok.eos_ids,
                   tok.pad_id)
 
 
@@ -76,9 +77,10 @@ def fill_in_the_middle(model: Transformer, ck, prompts: list[Prompt], cfg) -> It
 
 def _fim_rows(model: Transformer, ids: list[list[int]], suffixes: list, budget: list[int], cfg,
               tok) -> Iterator[Event]:
-    inner = (decode_naive(model, ids, max(budget), cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, tok.eos_id)
+    inner = (decode_naive(model, ids, max(budget), cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, tok.eos_ids)
              if cfg.naive else
-             decode(model, ids, max(budget), cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, tok.eos_id, tok.pad_id))
+             decode(model, ids, max(budget), cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, tok.eos_ids, tok.pad_id))
+    stop = eos_set(tok.eos_ids)
     made = [0] * len(ids)  # new tokens per row (a middle's ending <eos> is not output)
     ended = [False] * len(ids)
     for ev in inner:
@@ -87,13 +89,13 @@ def _fim_rows(model: Transformer, ids: list[list[int]], suffixes: list, budget: 
             for t in ev.tokens:
                 if ended[row]:
                     break
-                if suffixes[row] is not None and t == tok.eos_id:  # the middle is over: the suffix follows
+                if suffixes[row] is not None and t in stop:  # the middle is over: the suffix follows
                     ended[row] = True
                     yield Commit(list(suffixes[row]), row=row)
                     break
                 yield Commit([t], row=row)
                 made[row] += 1
-                if made[row] == budget[row] or t == tok.eos_id:
+                if made[row] == budget[row] or t in stop:
                     ended[row] = True
                     if suffixes[row] is not None:
                         yield Commit(list(suffixes[row]), row=row)
@@ -132,7 +134,7 @@ def prefill(model: Transformer, prompts: Sequence[Sequence[int]], capacity: int,
 
 @torch.inference_mode()
 def decode(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
-           top_k: int = 0, top_p: float = 1.0, seed: int | None = 0, eos_id: int | None = None,
+           top_k: int = 0, top_p: float = 1.0, seed: int | None = 0, eos_id: Eos = None,
            pad_id: int = 0) -> Iterator[Event]:
     """A batch of prompts with the KV cache: one forward per new token for the whole batch."""
     gen = make_generator(seed, model.device)
@@ -148,8 +150,7 @@ def decode(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens:
             if not done[b]:
                 yield Commit([int(nxt[b])], row=b)
                 stats.new_tokens += 1
-        if eos_id is not None:
-            done |= nxt == eos_id
+        done |= is_eos(nxt, eos_id)
         if bool(done.all()) or i == max_new_tokens - 1:
             break
         valid[:, cache.length] = True
@@ -163,11 +164,12 @@ def decode(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens:
 @torch.inference_mode()
 def decode_naive(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = 0,
-                 eos_id: int | None = None) -> Iterator[Event]:
+                 eos_id: Eos = None) -> Iterator[Event]:
     """No cache: every step runs the model over the whole sequence so far (one prompt after another)."""
     gen = make_generator(seed, model.device)
     clock = Clock()
     stats = Stats()
+    stop = eos_set(eos_id)
     for row, prompt in enumerate(prompts):
         seq = torch.tensor([list(prompt)], dtype=torch.long, device=model.device)
         for _ in range(max_new_tokens):
@@ -177,7 +179,7 @@ def decode_naive(model: Transformer, prompts: Sequence[Sequence[int]], max_new_t
             clock.mark_first()
             yield Commit([int(nxt[0])], row=row)
             stats.new_tokens += 1
-            if eos_id is not None and int(nxt[0]) == eos_id:
+            if int(nxt[0]) in stop:
                 break
             seq = torch.cat([seq, nxt[:, None]], dim=1)
     yield clock.finish(stats)

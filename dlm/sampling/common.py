@@ -19,13 +19,17 @@ Statistics (Stats), one definition each, the same in every paradigm:
   tokens_per_forward  new tokens / forwards
   tokens_per_second   new tokens / seconds (wall time of the whole call, prefill included)
   ttft                seconds until the first token was committed
+
+End of text: a checkpoint may have several EOS ids (Gemma 4's <eos> and <end_of_turn>; the tokenizer's `eos_ids`,
+the first one its `eos_id`). Every sampler stops at any of them, through the helpers below (`Eos`: one id, several,
+or None for none), and what follows the first one is never output.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -140,7 +144,45 @@ class Result:
         return self.texts[0]
 
 
-def drain(events: Iterator[Event], decode, eos_id: int | None, rows: int = 1, keep_events: bool = False) -> Result:
+Eos = int | Collection[int] | None  # the EOS ids a sampler stops at: one, several (a tokenizer's eos_ids), or none
+
+
+def eos_set(eos: Eos) -> frozenset[int]:
+    """The EOS ids as a set (empty for None)."""
+    if eos is None:
+        return frozenset()
+    if isinstance(eos, int):
+        return frozenset((eos,))
+    return frozenset(int(e) for e in eos)
+
+
+def eos_index(tokens: Sequence[int], eos: Eos) -> int | None:
+    """Where the first EOS is in tokens, or None."""
+    stop = eos_set(eos)
+    return next((i for i, t in enumerate(tokens) if t in stop), None)
+
+
+def through_eos(tokens: Sequence[int], eos: Eos) -> tuple[list[int], bool]:
+    """Tokens up to and including the first EOS (the rest dropped), and whether there was one."""
+    i = eos_index(tokens, eos)
+    return (list(tokens), False) if i is None else (list(tokens[:i + 1]), True)
+
+
+def before_eos(tokens: Sequence[int], eos: Eos) -> list[int]:
+    """Tokens before the first EOS: the text a row shows."""
+    i = eos_index(tokens, eos)
+    return list(tokens if i is None else tokens[:i])
+
+
+def is_eos(x: Tensor, eos: Eos) -> Tensor:
+    """x (…) of token ids -> (…) bool: where x holds an EOS."""
+    stop = eos_set(eos)
+    if not stop:
+        return torch.zeros_like(x, dtype=torch.bool)
+    return torch.isin(x, torch.tensor(sorted(stop), dtype=x.dtype, device=x.device))
+
+
+def drain(events: Iterator[Event], decode, eos_id: Eos, rows: int = 1, keep_events: bool = False) -> Result:
     """Run a sampler to the end and collect its output."""
     tokens: list[list[int]] = [[] for _ in range(rows)]
     kept: list[Event] = []
@@ -154,8 +196,7 @@ def drain(events: Iterator[Event], decode, eos_id: int | None, rows: int = 1, ke
             stats = ev.stats
     texts = []
     for t in tokens:
-        cut = t.index(eos_id) if eos_id is not None and eos_id in t else len(t)
-        texts.append(decode(t[:cut]))
+        texts.append(decode(before_eos(t, eos_id)))
     return Result(tokens, texts, stats, kept)
 
 

@@ -36,7 +36,7 @@ from dlm.errors import DlmError, check
 from dlm.masks import quadratic_self_spec_mask
 from dlm.model import Transformer
 from dlm.sampling import ar, mdlm, speculative
-from dlm.sampling.common import Clock, Commit, Event, Prompt, Stats, Verified, make_generator
+from dlm.sampling.common import Clock, Commit, Eos, Event, Prompt, Stats, Verified, eos_set, make_generator
 from dlm.sampling.rows import Crop, Window, drive, finish, run_one
 from dlm.sampling.speculative import Alone, Sampling, SpecStats, check_lossless_greedy, run_rows, trim, verify
 
@@ -112,7 +112,7 @@ class SelfDraft:
 
 @torch.inference_mode()
 def quadratic(model: Transformer, prompt: Sequence[int], *, block_size: int, max_new_tokens: int, mask_id: int,
-              sampling: Sampling, eos_id: int | None, row: int = 0, stats: SpecStats | None = None,
+              sampling: Sampling, eos_id: Eos, row: int = 0, stats: SpecStats | None = None,
               clock: Clock | None = None) -> Iterator[Event]:
     """Quadratic self-speculation of one prompt (Commit and Verified events)."""
     program = quadratic_program(prompt, block_size=block_size, max_new_tokens=max_new_tokens, mask_id=mask_id,
@@ -125,7 +125,7 @@ def quadratic_capacity(P: int, max_new_tokens: int, L: int) -> int:
 
 
 def quadratic_program(prompt: Sequence[int], *, block_size: int, max_new_tokens: int, mask_id: int, sampling: Sampling,
-                      eos_id: int | None, row: int = 0, stats: SpecStats | None = None, clock: Clock | None = None,
+                      eos_id: Eos, row: int = 0, stats: SpecStats | None = None, clock: Clock | None = None,
                       dev: torch.device | str = "cpu") -> Iterator:
     """Quadratic self-speculation of one prompt as a row program (its events, and its requests to the model: one
     pass per cycle, then a Crop of its cache to the accepted row-first tokens)."""
@@ -166,7 +166,7 @@ def quadratic_program(prompt: Sequence[int], *, block_size: int, max_new_tokens:
         new += len(committed)
         yield Verified(firsts[1:].tolist(), n, row=row)
         yield Commit(committed, row=row)
-        if committed[-1] == eos_id:
+        if committed[-1] in eos_set(eos_id):
             break
         d0 = bonus
 
@@ -199,7 +199,7 @@ def batch_row(model: Transformer, ck, prompt: Prompt, cfg, row: int, clock: Cloc
     if sampler in DIFFUSION:
         job, rule, c = mdlm.row_job(model, ck, prompt, cfg.replace(sampler=sampler))
         st = Stats(extra={"steps_per_canvas": []})
-        return (*mdlm.batch_row(model, job, rule, c, row, st, ck.mask_id, ck.tokenizer.eos_id, gen, clock,
+        return (*mdlm.batch_row(model, job, rule, c, row, st, ck.mask_id, ck.tokenizer.eos_ids, gen, clock,
                                 step_events), st, None)
     B = block_of(ck, cfg)
     ar.check_options(model, [prompt], cfg, "self-speculation")
@@ -208,12 +208,12 @@ def batch_row(model: Transformer, ck, prompt: Prompt, cfg, row: int, clock: Cloc
     spec = SpecStats()
     if sampler == "self-spec-quadratic":
         program = quadratic_program(prompt.ids, block_size=B, max_new_tokens=cfg.max_new_tokens, mask_id=ck.mask_id,
-                                    sampling=sampling, eos_id=ck.tokenizer.eos_id, row=row, stats=spec, clock=clock,
+                                    sampling=sampling, eos_id=ck.tokenizer.eos_ids, row=row, stats=spec, clock=clock,
                                     dev=model.device)
         return program, None, None, spec, None
     d = SelfDraft(model, ck.mask_id, B, sampling, ar_first=sampler == "self-spec-linear-ar")
     program = speculative.speculation(d, prompt.ids, block_size=B, max_new_tokens=cfg.max_new_tokens,
-                                      sampling=sampling, eos_id=ck.tokenizer.eos_id, row=row, stats=spec, clock=clock,
+                                      sampling=sampling, eos_id=ck.tokenizer.eos_ids, row=row, stats=spec, clock=clock,
                                       dev=model.device)
     return program, None, None, spec, d
 
@@ -234,7 +234,7 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg, step_events: bool
 
     def row(b: int, p: list[int], sampling: Sampling, spec: SpecStats, clock: Clock) -> tuple:
         program = quadratic_program(p, block_size=B, max_new_tokens=cfg.max_new_tokens, mask_id=ck.mask_id,
-                                    sampling=sampling, eos_id=ck.tokenizer.eos_id, row=b, stats=spec, clock=clock,
+                                    sampling=sampling, eos_id=ck.tokenizer.eos_ids, row=b, stats=spec, clock=clock,
                                     dev=model.device)
         return program, None, quadratic_capacity(len(p), cfg.max_new_tokens, B)
 

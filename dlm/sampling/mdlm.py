@@ -87,8 +87,8 @@ from torch import Tensor
 from dlm.errors import DlmError, check
 from dlm.masks import mdlm_denoise_mask
 from dlm.sampling.common import (
-    Clock, Commit, Event, Prompt, Stats, Step, check_fits, check_sampling, entropy, entropy_bound_accept,
-    make_generator, sample_token,
+    Clock, Commit, Eos, Event, Prompt, Stats, Step, check_fits, check_sampling, entropy, entropy_bound_accept,
+    eos_index, eos_set, is_eos, make_generator, sample_token,
 )
 from dlm.sampling.rows import Programs, Window, batch_stats, batchable, drive
 
@@ -114,6 +114,8 @@ PRESETS: dict[str, dict] = {
     # Fast-dLLM v2: blocks of 32 over the KV cache, threshold 0.9 within sub-blocks of 8
     "fast-dllm-v2": {"sampler": "threshold", "threshold": 0.9, "block_size": 32, "sub_block": 8,
                      "whole_blocks": True},
+    # LLaDA 2: blocks of 32 over the KV cache, 32 steps per block, every position above 0.95 (else the step's quota)
+    "llada2": {"sampler": "threshold", "threshold": 0.95, "block_size": 32, "steps": 32, "whole_blocks": True},
 }
 
 
@@ -359,7 +361,7 @@ class Need:
 
 
 @torch.inference_mode()
-def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: int, eos_id: int, *,
+def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: int, eos_id: Eos, *,
                      temperature: float, top_k: int, top_p: float, gen: torch.Generator | None,
                      naive: bool = False, row: int = 0, clock: Clock | None = None,
                      stats: Stats | None = None, revise: float = 0.0,
@@ -375,7 +377,7 @@ def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: in
     yield from drive(program, lambda need: state.logits(need.s, need.e))
 
 
-def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_id: int, *,
+def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_id: Eos, *,
              temperature: float, top_k: int, top_p: float, gen: torch.Generator | None, row: int = 0,
              clock: Clock | None = None, stats: Stats | None = None, revise: float = 0.0,
              step_events: bool = True, sub_block: int | None = None,
@@ -387,6 +389,7 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
         stats.extra.setdefault("revisions", 0)
     job = state.job
     seq, hole, P = state.seq, state.hole, job.prefix_len
+    stop = sorted(eos_set(eos_id))
     index = 0  # canvases (blocks with holes) of this row so far
     for s, e in job.blocks:
         masked = hole[s:e].clone()  # (Lb,)
@@ -403,14 +406,14 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
             stats.forwards += 1
             logits[:, mask_id] = float("-inf")
             if job.forbid_eos:
-                logits[:, eos_id] = float("-inf")
+                logits[:, stop] = float("-inf")
             if schedule == "dream":  # Dream: a count from the holes left and the time grid
                 k = dream_count(int(masked.sum()), step, steps or n)
             else:
                 k = budget[step] if step < len(budget) else 1
             back = None
             if left is not None:  # revision: committed tokens the model no longer believes go back to <mask>
-                committed = hole[s:e] & ~masked & (seq[s:e] != mask_id) & (seq[s:e] != eos_id)
+                committed = hole[s:e] & ~masked & (seq[s:e] != mask_id) & ~is_eos(seq[s:e], stop)
                 back = select_revisions(logits, seq[s:e], committed, revise, left)
                 if bool(back.any()):
                     seq[s:e] = torch.where(back, mask_id, seq[s:e])
@@ -433,7 +436,7 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
                 masked |= back
             masked &= ~chosen
             if job.stop_at_eos:  # what follows a committed <eos> is dropped: no need to denoise it
-                ends = (chosen & (x == eos_id)).nonzero()
+                ends = (chosen & is_eos(x, stop)).nonzero()
                 if len(ends):
                     masked[int(ends[0]) + 1:] = False
             step += 1
@@ -451,8 +454,8 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
         generated = hole[g:hi].tolist()
         if clock is not None:
             clock.mark_first()
-        if job.stop_at_eos and eos_id in out:
-            cut = out.index(eos_id) + 1
+        if job.stop_at_eos and eos_index(out, stop) is not None:
+            cut = eos_index(out, stop) + 1
             stats.new_tokens += sum(generated[:cut])
             yield Commit(out[:cut], row)
             break
@@ -538,7 +541,7 @@ def stream(model, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> 
     if not full:  # (a preset's prefix cache: this checkpoint's exact cache is already there)
         cfg = cfg.replace(prefix_cache=False)
     jobs = [make_job(p, cfg, ck.block_size, model.cfg.max_seq_len, causal, full, shift) for p in prompts]
-    return _run(model, jobs, rule, cfg, mask_id, tok.eos_id, step_events)
+    return _run(model, jobs, rule, cfg, mask_id, tok.eos_ids, step_events)
 
 
 def row_seed(seed: int | None, row: int) -> int | None:
@@ -547,7 +550,7 @@ def row_seed(seed: int | None, row: int) -> int | None:
     return None if seed is None else seed + row
 
 
-def _run(model, jobs: list[Job], rule: Rule, cfg, mask_id: int, eos_id: int,
+def _run(model, jobs: list[Job], rule: Rule, cfg, mask_id: int, eos_id: Eos,
          step_events: bool = False) -> Iterator[Event]:
     """Rows in one batch (one forward per step for all of them) when the model allows, else one after another."""
     if len(jobs) > 1 and not cfg.naive and batchable(model) and all(job_fits_rows(j) for j in jobs):
@@ -555,7 +558,7 @@ def _run(model, jobs: list[Job], rule: Rule, cfg, mask_id: int, eos_id: int,
     return _run_in_turn(model, jobs, rule, cfg, mask_id, eos_id, step_events)
 
 
-def _run_in_turn(model, jobs: list[Job], rule: Rule, cfg, mask_id: int, eos_id: int,
+def _run_in_turn(model, jobs: list[Job], rule: Rule, cfg, mask_id: int, eos_id: Eos,
                  step_events: bool = False) -> Iterator[Event]:
     clock = Clock()
     stats = Stats(extra={"steps_per_canvas": []})
@@ -571,7 +574,7 @@ def _run_in_turn(model, jobs: list[Job], rule: Rule, cfg, mask_id: int, eos_id: 
     yield clock.finish(stats)
 
 
-def _run_batched(model, jobs: list[Job], rule: Rule, cfg, mask_id: int, eos_id: int,
+def _run_batched(model, jobs: list[Job], rule: Rule, cfg, mask_id: int, eos_id: Eos,
                  step_events: bool = False) -> Iterator[Event]:
     n = len(jobs)
     return _run_rows(model, jobs, [rule] * n, [cfg] * n, [row_seed(cfg.seed, r) for r in range(n)], mask_id, eos_id,
@@ -594,7 +597,7 @@ def stream_rows(model, ck, prompts: list[Prompt], cfgs: list, step_events: bool 
     Bad options raise here, before any work."""
     rows = [row_job(model, ck, p, c) for p, c in zip(prompts, cfgs)]
     jobs, rules, cfgs = [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
-    return _run_rows(model, jobs, rules, cfgs, [c.seed for c in cfgs], ck.mask_id, ck.tokenizer.eos_id, step_events)
+    return _run_rows(model, jobs, rules, cfgs, [c.seed for c in cfgs], ck.mask_id, ck.tokenizer.eos_ids, step_events)
 
 
 def row_job(model, ck, prompt: Prompt, cfg) -> tuple[Job, Rule, Any]:
@@ -611,7 +614,7 @@ def row_job(model, ck, prompt: Prompt, cfg) -> tuple[Job, Rule, Any]:
 
 
 @torch.inference_mode()
-def _run_rows(model, jobs: list[Job], rules: list[Rule], cfgs: list, seeds: list, mask_id: int, eos_id: int,
+def _run_rows(model, jobs: list[Job], rules: list[Rule], cfgs: list, seeds: list, mask_id: int, eos_id: Eos,
               step_events: bool = False) -> Iterator[Event]:
     clock = Clock()
     batch = Batch(model, 2 * max(len(j.known) for j in jobs), mask_id, eos_id)
@@ -638,7 +641,7 @@ class Batch(Programs):
     their generation ends or `drop` is called; events come back as (tag, event), the event's `row` the one given.
     """
 
-    def __init__(self, model, capacity: int, mask_id: int, eos_id: int):
+    def __init__(self, model, capacity: int, mask_id: int, eos_id: Eos):
         super().__init__(model, capacity)
         self.model, self.mask_id, self.eos_id = model, mask_id, eos_id
 

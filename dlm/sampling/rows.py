@@ -100,7 +100,7 @@ def _head(model, h: Tensor) -> Tensor:
 def run_one(model, cache: KVCache, w: Window):
     """Answer one row's request with a forward of that row alone over its own cache (slots == positions): its outputs
     (1, n, V|D), with the taps over the window (T, F) beside them when it asked for taps."""
-    dev = cache.k.device
+    dev = (w.tokens if w.tokens is not None else w.embeds).device
     L0 = cache.length
     T = w.length
     C = 0 if w.ctx is None else w.ctx.shape[0]

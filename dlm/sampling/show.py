@@ -17,7 +17,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
-from dlm.sampling.common import Commit, Done, Event, Result, Step, drain
+from dlm.sampling.common import Commit, Done, Event, Result, Step, before_eos, drain
 
 NOISE_DOT, MASK_BLOCK, NEWLINE = "·", "░", "⏎"
 TAIL_LINES = 8  # committed lines kept above the canvas in the terminal view
@@ -39,8 +39,7 @@ class View:
 
     def text(self, tokens: list[int]) -> str:
         """Decoded text up to the first <eos> (what the Result will hold)."""
-        eos = self.tok.eos_id
-        return self.tok.decode(tokens[:tokens.index(eos)] if eos in tokens else tokens)
+        return self.tok.decode(before_eos(tokens, self.tok.eos_ids))
 
     def canvas_text(self, step: Step) -> Text:
         """The canvas as rich Text: fixed tokens bright, noise dim, masks as blocks."""
@@ -156,4 +155,4 @@ def live(events: Iterator[Event], tokenizer, prompt: str | list[str], console: C
     console = console or Console()
     view = View(tokenizer, prompts, mask_id)
     watched = _terminal(events, view, console) if console.is_terminal else _lines(events, view, console.file or sys.stdout)
-    return drain(watched, tokenizer.decode, tokenizer.eos_id, rows=rows or len(prompts))
+    return drain(watched, tokenizer.decode, tokenizer.eos_ids, rows=rows or len(prompts))

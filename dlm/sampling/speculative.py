@@ -49,7 +49,8 @@ from dlm.masks import mdlm_denoise_mask
 from dlm.model import KVCache, Transformer
 from dlm.sampling import ar
 from dlm.sampling.common import (
-    Clock, Commit, Event, Prompt, Stats, Verified, draw, make_generator, probs_from_logits, sample_from,
+    Clock, Commit, Eos, Event, Prompt, Stats, Verified, draw, eos_set, make_generator, probs_from_logits,
+    sample_from, through_eos,
 )
 from dlm.sampling.mdlm import row_seed
 from dlm.sampling.rows import Crop, Programs, Window, batchable, drive, finish, run_one
@@ -471,12 +472,9 @@ def verify(draft: Tensor, logits: Tensor, q: Tensor | None, sampling: Sampling) 
     return verify_sample(draft, sampling.probs(logits), q, sampling.gen)
 
 
-def trim(tokens: list[int], room: int, eos_id: int | None) -> list[int]:
+def trim(tokens: list[int], room: int, eos_id: Eos) -> list[int]:
     """A cycle's committed tokens, cut to the room left and after an end of text."""
-    tokens = tokens[:room]
-    if eos_id is not None and eos_id in tokens:
-        tokens = tokens[:tokens.index(eos_id) + 1]
-    return tokens
+    return through_eos(tokens[:room], eos_id)[0]
 
 
 def check_lossless_greedy(cfg) -> None:
@@ -551,7 +549,7 @@ class Speculation:
 
 
 def speculation(drafter: Drafter, prompt: Sequence[int], *, block_size: int, max_new_tokens: int, sampling: Sampling,
-                eos_id: int | None, row: int = 0, stats: SpecStats | None = None, clock: Clock | None = None,
+                eos_id: Eos, row: int = 0, stats: SpecStats | None = None, clock: Clock | None = None,
                 dev: torch.device | str = "cpu") -> Iterator:
     """One prompt's speculative decoding as a row program: its Commit and Verified events, and its requests (the
     target's prefill and verify passes, its drafter's; a Crop of the target's cache after each verify)."""
@@ -571,7 +569,8 @@ def speculation(drafter: Drafter, prompt: Sequence[int], *, block_size: int, max
     if clock is not None:
         clock.mark_first()
     yield Commit([tok], row=row)
-    while new < max_new_tokens and tok != eos_id:
+    stop = eos_set(eos_id)
+    while new < max_new_tokens and tok not in stop:
         t0 = time.perf_counter()
         draft, q = yield from drafter.draft(seq[:S], min(block_size - 1, max_new_tokens - new - 1))
         t1 = time.perf_counter()
@@ -626,7 +625,7 @@ class Alone:
 
 @torch.inference_mode()
 def speculate(target: Transformer, drafter: Drafter, prompt: Sequence[int], *, block_size: int, max_new_tokens: int = 128,
-              sampling: Sampling | None = None, eos_id: int | None = None, row: int = 0,
+              sampling: Sampling | None = None, eos_id: Eos = None, row: int = 0,
               stats: SpecStats | None = None, clock: Clock | None = None) -> Iterator[Event]:
     """Generate from one prompt with `drafter` proposing and `target` verifying (Commit and Verified events)."""
     program = speculation(drafter, prompt, block_size=block_size, max_new_tokens=max_new_tokens,
@@ -670,7 +669,7 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg, drafter: Drafter 
     if drafter is None:
         raise DlmError("speculative decoding needs a drafter: load one with dlm.drafters.load_drafter")
     block_size = resolve_block_size(drafter, cfg.block_size)
-    eos = ck.tokenizer.eos_id
+    eos = ck.tokenizer.eos_ids
 
     def row(b: int, p: list[int], sampling: Sampling, spec: SpecStats, clock: Clock) -> tuple:
         d = drafter.fork(cfg) if len(prompts) > 1 else drafter
@@ -695,7 +694,7 @@ def batch_row(model: Transformer, ck, prompt: Prompt, cfg, base: Drafter, row: i
     d.sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, make_generator(cfg.seed, model.device))
     B = resolve_block_size(d, cfg.block_size)
     return speculation(d, prompt.ids, block_size=B, max_new_tokens=cfg.max_new_tokens, sampling=d.sampling,
-                       eos_id=ck.tokenizer.eos_id, row=row, stats=stats, clock=clock, dev=model.device), d
+                       eos_id=ck.tokenizer.eos_ids, row=row, stats=stats, clock=clock, dev=model.device), d
 
 
 def spec_stats(spec: SpecStats, drafter: str, block_size: int, new: int, draft_forwards: int) -> Stats:
@@ -773,7 +772,7 @@ def run_rows(model: Transformer, ck, ids: list[list[int]], cfg, row, name: str, 
         stats.extra["rows_per_forward"] = own / batch.forwards if batch.forwards else 0.0
     done = clock.finish(stats)
     if cfg.check_lossless:
-        eos = ck.tokenizer.eos_id
+        eos = ck.tokenizer.eos_ids
         stats.extra["lossless"] = all(o == target_greedy(model, p, cfg.max_new_tokens, eos) for o, p in zip(outputs, ids))
     yield done
 
@@ -811,7 +810,7 @@ class Batch(Programs):
                 yield ev
 
 
-def target_greedy(model: Transformer, prompt: Sequence[int], max_new_tokens: int, eos_id: int | None) -> list[int]:
+def target_greedy(model: Transformer, prompt: Sequence[int], max_new_tokens: int, eos_id: Eos) -> list[int]:
     """The target's own greedy output (AR with its KV cache): the reference of losslessness."""
     out: list[int] = []
     for ev in ar.decode(model, [list(prompt)], max_new_tokens, eos_id=eos_id):

@@ -13,8 +13,8 @@ Per canvas of L tokens at the positions they will hold once committed:
      decided anew each step, so tokens can be revised;
   4. adaptive stopping: stop once the argmax canvas has not changed for `stability_threshold`
      steps and the mean entropy is below `confidence_threshold`, or after `--steps` (default 48);
-  5. commit the argmax of the last step's processed logits; tokens after the first <eos> are
-     dropped and generation ends; otherwise an incremental causal prefill appends the canvas to
+  5. commit the argmax of the last step's processed logits; tokens after the first <eos> (any of the
+     tokenizer's EOS ids) are dropped and generation ends; otherwise an incremental causal prefill appends the canvas to
      the cache and the next canvas begins, until `max_new_tokens`.
 
 A model trained with `--canvas-shift` (ModelConfig.canvas_shift) predicts canvas token j from the
@@ -44,8 +44,8 @@ from torch import Tensor
 from dlm.errors import DlmError, check
 from dlm.model import Transformer, align_canvas_logits, canvas_embeds
 from dlm.sampling.common import (
-    Clock, Commit, Event, Prompt, Stats, Step, check_fits, check_sampling, entropy, entropy_bound_accept,
-    make_generator, probs_from_logits, sample_from,
+    Clock, Commit, Eos, Event, Prompt, Stats, Step, check_fits, check_sampling, entropy, entropy_bound_accept,
+    eos_set, make_generator, probs_from_logits, sample_from, through_eos,
 )
 from dlm.sampling.rows import Programs, Window, batch_stats, batchable, drive
 
@@ -73,13 +73,6 @@ def renoise(candidates: Tensor, accepted: Tensor, holes: Tensor, pins: Tensor, n
 def should_stop(stable_steps: int, mean_entropy: float, stability_threshold: int, confidence_threshold: float) -> bool:
     """Adaptive stopping: the argmax canvas unchanged for enough steps and the model confident enough."""
     return stable_steps >= stability_threshold and mean_entropy < confidence_threshold
-
-
-def cut_at_eos(tokens: list[int], eos_id: int) -> tuple[list[int], bool]:
-    """Tokens up to and including the first <eos>, and whether there was one."""
-    if eos_id in tokens:
-        return tokens[:tokens.index(eos_id) + 1], True
-    return tokens, False
 
 
 def denoise(model: Transformer, cache, canvas: Tensor, pos: Tensor, prev_probs: Tensor | None) -> Tensor:
@@ -130,7 +123,7 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg, step_events: bool
     L, steps = check_options(model, ck, cfg)
     tok = ck.tokenizer
     jobs = [row_prompt(ck, model, p, cfg) for p in prompts]
-    return _generate(model, jobs, L, steps, ck.noise_vocab, tok.eos_id, cfg, step_events)
+    return _generate(model, jobs, L, steps, ck.noise_vocab, tok.eos_ids, cfg, step_events)
 
 
 def row_prompt(ck, model: Transformer, p: Prompt, cfg) -> Prompt:
@@ -162,7 +155,7 @@ def row_seed(seed: int | None, row: int) -> int | None:
     return None if seed is None else seed + row
 
 
-def _generate(model: Transformer, jobs: list[Prompt], L: int, steps: int, N: int, eos_id: int,
+def _generate(model: Transformer, jobs: list[Prompt], L: int, steps: int, N: int, eos_id: Eos,
               cfg, step_events: bool = False) -> Iterator[Event]:
     """Rows in one batch when the model allows (one forward per step for every row), else one after another."""
     if len(jobs) > 1 and batchable(model):
@@ -171,7 +164,7 @@ def _generate(model: Transformer, jobs: list[Prompt], L: int, steps: int, N: int
 
 
 @torch.inference_mode()
-def _generate_in_turn(model: Transformer, jobs: list[Prompt], L: int, steps: int, N: int, eos_id: int,
+def _generate_in_turn(model: Transformer, jobs: list[Prompt], L: int, steps: int, N: int, eos_id: Eos,
                       cfg, step_events: bool = False) -> Iterator[Event]:
     clock = Clock()
     stats = Stats(extra={"steps_per_canvas": []})
@@ -190,7 +183,7 @@ def _generate_in_turn(model: Transformer, jobs: list[Prompt], L: int, steps: int
     yield clock.finish(stats)
 
 
-def _generate_batched(model: Transformer, jobs: list[Prompt], L: int, steps: int, N: int, eos_id: int,
+def _generate_batched(model: Transformer, jobs: list[Prompt], L: int, steps: int, N: int, eos_id: Eos,
                       cfg, step_events: bool = False) -> Iterator[Event]:
     n = len(jobs)
     return _rows(model, jobs, [L] * n, [steps] * n, N, eos_id, [cfg] * n, [row_seed(cfg.seed, r) for r in range(n)],
@@ -202,12 +195,12 @@ def stream_rows(model: Transformer, ck, prompts: list[Prompt], cfgs: list, step_
     Bad options raise here, before any work."""
     Ls, steps = zip(*(check_options(model, ck, c) for c in cfgs))
     jobs = [row_prompt(ck, model, p, c) for p, c in zip(prompts, cfgs)]
-    return _rows(model, jobs, list(Ls), list(steps), ck.noise_vocab, ck.tokenizer.eos_id, cfgs,
+    return _rows(model, jobs, list(Ls), list(steps), ck.noise_vocab, ck.tokenizer.eos_ids, cfgs,
                  [c.seed for c in cfgs], step_events)
 
 
 @torch.inference_mode()
-def _rows(model: Transformer, jobs: list[Prompt], Ls: list[int], steps: list[int], N: int, eos_id: int, cfgs: list,
+def _rows(model: Transformer, jobs: list[Prompt], Ls: list[int], steps: list[int], N: int, eos_id: Eos, cfgs: list,
           seeds: list, step_events: bool = False) -> Iterator[Event]:
     clock = Clock()
     longest = max(len(p.ids) + (len(p.canvas) if p.canvas is not None else c.max_new_tokens)
@@ -235,7 +228,7 @@ class Batch(Programs):
         super().__init__(model, capacity)
         self.model = model
 
-    def add(self, p: Prompt, L: int, steps: int, N: int, eos_id: int, cfg, row: int, stats: Stats, *,
+    def add(self, p: Prompt, L: int, steps: int, N: int, eos_id: Eos, cfg, row: int, stats: Stats, *,
             tag: object = None, gen: torch.Generator | None = None, clock: Clock | None = None,
             step_events: bool = False) -> list[tuple[object, Event]]:
         """A new row (p: its prompt, an empty one already replaced by <eos>; cfg: its SampleConfig; gen: its
@@ -262,7 +255,7 @@ class Batch(Programs):
         return super().add(program, window, answer, tag)
 
 
-def _row(p: Prompt, L: int, steps: int, N: int, eos_id: int, cfg, gen: torch.Generator, row: int,
+def _row(p: Prompt, L: int, steps: int, N: int, eos_id: Eos, cfg, gen: torch.Generator, row: int,
          clock: Clock | None, stats: Stats, step_events: bool, dev: torch.device):
     """One row as a program: its events, and a Prefill or Denoise request whenever it needs the model (the answer
     is sent back in). The one-row driver and a batch run the same code."""
@@ -287,7 +280,7 @@ def _row(p: Prompt, L: int, steps: int, N: int, eos_id: int, cfg, gen: torch.Gen
         stats.forwards += used
         ended = False
         if p.canvas is None:
-            tokens, ended = cut_at_eos(tokens, eos_id)
+            tokens, ended = through_eos(tokens, eos_id)
         if clock is not None:
             clock.mark_first()
         yield Commit(tokens, row=row)
@@ -300,7 +293,7 @@ def _row(p: Prompt, L: int, steps: int, N: int, eos_id: int, cfg, gen: torch.Gen
         stats.forwards += 1
 
 
-def _denoise_canvas(model: Transformer, cache, holes: Tensor, pins: Tensor, N: int, eos_id: int, no_eos: bool,
+def _denoise_canvas(model: Transformer, cache, holes: Tensor, pins: Tensor, N: int, eos_id: Eos, no_eos: bool,
                     canvas_index: int, row: int, offset: int, S: int, cfg, gen: torch.Generator,
                     first: Tensor | None = None, step_events: bool = True):
     """Denoise one canvas for at most S steps over a row's own cache (yields Step events); returns (committed
@@ -312,11 +305,12 @@ def _denoise_canvas(model: Transformer, cache, holes: Tensor, pins: Tensor, N: i
                              lambda req: denoise(model, cache, req.canvas[None], pos, req.prev_probs)))
 
 
-def _canvas_program(holes: Tensor, pins: Tensor, N: int, eos_id: int, no_eos: bool, canvas_index: int, row: int,
+def _canvas_program(holes: Tensor, pins: Tensor, N: int, eos_id: Eos, no_eos: bool, canvas_index: int, row: int,
                     offset: int, S: int, cfg, gen: torch.Generator, first: Tensor | None, step_events: bool,
                     dev: torch.device):
     """One canvas as a program: Step events and a Denoise request per step; returns (committed tokens, steps used)."""
     n = holes.shape[0]
+    stop = sorted(eos_set(eos_id))
     canvas = renoise(pins, torch.zeros_like(holes), holes, pins, torch.randint(0, N, (n,), generator=gen, device=dev))
     prev_probs = None
     prev_argmax = None
@@ -325,7 +319,7 @@ def _canvas_program(holes: Tensor, pins: Tensor, N: int, eos_id: int, no_eos: bo
         T = temperature(step, S, cfg.t_max, cfg.t_min)
         raw = align_canvas_logits((yield Denoise(canvas, prev_probs)), first)[0]  # (n, V) clean
         if no_eos:  # a hole inside a template: the text goes on after it
-            raw[holes, eos_id] = float("-inf")
+            raw[holes.nonzero(), torch.tensor(stop, dtype=torch.long, device=dev)] = float("-inf")  # (holes, EOS ids)
         logits = raw / T  # processed logits
         probs = probs_from_logits(logits, 1.0, cfg.top_k, cfg.top_p)  # (n, V) sampling distribution
         ent = entropy(probs)  # (n,)

@@ -53,7 +53,7 @@ from dlm.errors import DlmError
 from dlm.masks import key_valid_mask
 from dlm.model import KVCache, Transformer
 from dlm.sampling import SampleConfig, ar, joint, mdlm, speculative, stream, usdm
-from dlm.sampling.common import Commit, Done, Event, Prompt, Stats, make_generator, sample_token
+from dlm.sampling.common import Commit, Done, Event, Prompt, Stats, eos_set, make_generator, sample_token
 from dlm.drafters import load_drafter
 from dlm.sampling.rows import batchable
 from dlm.sampling.speculative import Drafter, Sampling, SpecStats, rows_batchable
@@ -550,7 +550,7 @@ class ARBatcher(_BatchThread):
         """Choose each row's next token from its logits (n, V) with its own options; emit it."""
         lp = torch.log_softmax(logits.float(), -1) if any(s.logprobs is not None for s in slots) else None
         greedy = logits.argmax(-1).tolist()
-        eos = self.tok.eos_id
+        eos = eos_set(self.tok.eos_ids)
         for i, s in enumerate(slots):
             if s.done:
                 continue
@@ -576,7 +576,7 @@ class ARBatcher(_BatchThread):
             s.job.emit(ev)
             s.produced += 1
             s.last = t
-            if t == eos or s.produced >= s.max_new:
+            if t in eos or s.produced >= s.max_new:
                 s.done = True
 
     def _wasted(self) -> int:
@@ -637,7 +637,7 @@ class RowsBatcher(_BatchThread):
     def _new_batch(self):
         C = 2 * self.model.cfg.max_seq_len  # the longest row plus its longest window
         if self.paradigm == "mdlm":
-            return mdlm.Batch(self.model, C, self.ck.mask_id, self.ck.tokenizer.eos_id)
+            return mdlm.Batch(self.model, C, self.ck.mask_id, self.ck.tokenizer.eos_ids)
         if self.paradigm == "usdm":
             return usdm.Batch(self.model, C)
         return speculative.Batch(self.model, self.drafter.row_model if self.drafter is not None else None, C)
@@ -740,7 +740,7 @@ class RowsBatcher(_BatchThread):
                                   gen=make_generator(cfg.seed, model.device), step_events=step_events)
         L, steps = usdm.check_options(model, ck, cfg)
         p = usdm.row_prompt(ck, model, prompt, cfg)
-        return self.batch.add(p, L, steps, ck.noise_vocab, ck.tokenizer.eos_id, cfg, r.index, r.stats, tag=r,
+        return self.batch.add(p, L, steps, ck.noise_vocab, ck.tokenizer.eos_ids, cfg, r.index, r.stats, tag=r,
                               gen=make_generator(cfg.seed, model.device), step_events=step_events)
 
     def _emit(self, events: list) -> None:

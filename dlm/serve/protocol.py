@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dlm.config import ALIASES
 from dlm.errors import DlmError
 from dlm.sampling import SampleConfig, encode, options_read
-from dlm.sampling.common import Commit, Done, Event, Prompt, Step, Verified
+from dlm.sampling.common import Commit, Done, Event, Prompt, Step, Verified, before_eos, eos_index
 from dlm.sampling.infill import FILL_RE
 from dlm.sampling.speculative import DRAFTER_OPTIONS
 from dlm.serve.engine import Engine, Row, Scored, Served
@@ -475,8 +475,8 @@ class RowText:
         t = self.tokens
         if self.middle is not None:
             return t[:self.middle]
-        if self.canvas is None and self.tok.eos_id in t:
-            return t[:t.index(self.tok.eos_id)]
+        if self.canvas is None:
+            return before_eos(t, self.tok.eos_ids)
         return t
 
     def update(self, final: bool = False) -> str:
@@ -500,7 +500,7 @@ class RowText:
 
     @property
     def ended(self) -> bool:
-        return self.stopped or (self.canvas is None and self.tok.eos_id in self.tokens)
+        return self.stopped or (self.canvas is None and eos_index(self.tokens, self.tok.eos_ids) is not None)
 
     def finish_reason(self) -> str:
         if self.ended or self.canvas is not None:
