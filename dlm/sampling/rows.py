@@ -263,6 +263,13 @@ class RowBatch:
         T, Lc, Cm = max(Ts), max(length), max(Cs)
         if Lc + Cm + T > self.C:
             self._reserve(len(self.length), max(Lc + Cm + T, self.C + self.C // 2))
+        if n == 1 and not windows[0].canvas:  # one row: its own slots are a cache of its own (the one-row forward)
+            b = idx[0]
+            cache = KVCache.__new__(KVCache)
+            cache.k, cache.v, cache.length = self.k[:, b:b + 1], self.v[:, b:b + 1], length[0]
+            res = run_one(model, cache, windows[0])
+            self.length[b] = cache.length
+            return [res]
         dev = self.k.device
         prefix = idx == list(range(n))  # rows 0..n-1: the forward runs on a view of the buffers
         lengths = torch.tensor(length, device=dev)
