@@ -41,6 +41,9 @@ from dlm.sampling.common import Commit, Done, Prompt
 from dlm.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
+
+from test_hf_mdlm import block_causal, tokens  # noqa: E402  (LLaDA 2 generate's block_diffusion_attention_mask is the same
+#                                                   tril over blocks as Fast-dLLM v2 / SDAR's)
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOL = 1e-6  # float64
 E, TOPK, GROUPS, TOPK_GROUP, I, SHARED, SCALE = 8, 3, 4, 2, 24, 1, 2.5
@@ -150,19 +153,6 @@ def imported(tok, tmp_path_factory):
     import_hf(tmp / "hf", tmp / "dlm")
     model, ck = load_model(tmp / "dlm", dtype=torch.float64)
     return ref.double(), tmp / "hf", hf, model, ck
-
-
-def tokens(n: int, seed: int, vocab: int, avoid: tuple[int, ...] = ()) -> torch.Tensor:
-    x = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
-    for a in avoid:
-        x[x == a] = (a + 7) % vocab
-    return x
-
-
-def block_causal(T: int, block: int) -> torch.Tensor:
-    """LLaDA2MoeModelLM.generate's block_diffusion_attention_mask: tril over blocks, repeated over their positions."""
-    b = torch.arange(T) // block
-    return (b[:, None] >= b[None, :])[None, None]
 
 
 def test_import_records_the_conventions_and_the_backbone(imported, tok):
