@@ -318,6 +318,25 @@ def test_export_round_trip_is_exact(imported, tmp_path):
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+def test_export_without_the_source_config_writes_the_layout_keys(imported, tmp_path):
+    """A checkpoint that no longer holds the imported config.json exports one written from its backbone (LLaDA 2's
+    keys: the switches, partial_rotary_factor, the MoE sizes) that imports back to the same model."""
+    _, _, _, _, ck = imported
+    shutil.copytree(ck.path, tmp_path / "ck")
+    meta = json.loads((tmp_path / "ck" / "config.json").read_text())
+    (tmp_path / "ck" / "config.json").write_text(json.dumps({**meta, "hf_config": {}}))
+    model, ck2 = load_model(tmp_path / "ck", dtype=None)
+    export_hf(model, ck2.tokenizer, tmp_path / "out", inputs=(ck2.path,))
+    hf = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (hf["model_type"], hf["partial_rotary_factor"], hf["num_experts"], hf["first_k_dense_replace"],
+            hf["use_bias"], hf["mask_token_id"]) == ("llada2_moe", 0.5, E, 1, False, ck.mask_id)
+    import_hf(tmp_path / "out", tmp_path / "again")
+    again, _ = load_model(tmp_path / "again", dtype=None)
+    assert again.cfg == model.cfg
+    sa, sb = model.state_dict(), again.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
 def test_cli_import_generate_eval_export(imported, tmp_path, capsys):
     """The commands of docs/public-models.md on the tiny folder: import, generate (its preset), eval (the likelihood
     bound over blocks of 32; the execution-based code task), export to the same folder."""
