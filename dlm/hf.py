@@ -39,7 +39,10 @@ def export_hf(model: Transformer, tok: Tokenizer, out: str | os.PathLike, dtype:
         src = Path(inputs[0]) if inputs else None
         meta = read_json(src / "config.json") if src is not None and (src / "config.json").is_file() else {}
         with write_folder(out, overwrite=overwrite, inputs=inputs) as tmp:
-            hf_gemma.export_folder(model, tok, tmp, dtype, meta.get("hf_config"), side_dir=src)
+            source = meta.get("hf_config")
+            if source is not None and meta.get("canvas_length") is not None:  # DiffusionGemma: the canvas it runs
+                source = {**source, "canvas_length": meta["canvas_length"]}
+            hf_gemma.export_folder(model, tok, tmp, dtype, source, side_dir=src)
         return Path(out)
     src = Path(inputs[0]) if inputs else None
     meta = read_json(src / "config.json") if src is not None and (src / "config.json").is_file() else {}

@@ -392,6 +392,9 @@ def _loop(run: Run, quiet: bool, par: Dist = Dist()) -> None:
 
     log = MetricsLog(out / "metrics.jsonl", run.start_step if run.state_dir is not None else None) if par.main else None
     n_params = sum(p.numel() for p in params)
+    # an imported model's transformers config travels on: the export of the fine-tuned model writes it back
+    source = open_checkpoint(cfg.init_from, "--init-from").config if cfg.init_from else {}
+    inherited = {k: source[k] for k in ("hf_config",) if k in source}
 
     def checkpoint(step: int) -> None:
         weights = full_state(model) if cfg.fsdp else model  # FSDP: every process takes part in the gathers
@@ -400,7 +403,8 @@ def _loop(run: Run, quiet: bool, par: Dist = Dist()) -> None:
             return
         mc = getattr(model, "cfg", None)
         meta = {"objective": cfg.objective, "model": mc.to_dict() if mc is not None else {},
-                "train": cfg.to_dict(), "data": cfg.data, "step": step, "params": n_params, **objective.meta()}
+                "train": cfg.to_dict(), "data": cfg.data, "step": step, "params": n_params, **objective.meta(),
+                **inherited}
         save_state(out, weights, opt_state, {"step": step, "config": cfg.to_dict()})
         if cfg.lora_rank:  # the checkpoint: adapters merged, under the plain model's names
             from dlm.lora import merged_state

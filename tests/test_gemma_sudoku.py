@@ -103,6 +103,8 @@ def fine_tune_and_export(capsys, root, variant: str, steps: int) -> None:
     assert json.loads((ft / "config.json").read_text())["tokenizer"]["eos_ids"] == [1, 6]
 
     cli(capsys, "export", "--model", str(ft), "--out", str(hf), "--format", "hf")
+    exported, source = (json.loads((p / "config.json").read_text()) for p in (hf, root / "src"))
+    assert exported["vision_config"] == source["vision_config"] and exported["canvas_length"] == 81  # kept, not reset
     back = DiffusionGemmaForBlockDiffusion.from_pretrained(hf).eval()
     net, fck = load_model(str(ft))
     tok = fck.tokenizer
