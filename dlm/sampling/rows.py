@@ -372,7 +372,7 @@ class _Live:
 
 
 class Programs:
-    """Row programs run together: the live rows. next requests served by one RowBatch forward per step (continuous
+    """Row programs run together: the live rows' next requests served by one RowBatch forward per step (continuous
     batching). `models` beyond the target (a speculating row's drafter: name -> model) each hold a RowBatch of the
     same rows; a request's `on` names the one that serves it, a `Crop` cuts the row's cache there.
 
