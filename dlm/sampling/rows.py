@@ -372,7 +372,7 @@ class _Live:
 
 
 class Programs:
-    """Row programs run together: every live row's next request served by one RowBatch forward per model (continuous
+    """Row programs run together: the live rows' next requests served by one RowBatch forward per step (continuous
     batching). `models` beyond the target (a speculating row's drafter: name -> model) each hold a RowBatch of the
     same rows; a request's `on` names the one that serves it, a `Crop` cuts the row's cache there.
 
@@ -438,18 +438,19 @@ class Programs:
 
     @torch.inference_mode()
     def step(self) -> list[tuple]:
-        """One forward per model that some row asks for (two, in groups, when that is cheaper): every live row's
-        request; returns their events and drops the rows whose program ended."""
+        """One forward (two, in groups, when that is cheaper) of the model most live rows ask for: those rows'
+        requests; returns their events and drops the rows whose program ended.
+
+        Rows that ask another model (speculating rows in another phase: drafting while the others verify) wait a
+        step and fall in with the rest, so the steps after serve every row in one forward."""
         windows = [lv.window(lv.request) for lv in self.live]
-        outs: list = [None] * len(windows)
-        for name, batch in self.batches.items():
-            idx = [i for i, w in enumerate(windows) if w.on == name]
-            if idx:
-                for i, o in zip(idx, batch.forward([windows[i] for i in idx], idx)):
-                    outs[i] = o
+        groups = {name: [i for i, w in enumerate(windows) if w.on == name] for name in self.batches}
+        name = max(groups, key=lambda k: len(groups[k]))
+        idx = groups[name]
+        outs = dict(zip(idx, self.batches[name].forward([windows[i] for i in idx], idx)))
         out: list[tuple] = []
-        ended = [i for i, (lv, o) in enumerate(zip(self.live, outs))
-                 if not self._advance(i, lv.answer(lv.request, o), out)]
+        ended = [i for i, lv in enumerate(self.live)
+                 if i in outs and not self._advance(i, lv.answer(lv.request, outs[i]), out)]
         for i in reversed(ended):
             self.drop(i)
         return out
