@@ -202,8 +202,8 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
         context: --task: tokens of prompt + generation at most (0 = the checkpoint's training window)
         clues: --task sudoku: givens per puzzle, A-B: fresh held-out puzzles of that difficulty (default 40-50;
             easy 40-50, medium 30-40, hard 22-27, extreme 17-21); with --data, only its puzzles in A-B
-        batch: --task, mdlm and usdm checkpoints: cases generated together as rows of one batch (the same answers
-            and tokens per forward, less wall time; 1 = one case at a time)
+        batch: --task, mdlm and usdm checkpoints and --draft: cases generated together as rows of one batch (the
+            same answers and tokens per forward, less wall time; 1 = one case at a time)
     """
     from dlm.checkpoint import load_model
     from dlm.config import check_seed

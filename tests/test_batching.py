@@ -373,3 +373,21 @@ def test_speculative_rows_join_and_leave_a_running_batch(target):
             assert got[r] == alone[:len(got[r])] and len(got[r]) < len(alone)  # it left early
         else:
             assert got[r] == alone, r
+
+
+def test_eval_task_with_a_drafter_in_batches_gives_the_same_answers_and_counters():
+    """`dlm eval --draft D --batch B`: speculative cases as rows of one batch, the same answers, scores, per-case
+    counters and acceptance statistics as case by case (samples > 1: each sample its own seed)."""
+    from dlm.drafters import load_drafter
+    from dlm.tasks import run_task
+
+    model, ck = load_model(CK / "ar-small")
+    drafter = load_drafter(str(CK / "dflash-small"), model, ck)
+    cfg = SampleConfig(max_new_tokens=8, temperature=1.0)
+    one = run_task("complete", model, ck, cfg, drafter=drafter, n=3, samples=2)
+    many = run_task("complete", model, ck, cfg, drafter=drafter, n=3, samples=2, batch=4)
+    keys = ("case", "answer", "exact_match", "edit_similarity", "new_tokens", "forwards", "draft_forwards", "cycles",
+            "tau", "acceptance_histogram")
+    assert [{k: r[k] for k in keys} for r in many["cases"]] == [{k: r[k] for k in keys} for r in one["cases"]]
+    for k in ("tokens_per_forward", "edit_similarity", "tau", "acceptance_histogram", "draft_forwards"):
+        assert many[k] == one[k], k

@@ -151,11 +151,12 @@ def stream(model: nn.Module, ck: Checkpoint, prompts: Sequence[Prompt | Sequence
 
 
 def stream_rows(model: nn.Module, ck: Checkpoint, prompts: Sequence[Prompt | Sequence[int]], cfgs: Sequence[SampleConfig],
-                step_events: bool = False) -> Iterator[Event]:
+                step_events: bool = False, drafter: speculative.Drafter | None = None) -> Iterator[Event]:
     """Rows that each bring their own SampleConfig, its seed included (row r samples with a generator seeded
-    cfgs[r].seed, not seed + r): eval's cases, the server's requests. mdlm and usdm checkpoints run them as rows of
-    one batch (one forward per step for all of them); other paradigms, drafters, --naive and models the row batch
-    cannot run take them one after another. Events carry their row; one Done: totals, each row's own counters in
+    cfgs[r].seed, not seed + r): eval's cases, the server's requests. mdlm and usdm checkpoints, and speculative
+    decoding with `drafter` (each row its own fork of it), run them as rows of one batch (one forward per step and
+    model for all of them); other paradigms, --naive and models the row batch cannot run take them one after
+    another. Events carry their row; one Done: totals, each row's own counters in
     extra["rows"]. Bad options raise here, before any work."""
     ps = [p if isinstance(p, Prompt) else Prompt(list(p)) for p in prompts]
     cfgs = list(cfgs)
@@ -164,6 +165,8 @@ def stream_rows(model: nn.Module, ck: Checkpoint, prompts: Sequence[Prompt | Seq
     for c in cfgs:
         if c.seed is not None:
             check_seed(c.seed)
+    if drafter is not None:
+        return speculative.stream_rows(model, ck, ps, cfgs, drafter)
     if (ck.objective in ("mdlm", "usdm") and batchable(model) and mdlm.rows_fit(ck)
             and not any(c.naive or c.draft for c in cfgs)):
         return SAMPLERS[ck.objective].stream_rows(model, ck, ps, cfgs, step_events)

@@ -727,20 +727,41 @@ def rows_batchable(model: Transformer, drafter: Drafter) -> bool:
     return batchable(model) and (m is None or batchable(m))
 
 
-@torch.inference_mode()
 def run_rows(model: Transformer, ck, ids: list[list[int]], cfg, row, name: str, block_size: int,
              drafter: Drafter | None = None) -> Iterator[Event]:
     """Every prompt as a row program (`row(b, prompt, sampling, spec, clock)` -> (program, its drafter, the slots its
     target cache needs)): in one Batch when there are several and the models allow, else one after another; then
-    one Done with the pooled verify statistics (batched: `forwards` and `draft_forwards` count the batched calls,
+    one Done with the pooled verify statistics (batched: `forwards` and `draft_forwards` count the batched calls;
     extra["rows"] each row's own); with --check-lossless, whether each output is the target's own greedy output."""
     dev = model.device
     clock = Clock()
     specs = [SpecStats() for _ in ids]
     samplings = [Sampling(cfg.temperature, cfg.top_k, cfg.top_p, make_generator(row_seed(cfg.seed, b), dev))
                  for b in range(len(ids))]
-    outputs: list[list[int]] = [[] for _ in ids]
     rows = [row(b, p, samplings[b], specs[b], clock) for b, p in enumerate(ids)]
+    lossless = [cfg.max_new_tokens] * len(ids) if cfg.check_lossless else None
+    return _run(model, ck, ids, rows, specs, clock, name, block_size, drafter, lossless)
+
+
+def stream_rows(model: Transformer, ck, prompts: list[Prompt], cfgs: list, drafter: Drafter) -> Iterator[Event]:
+    """Rows that each bring their own SampleConfig (row r samples with a generator seeded cfgs[r].seed and drafts with
+    its own fork of `drafter`) in one Batch (dlm.sampling.stream_rows: eval's cases). Bad options raise here."""
+    clock = Clock()
+    specs = [SpecStats() for _ in prompts]
+    built = [batch_row(model, ck, p, c, drafter, r, specs[r], clock) for r, (p, c) in enumerate(zip(prompts, cfgs))]
+    rows = [(prog, d, len(p.ids) + c.max_new_tokens + MAX_BLOCK + 1)
+            for (prog, d), p, c in zip(built, prompts, cfgs)]
+    B = max(resolve_block_size(drafter, c.block_size) for c in cfgs)
+    lossless = [c.max_new_tokens for c in cfgs] if any(c.check_lossless for c in cfgs) else None
+    return _run(model, ck, [p.ids for p in prompts], rows, specs, clock, drafter.name, B, drafter, lossless)
+
+
+@torch.inference_mode()
+def _run(model: Transformer, ck, ids: list[list[int]], rows: list[tuple], specs: list[SpecStats], clock: Clock,
+         name: str, block_size: int, drafter: Drafter | None, lossless: list[int] | None) -> Iterator[Event]:
+    outputs: list[list[int]] = [[] for _ in ids]
+    drafters = [d for _, d, _ in rows]
+    f0 = [d.forwards if d is not None else 0 for d in drafters]  # (a lone row drafts with the caller's drafter)
     batched = len(ids) > 1 and all(rows_batchable(model, d) for _, d, _ in rows)
     if batched:
         runner = rows[0][1]
@@ -752,10 +773,10 @@ def run_rows(model: Transformer, ck, ids: list[list[int]], cfg, row, name: str, 
         if isinstance(ev, Commit):
             outputs[ev.row].extend(ev.tokens)
         yield ev
-    drafters = [d for _, d, _ in rows]
-    own_draft = sum(d.forwards for d in drafters) if drafters[0] is not None else 0
-    if drafter is not None and len(ids) > 1:  # the forks' passes, counted on the drafter the caller holds
-        drafter.forwards += own_draft
+    own = [d.forwards - f if d is not None else 0 for d, f in zip(drafters, f0)]  # each row's drafter passes
+    own_draft = sum(own)
+    if drafter is not None and any(d is not drafter for d in drafters):  # the forks' passes, counted on the drafter
+        drafter.forwards += own_draft  # the caller holds
     spec = pooled(specs)
     draft_forwards = own_draft
     if batched:
@@ -763,17 +784,20 @@ def run_rows(model: Transformer, ck, ids: list[list[int]], cfg, row, name: str, 
         draft_forwards = batch.draft_forwards
         spec.verify_seconds, spec.draft_seconds = batch.seconds()
     stats = spec_stats(spec, name, block_size, sum(len(o) for o in outputs), draft_forwards)
+    stats.extra["rows"] = [{"new_tokens": len(o), "forwards": st.forwards, "steps": 0, "canvases": 0,
+                            "draft_forwards": f, "cycles": st.cycles,
+                            "tau": st.committed / st.cycles if st.cycles else 0.0,
+                            "acceptance_histogram": st.histogram + [0] * (block_size + 1 - len(st.histogram))}
+                           for o, st, f in zip(outputs, specs, own)]
     if batched:
-        stats.extra["rows"] = [{"new_tokens": len(o), "forwards": st.forwards, "draft_forwards": d.forwards if d is not None else 0,
-                                "cycles": st.cycles} for o, st, d in zip(outputs, specs, drafters)]
         # a row's passes of the target: its verify passes, and its draft passes when it drafts over the target
-        own = sum(st.forwards + (d.forwards if d is not None and d.row_model is None else 0)
-                  for st, d in zip(specs, drafters))
-        stats.extra["rows_per_forward"] = own / batch.forwards if batch.forwards else 0.0
+        on_target = sum(st.forwards + (f if d is not None and d.row_model is None else 0)
+                        for st, d, f in zip(specs, drafters, own))
+        stats.extra["rows_per_forward"] = on_target / batch.forwards if batch.forwards else 0.0
     done = clock.finish(stats)
-    if cfg.check_lossless:
+    if lossless is not None:
         eos = ck.tokenizer.eos_ids
-        stats.extra["lossless"] = all(o == target_greedy(model, p, cfg.max_new_tokens, eos) for o, p in zip(outputs, ids))
+        stats.extra["lossless"] = all(o == target_greedy(model, p, m, eos) for o, p, m in zip(outputs, ids, lossless))
     yield done
 
 

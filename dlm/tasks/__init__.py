@@ -50,7 +50,8 @@ def _case_row(task: Any, case: Case, req, res) -> dict[str, Any]:
             **res.stats.as_dict(), "tokens": res.tokens[0], "prompt": req.prompt.ids}
 
 
-def run_cases(task: Any, items: list[tuple[Case, Any]], model, ck, context: int = 0) -> list[dict[str, Any]]:
+def run_cases(task: Any, items: list[tuple[Case, Any]], model, ck, context: int = 0,
+              drafter=None) -> list[dict[str, Any]]:
     """Several cases (each with its SampleConfig, seed included) as rows of one batch (dlm.sampling.stream_rows):
     the same answers and per-case counters (new tokens, forwards, steps, canvases: each row's own) as run_case;
     a case's `seconds` is the batch's wall time shared out evenly (latency is not measured per case here)."""
@@ -58,15 +59,19 @@ def run_cases(task: Any, items: list[tuple[Case, Any]], model, ck, context: int 
     from dlm.sampling.common import Result, Stats, drain
 
     ctx = context or window(ck, model)
-    reqs = [task.request(case, ck, cfg, style_of(ck, None, cfg), ctx) for case, cfg in items]
+    reqs = [task.request(case, ck, cfg, style_of(ck, drafter, cfg), ctx) for case, cfg in items]
     cfgs = [cfg.replace(max_new_tokens=req.max_new_tokens) for req, (_, cfg) in zip(reqs, items)]
     tok = ck.tokenizer
-    res = drain(stream_rows(model, ck, [r.prompt for r in reqs], cfgs), tok.decode, tok.eos_ids, rows=len(reqs))
+    res = drain(stream_rows(model, ck, [r.prompt for r in reqs], cfgs, drafter=drafter), tok.decode, tok.eos_ids,
+                rows=len(reqs))
     rows = []
     for i, ((case, _), req) in enumerate(zip(items, reqs)):
         own = res.stats.extra["rows"][i]
         st = Stats(new_tokens=own["new_tokens"], forwards=own["forwards"], canvases=own["canvases"],
-                   steps=own["steps"], seconds=res.stats.seconds / len(reqs))
+                   steps=own["steps"], seconds=res.stats.seconds / len(reqs),
+                   draft_forwards=own.get("draft_forwards", 0))
+        if "tau" in own:  # speculation: the row's own verify-cycle counters
+            st.extra = {k: own[k] for k in ("tau", "cycles", "acceptance_histogram")}
         rows.append(_case_row(task, case, req, Result([res.tokens[i]], [res.texts[i]], st)))
     return rows
 
@@ -98,8 +103,8 @@ def run_task(name: str, model, ck, cfg, drafter=None, data: str | None = None, n
              cases: list[Case] | None = None, samples: int = 1, batch: int = 1) -> dict[str, Any]:
     """Every case of the task (`cases`, else the task's cases of data, n, seed, span) through one method, `samples`
     times each (seeds seed, seed + 1, ...: pass@k); returns the summary with the per-case rows under "cases".
-    batch > 1: an mdlm or usdm checkpoint runs that many cases at once as rows of one batch (the same answers and
-    counters; only the wall time changes); other methods run case by case."""
+    batch > 1: an mdlm or usdm checkpoint, or speculative decoding with `drafter`, runs that many cases at once as rows
+    of one batch (the same answers and counters; only the wall time changes); other methods run case by case."""
     task = task_module(name)
     if samples < 1:
         raise DlmError(f"--samples must be >= 1, got {samples}")
@@ -113,9 +118,9 @@ def run_task(name: str, model, ck, cfg, drafter=None, data: str | None = None, n
     with Progress(disable=not progress, transient=True) as bar:
         job = bar.add_task(f"{name}", total=len(cases) * samples)
         items = [(case, cfg if j == 0 else cfg.replace(seed=cfg.seed + j)) for case in cases for j in range(samples)]
-        if batch > 1 and drafter is None and ck.objective in ("mdlm", "usdm") and not cfg.naive:
+        if batch > 1 and (drafter is not None or ck.objective in ("mdlm", "usdm")) and not cfg.naive:
             for i in range(0, len(items), batch):
-                rows += run_cases(task, items[i:i + batch], model, ck, context)
+                rows += run_cases(task, items[i:i + batch], model, ck, context, drafter)
                 bar.advance(job, len(items[i:i + batch]))
         else:
             for case, c in items:
