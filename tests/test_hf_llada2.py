@@ -36,14 +36,14 @@ from safetensors.torch import load_file, save_file
 from dlm.checkpoint import load_model
 from dlm.errors import DlmError
 from dlm.hf import export_hf, import_hf
-from dlm.sampling import SampleConfig, stream
-from dlm.sampling.common import Commit, Done, Prompt
+from dlm.sampling import SampleConfig
+from dlm.sampling.common import Prompt
 from dlm.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf_mdlm import block_causal, tokens  # noqa: E402  (LLaDA 2 generate's block_diffusion_attention_mask is the same
-#                                                   tril over blocks as Fast-dLLM v2 / SDAR's)
+# (block_causal: LLaDA 2 generate's block_diffusion_attention_mask is the same tril over blocks as SDAR's)
+from test_hf_mdlm import assert_rows_equal_each_row_alone, block_causal, generate_ids, tokens  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOL = 1e-6  # float64
 E, TOPK, GROUPS, TOPK_GROUP, I, SHARED, SCALE = 8, 3, 4, 2, 24, 1, 2.5
@@ -256,16 +256,6 @@ def llada2_reference(ref, prompt: list[int], gen_length: int, block: int, steps:
     return x[0, P:P + gen_length].tolist()
 
 
-def generate_ids(model, ck, prompt: list[int], cfg: SampleConfig, stats: dict | None = None) -> list[int]:
-    out = []
-    for ev in stream(model, ck, [Prompt(prompt)], cfg):
-        if isinstance(ev, Commit):
-            out += ev.tokens
-        if isinstance(ev, Done) and stats is not None:
-            stats.update(ev.stats.as_dict())
-    return out
-
-
 def test_generation_follows_llada2_generate(imported, tok):
     """`dlm generate` on the imported checkpoint runs its recorded preset (blocks of 32, 32 steps a block, threshold
     0.95, whole blocks) and gives the tokens of the reference loop written from LLaDA 2's generate."""
@@ -284,19 +274,8 @@ def test_generation_follows_llada2_generate(imported, tok):
 def test_rows_of_the_imported_model_equal_each_row_alone(imported, tok):
     """Rows of one batch (the server's row batcher, `eval --batch`) share each forward through the experts; each
     row's tokens are the ones it gets alone."""
-    from dlm.sampling import stream_rows
-
     _, _, _, model, ck = imported
-    prompts = [tokens(n, 20 + n, tok.vocab_size, (tok.mask_id, tok.eos_id))[0].tolist() for n in (6, 35, 4)]
-    cfg = SampleConfig(max_new_tokens=12)
-    alone = [generate_ids(model, ck, p, cfg) for p in prompts]
-    got, done = {r: [] for r in range(3)}, None
-    for ev in stream_rows(model, ck, [Prompt(p) for p in prompts], [cfg] * 3):
-        if isinstance(ev, Commit):
-            got[ev.row] += ev.tokens
-        if isinstance(ev, Done):
-            done = ev
-    assert [got[r] for r in range(3)] == alone
+    done = assert_rows_equal_each_row_alone(model, ck, tok, (6, 35, 4))
     assert done.stats.extra.get("rows_per_forward", 1) > 1
 
 

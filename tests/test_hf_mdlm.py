@@ -417,6 +417,25 @@ def generate_ids(model, ck, prompt: list[int], cfg: SampleConfig, stats: dict | 
             stats.update(ev.stats.as_dict())
     return out
 
+def assert_rows_equal_each_row_alone(model, ck, tok, lengths: tuple[int, ...]):
+    """Prompts of these lengths as rows of one batch (dlm.sampling.stream_rows: what the server's row batcher and
+    `eval --batch` run) give each row the tokens it gets alone; returns the batch's Done."""
+    from dlm.sampling import stream_rows
+    from dlm.sampling.common import Commit, Done
+
+    prompts = [tokens(n, 20 + n, tok.vocab_size, (tok.mask_id, tok.eos_id))[0].tolist() for n in lengths]
+    cfg = SampleConfig(max_new_tokens=12)
+    alone = [generate_ids(model, ck, p, cfg) for p in prompts]
+    got, done = {r: [] for r in range(len(prompts))}, None
+    for ev in stream_rows(model, ck, [Prompt(p) for p in prompts], [cfg] * len(prompts)):
+        if isinstance(ev, Commit):
+            got[ev.row] += ev.tokens
+        if isinstance(ev, Done):
+            done = ev
+    assert [got[r] for r in range(len(prompts))] == alone
+    return done
+
+
 
 def fast_dllm_prefix_reference(ref, prompt: list[int], gen_length: int, block_length: int, threshold: float,
                                mask_id: int, shift: bool = False):
@@ -737,20 +756,8 @@ def test_rows_of_an_imported_model_equal_each_row_alone(imported, tok, family):
     """dlm.sampling.stream_rows (what the server's row batcher and `eval --batch` run): an imported block-causal model
     (SDAR) shares one forward per step across rows with its preset and its own <mask> id; a shifted full-attention
     one (Dream) runs its rows in turn. Either way each row's tokens are the row's alone."""
-    from dlm.sampling import stream_rows
-    from dlm.sampling.common import Commit, Done
-
     _, _, _, model, ck = imported[family]
-    prompts = [tokens(n, 20 + n, tok.vocab_size, (tok.mask_id, tok.eos_id))[0].tolist() for n in (6, 9, 4)]
-    cfg = SampleConfig(max_new_tokens=12)
-    alone = [generate_ids(model, ck, p, cfg) for p in prompts]
-    got, done = {r: [] for r in range(3)}, None
-    for ev in stream_rows(model, ck, [Prompt(p) for p in prompts], [cfg] * 3):
-        if isinstance(ev, Commit):
-            got[ev.row] += ev.tokens
-        if isinstance(ev, Done):
-            done = ev
-    assert [got[r] for r in range(3)] == alone
+    done = assert_rows_equal_each_row_alone(model, ck, tok, (6, 9, 4))
     if family == "sdar":  # rows really shared forwards
         assert done.stats.extra.get("rows_per_forward", 1) > 1
 
