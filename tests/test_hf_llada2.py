@@ -43,7 +43,7 @@ from dlm.tokenizer import Tokenizer
 transformers = pytest.importorskip("transformers")
 
 # (block_causal: LLaDA 2 generate's block_diffusion_attention_mask is the same tril over blocks as SDAR's)
-from test_hf_mdlm import assert_rows_equal_each_row_alone, block_causal, generate_ids, tokens  # noqa: E402
+from test_hf_mdlm import assert_import_refuses, assert_rows_equal_each_row_alone, block_causal, generate_ids, tokens  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOL = 1e-6  # float64
 E, TOPK, GROUPS, TOPK_GROUP, I, SHARED, SCALE = 8, 3, 4, 2, 24, 1, 2.5
@@ -381,13 +381,7 @@ def test_lm_eval_adapter_reads_the_block_view(imported, tok):
 ])
 def test_import_refuses_folders_that_do_not_fit(imported, change, msg, tmp_path):
     _, folder, hf, _, _ = imported
-    bad = tmp_path / "bad"
-    shutil.copytree(folder, bad)
-    (bad / "config.json").write_text(json.dumps({**hf, **change}))
-    with pytest.raises(DlmError, match=msg) as e:
-        import_hf(bad, tmp_path / "out")
-    assert "\n" not in str(e.value)
-    assert not (tmp_path / "out").exists()
+    assert_import_refuses(folder, hf, change, msg, tmp_path)
 
 
 def test_a_stray_expert_tensor_is_refused(imported, tmp_path):

@@ -435,6 +435,18 @@ def assert_rows_equal_each_row_alone(model, ck, tok, lengths: tuple[int, ...]):
     assert [got[r] for r in range(len(prompts))] == alone
     return done
 
+def assert_import_refuses(folder, hf: dict, change: dict, msg: str, tmp_path) -> None:
+    """The public folder with its config.json changed by `change` is refused in one line naming `msg`, and nothing
+    is written."""
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    (bad / "config.json").write_text(json.dumps({**hf, **change}))
+    with pytest.raises(DlmError, match=msg) as e:
+        import_hf(bad, tmp_path / "out")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
 
 
 def fast_dllm_prefix_reference(ref, prompt: list[int], gen_length: int, block_length: int, threshold: float,
@@ -675,13 +687,7 @@ def test_published_configs_map_to_their_sizes(hf, params, conv, tmp_path):
 ])
 def test_import_refuses_folders_that_do_not_fit(imported, family, change, msg, tmp_path):
     _, folder, hf, _, _ = imported[family]
-    bad = tmp_path / "bad"
-    shutil.copytree(folder, bad)
-    (bad / "config.json").write_text(json.dumps({**hf, **change}))
-    with pytest.raises(DlmError, match=msg) as e:
-        import_hf(bad, tmp_path / "out")
-    assert "\n" not in str(e.value)
-    assert not (tmp_path / "out").exists()
+    assert_import_refuses(folder, hf, change, msg, tmp_path)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

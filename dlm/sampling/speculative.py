@@ -173,7 +173,23 @@ class PromptLookup:
         pass
 
 
-class ARDraft:
+class _OwnModel:
+    """A drafter with a model of its own (`model`, `capacity`): its requests run on that model (`row_model`); alone,
+    over a cache of its own, made on the first request."""
+
+    @property
+    def row_model(self) -> Transformer:
+        return self.model
+
+    def answer(self, request):
+        if self.cache is None:
+            self.cache = self.model.new_cache(1, self.capacity)
+        if isinstance(request, Crop):
+            return self.cache.crop(request.length)
+        return run_one(self.model, self.cache, request)
+
+
+class ARDraft(_OwnModel):
     """A small AR model (same tokenizer) drafting one token per forward with its own KV cache."""
 
     taps: tuple[int, ...] = ()
@@ -191,21 +207,10 @@ class ARDraft:
     def bind(self, cache: KVCache) -> None:
         pass
 
-    @property
-    def row_model(self) -> Transformer:
-        return self.model
-
     def reset(self, prompt: Tensor, feats: Tensor | None) -> None:
         self.cache = None  # its own cache, made on the first request of the one-row path
         self.cached = 0  # positions in its cache
         self.base = 0
-
-    def answer(self, request):
-        if self.cache is None:
-            self.cache = self.model.new_cache(1, self.capacity)
-        if isinstance(request, Crop):
-            return self.cache.crop(request.length)
-        return run_one(self.model, self.cache, request)
 
     def propose(self, seq: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
         return finish(self.draft(seq, k), self.answer)
@@ -338,7 +343,7 @@ class DFlashDraft:
         self.pending = torch.cat((self.pending, self._feats(ids, feats)), dim=1)
 
 
-class DiffusionDraft:
+class DiffusionDraft(_OwnModel):
     """A masked-diffusion checkpoint (mdlm, or a joint model's diffusion mode) with the target's tokenizer as the
     drafter: the k slots after the committed tokens are <mask>, denoised in one pass (or up to 3 with
     --draft-passes: slots the model is sure of, p >= 0.9, are kept, the others re-predicted given them). It reads
@@ -367,20 +372,9 @@ class DiffusionDraft:
     def bind(self, cache: KVCache) -> None:
         pass
 
-    @property
-    def row_model(self) -> Transformer:
-        return self.model
-
     def reset(self, prompt: Tensor, feats: Tensor | None) -> None:
         self.cache = None  # its own cache, made on the first request of the one-row path
         self.cached = 0
-
-    def answer(self, request):
-        if self.cache is None:
-            self.cache = self.model.new_cache(1, self.capacity)
-        if isinstance(request, Crop):
-            return self.cache.crop(request.length)
-        return run_one(self.model, self.cache, request)
 
     def propose(self, seq: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
         return finish(self.draft(seq, k), self.answer)
