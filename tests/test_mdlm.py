@@ -23,7 +23,7 @@ from dlm.objectives.mdlm import (
 from dlm.sampling import SampleConfig, generate
 from dlm.sampling.common import Commit, Step
 from dlm.sampling.mdlm import (
-    Rule, denoise_step, plan_blocks, select_confidence, select_entropy_bound, select_random, select_threshold,
+    Rule, denoise_step, plan_blocks, top_margin, select_confidence, select_entropy_bound, select_random, select_threshold,
     step_budget,
 )
 
@@ -188,6 +188,24 @@ def test_confidence_threshold_random_rules():
     assert int(r.sum()) == 2 and not r[4]
 
 
+def test_margin_rule_waits_on_a_position_torn_between_two_tokens():
+    """Position 0 is likelier (0.5 for its first token) but torn (0.45 for its second); position 1's first token is
+    less likely (0.4) but far ahead of the rest: confidence commits 0, the margin rule 1 (one per step), and with a
+    threshold every position whose margin reaches it."""
+    probs = torch.tensor([[0.50, 0.45, 0.05, 0.00], [0.40, 0.20, 0.20, 0.20], [0.97, 0.01, 0.01, 0.01]])
+    logits = probs.clamp_min(1e-9).log()
+    margin = top_margin(logits)
+    assert torch.allclose(margin, torch.tensor([0.05, 0.20, 0.96]), atol=1e-5)
+    x = torch.zeros(3, dtype=torch.long)
+    free = torch.tensor([True, True, False])
+    _, conf_pick, _ = denoise_step(logits, x, free, Rule("confidence"), 1)
+    _, margin_pick, _ = denoise_step(logits, x, free, Rule("margin", threshold=1.0), 1)
+    assert conf_pick.tolist() == [True, False, False] and margin_pick.tolist() == [False, True, False]
+    free = torch.ones(3, dtype=torch.bool)
+    assert denoise_step(logits, x, free, Rule("margin", threshold=0.9), 1)[1].tolist() == [False, False, True]
+    assert denoise_step(logits, x, free, Rule("margin", threshold=0.1), 1)[1].tolist() == [False, True, True]
+
+
 def entropy_logits(widths: list[int], V: int = 16) -> torch.Tensor:
     """Row i is uniform over its first widths[i] tokens: entropy log(widths[i])."""
     logits = torch.full((len(widths), V), -1e4)
@@ -243,6 +261,7 @@ SETTINGS = [
     dict(),
     dict(sampler="threshold", threshold=0.5),
     dict(sampler="entropy_bound", entropy_bound=0.5),
+    dict(sampler="margin", threshold=0.3),
     dict(block_size=8, steps=3),
     dict(sampler="confidence", remasking="random", steps=4),
     dict(temperature=1.0, top_k=20, seed=3, sampler="entropy_bound", entropy_bound=1.0),

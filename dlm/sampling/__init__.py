@@ -61,7 +61,7 @@ class SampleConfig:
         top_p: nucleus sampling mass in (0, 1]
         seed: makes sampling reproducible
         naive: AR, mdlm: recompute the whole sequence every step (no KV cache)
-        sampler: confidence | threshold | entropy_bound | entropy (mdlm); entropy_bound (usdm); ar | self-spec-linear | self-spec-linear-ar | self-spec-quadratic | confidence | threshold | entropy_bound (joint); auto = the paradigm's default
+        sampler: confidence | threshold | entropy_bound | entropy | margin (mdlm); entropy_bound (usdm); ar | self-spec-linear | self-spec-linear-ar | self-spec-quadratic | confidence | threshold | entropy_bound | entropy | margin (joint); auto = the paradigm's default
         steps: denoising steps per block (mdlm; default: one token per step; threshold / entropy_bound: at most this many) or per canvas at most (usdm; default 48)
         threshold: mdlm threshold sampler: commit every position with confidence >= this
         entropy_bound: entropy-bound acceptance: cumulative entropy minus its largest entropy <= this

@@ -2,7 +2,7 @@
 
 `--sampler`:
   ar                   the AR half alone: KV-cached decoding (sampling/ar.py)
-  confidence | threshold | entropy_bound
+  confidence | threshold | entropy_bound | entropy | margin
                        the diffusion half: the mdlm samplers, block by block, the finished blocks
                        written causally as the AR half computes them (sampling/mdlm.py)
   self-spec-linear     (auto) two forwards per cycle: a draft pass [last token, <mask> x (B-1)],

@@ -15,6 +15,11 @@ position and commits some of them by a rule:
                  entropy minus its largest entropy <= `--entropy-bound` (at least one)
   entropy        Dream's entropy order: the k positions whose predictive distribution has the lowest
                  entropy, k from the same budget as confidence
+  margin         top-probability margin (Kim et al. 2025, "Train for the worst, plan for the best"): every
+                 position whose two most likely tokens are at least `--threshold` apart in probability, at
+                 least the k with the widest margin (k from the budget); `--threshold 1` is the pure order
+                 (the k widest margins). A position torn between two tokens waits, however likely the
+                 first of them
 
 With `--steps` the adaptive rules commit at least the budget of the step too, so a block never takes
 more than `--steps` passes (without `--revise`).
@@ -92,7 +97,7 @@ from dlm.sampling.common import (
 )
 from dlm.sampling.rows import Programs, Window, batch_stats, batchable, drive
 
-RULES = ("confidence", "threshold", "entropy_bound", "entropy")
+RULES = ("confidence", "threshold", "entropy_bound", "entropy", "margin")
 MAX_REVISIONS = 3  # --revise: times one position may be sent back to <mask> (so a block always ends)
 # the SampleConfig fields this sampler reads (see dlm.sampling.OPTIONS)
 OPTIONS = frozenset({"temperature", "top_k", "top_p", "naive", "sampler", "steps", "threshold", "entropy_bound",
@@ -186,19 +191,28 @@ def select_entropy_bound(ent: Tensor, masked: Tensor, bound: float, k_min: int =
 class Rule:
     """Which positions a denoising step commits."""
 
-    kind: str = "confidence"  # confidence | threshold | entropy_bound | entropy
+    kind: str = "confidence"  # confidence | threshold | entropy_bound | entropy | margin
     threshold: float = 0.9
     bound: float = 0.1
     random: bool = False  # confidence: random remasking instead of low-confidence
 
-    def select(self, conf: Tensor, ent: Tensor, masked: Tensor, k: int, gen: torch.Generator | None) -> Tensor:
+    def select(self, conf: Tensor, ent: Tensor, masked: Tensor, k: int, gen: torch.Generator | None,
+               margin: Tensor | None = None) -> Tensor:
         if self.kind == "threshold":
             return select_threshold(conf, masked, self.threshold, k)
+        if self.kind == "margin":  # (margin: top_margin of the step's logits)
+            return select_threshold(margin, masked, self.threshold, k)
         if self.kind == "entropy_bound":
             return select_entropy_bound(ent, masked, self.bound, k)
         if self.kind == "entropy":  # Dream: the k lowest-entropy positions
             return top_k_of(-ent, masked, k)
         return select_random(masked, k, gen) if self.random else select_confidence(conf, masked, k)
+
+
+def top_margin(logits: Tensor) -> Tensor:
+    """logits (N, V) -> (N,): the probability of each position's most likely token minus that of its second."""
+    top2 = torch.softmax(logits.float(), dim=-1).topk(2, dim=-1).values
+    return top2[:, 0] - top2[:, 1]
 
 
 def propose(logits: Tensor, temperature: float, top_k: int, top_p: float,
@@ -224,7 +238,8 @@ def denoise_step(logits: Tensor, x: Tensor, masked: Tensor, rule: Rule, k: int, 
                            for t, part in zip((x, x.float(), x.float()), propose(logits[at], 0.0, top_k, top_p, gen)))
     else:  # a draw for every position (what each row's generator consumes stays as it was)
         cand, conf, ent = propose(logits, temperature, top_k, top_p, gen)
-    chosen = rule.select(conf, ent, masked, k, gen)
+    margin = top_margin(logits) if rule.kind == "margin" else None
+    chosen = rule.select(conf, ent, masked, k, gen, margin)
     return torch.where(chosen, cand, x), chosen, float(ent[masked].mean())
 
 
