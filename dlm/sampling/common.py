@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Collection, Iterator, Sequence
@@ -273,14 +274,20 @@ MIDPOINT_UNITS = 16  # torch's log1p and the C library's differ by at most one u
 
 
 def _exponentials(shape, gen: torch.Generator | None) -> Tensor:
-    u = torch.rand(shape, dtype=torch.float64, generator=gen)
-    e = torch.log1p(-u).neg_()
-    # within MIDPOINT_UNITS units of the float64 of a float32 rounding midpoint: the 29 low mantissa bits, which float32
-    # rounds away, near 2^28
+    gen = gen if gen is not None else torch.default_generator
+    state = gen.get_state()  # (to draw the uniforms again for the few values recomputed below)
+    e = torch.rand(shape, dtype=torch.float64, generator=gen).neg_().log1p_().neg_()  # in place: a single buffer
+    # the float64s within MIDPOINT_UNITS units of a float32 rounding midpoint: the 29 low mantissa bits, which float32
+    # rounds away (in the low 32-bit word), near 2^28
     m = MIDPOINT_UNITS
-    near = ((e.view(torch.int64) - ((1 << 28) - m)) & ((1 << 29) - 1)) <= 2 * m
+    low = e.view(torch.int32).view(*e.shape[:-1], -1, 2)[..., 0]
+    near = ((low - ((1 << 28) - m)) & ((1 << 29) - 1)) <= 2 * m
     q = e.float()
     if bool(near.any()):
+        now = gen.get_state()
+        gen.set_state(state)
+        u = torch.rand(shape, dtype=torch.float64, generator=gen)
+        gen.set_state(now)
         at = near.nonzero(as_tuple=True)
         q[at] = torch.tensor([-math.log1p(-x) for x in u[at].tolist()], dtype=torch.float64).float()
     return q
@@ -289,6 +296,8 @@ def _exponentials(shape, gen: torch.Generator | None) -> Tensor:
 @functools.cache
 def _exact_exponentials() -> bool:
     """Whether _exponentials draws exponential_'s very values (a probe of 2^16 draws, and the generator's state)."""
+    if sys.byteorder != "little":  # (the low word of a float64 is read as the first int32)
+        return False
     a, b = torch.Generator().manual_seed(20240), torch.Generator().manual_seed(20240)
     want = torch.empty(1 << 16).exponential_(1, generator=a)
     return torch.equal(_exponentials(want.shape, b), want) and torch.equal(a.get_state(), b.get_state())
