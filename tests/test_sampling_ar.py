@@ -155,7 +155,7 @@ def test_exponentials_are_exponential_draws(monkeypatch):
     assert common._exact_exponentials()
     for units in (common.MIDPOINT_UNITS, 1 << 26):
         monkeypatch.setattr(common, "MIDPOINT_UNITS", units)
-        for shape in ((32, 4096), (3, 5, 7), (1,), (1 << 20,)):
+        for shape in ((32, 4096), (3, 5, 7), (1,), (1 << 20,), (0, 9)):
             a, b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
             want = torch.empty(shape).exponential_(1, generator=a)
             assert torch.equal(common.exponentials(want, b), want) and torch.equal(a.get_state(), b.get_state())

@@ -256,7 +256,8 @@ NONFINITE = ("the model's output holds NaN or infinite values: its weights are d
 
 def exponentials(like: Tensor, gen: torch.Generator | None) -> Tensor:
     """Exp(1) draws shaped like `like`: the values `torch.empty_like(like).exponential_(1, generator=gen)` draws, from
-    the same words of the generator (which ends in the same state); for a CPU float32 tensor at about half the cost.
+    the same words of the generator (which ends in the same state); for a CPU float32 tensor and a generator of
+    its own at about half the cost.
 
     torch's CPU kernel draws each value as -log1p(-u), u a float64 uniform (53 bits of one 64-bit word), with the C
     library's log1p one value at a time, then rounds it to float32. Here the uniforms come from torch.rand (the same
@@ -265,7 +266,8 @@ def exponentials(like: Tensor, gen: torch.Generator | None) -> Tensor:
     rounding midpoint (about one value in 10^8): those are recomputed with the C library's log1p (math.log1p). Whether
     this reproduces exponential_ for the torch at hand is checked once, on a probe; if it does not, exponential_ draws.
     """
-    if like.device.type != "cpu" or like.dtype != torch.float32 or not _exact_exponentials():
+    # (gen None is torch's default generator, which other threads may draw from between two reads of its state)
+    if gen is None or like.device.type != "cpu" or like.dtype != torch.float32 or not _exact_exponentials():
         return torch.empty_like(like).exponential_(1, generator=gen)
     return _exponentials(like.shape, gen)
 
@@ -273,14 +275,13 @@ def exponentials(like: Tensor, gen: torch.Generator | None) -> Tensor:
 MIDPOINT_UNITS = 16  # torch's log1p and the C library's differ by at most one unit of the float64
 
 
-def _exponentials(shape, gen: torch.Generator | None) -> Tensor:
-    gen = gen if gen is not None else torch.default_generator
+def _exponentials(shape, gen: torch.Generator) -> Tensor:
     state = gen.get_state()  # (to draw the uniforms again for the few values recomputed below)
     e = torch.rand(shape, dtype=torch.float64, generator=gen).neg_().log1p_().neg_()  # in place: a single buffer
     # the float64s within MIDPOINT_UNITS units of a float32 rounding midpoint: the 29 low mantissa bits, which float32
     # rounds away (in the low 32-bit word), near 2^28
     m = MIDPOINT_UNITS
-    low = e.view(torch.int32).view(*e.shape[:-1], -1, 2)[..., 0]
+    low = e.view(torch.int32)[..., 0::2]
     near = ((low - ((1 << 28) - m)) & ((1 << 29) - 1)) <= 2 * m
     q = e.float()
     if bool(near.any()):
