@@ -9,7 +9,7 @@ from dlm.errors import DlmError
 from dlm.model import Transformer
 from dlm.sampling import SampleConfig, generate
 from dlm.sampling.ar import decode, decode_naive
-from dlm.sampling.common import Commit, Done, drain, probs_from_logits, sample_token
+from dlm.sampling.common import Commit, Done, drain, probs_from_logits, sample_from, sample_token
 
 
 def tokens(events):
@@ -122,3 +122,43 @@ def test_a_fim_trained_ar_checkpoint_infills_with_a_suffix():
         generate(m2, ck2, "x", SampleConfig(suffix="y"))
     with pytest.raises(DlmError, match="one hole"):
         generate(m, ck, "a <fill> b <fill> c", SampleConfig())
+
+
+def test_sample_from_draws_what_multinomial_draws():
+    """The same tokens as torch.multinomial(probs, 1) from the same generator, which ends in the same state:
+    softmaxes over a large vocabulary, peaked and flat rows, zeros, unnormalized weights, float64, one row."""
+    g = torch.Generator().manual_seed(1)
+    cases = [torch.softmax(torch.randn(32, 4096, generator=g) * s, -1) for s in (0.5, 3.0, 30.0)]
+    cases += [torch.tensor([[0.0, 0.2, 0.0, 0.8], [3.0, 0.0, 1.0, 0.0]]),  # zeros; weights that do not sum to 1
+              torch.softmax(torch.randn(5, 7, 300, generator=g, dtype=torch.float64), -1), torch.tensor([0.1, 0.9])]
+    for probs in cases:
+        a, b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+        for _ in range(3):
+            want = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=a).reshape(probs.shape[:-1])
+            assert torch.equal(sample_from(probs, b), want)
+        assert torch.equal(a.get_state(), b.get_state())
+
+
+def test_sample_from_refuses_a_distribution_it_cannot_draw_from():
+    for bad, msg in (([[0.5, float("nan")]], "NaN or infinite"), ([[0.5, float("inf")]], "NaN or infinite"),
+                     ([[0.5, 0.5], [0.0, 0.0]], "no probability mass")):
+        with pytest.raises(DlmError, match=msg):
+            sample_from(torch.tensor(bad), torch.Generator().manual_seed(0))
+
+
+def test_exponentials_are_exponential_draws(monkeypatch):
+    """The fast draws are exponential_'s values, bit for bit, and leave the generator where exponential_ does (their
+    probe passes on this torch); so are the values near a float32 rounding midpoint, recomputed one by one (here a
+    quarter of them, where one in 10^7 is in use)."""
+    from dlm.sampling import common
+
+    assert common._exact_exponentials()
+    for units in (common.MIDPOINT_UNITS, 1 << 26):
+        monkeypatch.setattr(common, "MIDPOINT_UNITS", units)
+        for shape in ((32, 4096), (3, 5, 7), (1,), (1 << 20,), (0, 9)):
+            a, b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+            want = torch.empty(shape).exponential_(1, generator=a)
+            assert torch.equal(common.exponentials(want, b), want) and torch.equal(a.get_state(), b.get_state())
+    for like in (torch.empty(4, 9, dtype=torch.float64), torch.empty(4, 9, dtype=torch.bfloat16)):  # exponential_
+        a, b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+        assert torch.equal(common.exponentials(like, b), torch.empty_like(like).exponential_(1, generator=a))

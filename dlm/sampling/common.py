@@ -27,6 +27,9 @@ or None for none), and what follows the first one is never output.
 
 from __future__ import annotations
 
+import functools
+import math
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Collection, Iterator, Sequence
@@ -229,7 +232,9 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
 
 def probs_from_logits(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     """The sampling distribution (…, V) in fp32: temperature, then top-k, then top-p (nucleus)."""
-    logits = logits.float() / max(temperature, 1e-6)
+    logits = logits.float()
+    if temperature != 1.0:  # (x / 1.0 is x: the pass is skipped, not the arithmetic changed)
+        logits = logits / max(temperature, 1e-6)
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -245,13 +250,80 @@ def probs_from_logits(logits: Tensor, temperature: float = 1.0, top_k: int = 0, 
     return probs
 
 
+NONFINITE = ("the model's output holds NaN or infinite values: its weights are damaged, or the dtype overflowed "
+             "(try float32)")
+
+
+def exponentials(like: Tensor, gen: torch.Generator | None) -> Tensor:
+    """Exp(1) draws shaped like `like`: the values `torch.empty_like(like).exponential_(1, generator=gen)` draws, from
+    the same words of the generator (which ends in the same state); for a CPU float32 tensor and a generator of
+    its own at about half the cost.
+
+    torch's CPU kernel draws each value as -log1p(-u), u a float64 uniform (53 bits of one 64-bit word), with the C
+    library's log1p one value at a time, then rounds it to float32. Here the uniforms come from torch.rand (the same
+    words, the same u) and log1p is torch's vectorized one, which can differ from the C library's in the last bit of the
+    float64. After rounding to float32 that can matter only for a float64 within a few of its units of a float32
+    rounding midpoint (about one value in 10^8): those are recomputed with the C library's log1p (math.log1p). Whether
+    this reproduces exponential_ for the torch at hand is checked once, on a probe; if it does not, exponential_ draws.
+    """
+    # (gen None is torch's default generator, which other threads may draw from between two reads of its state)
+    if gen is None or like.device.type != "cpu" or like.dtype != torch.float32 or not _exact_exponentials():
+        return torch.empty_like(like).exponential_(1, generator=gen)
+    return _exponentials(like.shape, gen)
+
+
+MIDPOINT_UNITS = 16  # torch's log1p and the C library's differ by at most one unit of the float64
+
+
+def _exponentials(shape, gen: torch.Generator) -> Tensor:
+    state = gen.get_state()  # (to draw the uniforms again for the few values recomputed below)
+    e = torch.rand(shape, dtype=torch.float64, generator=gen).neg_().log1p_().neg_()  # in place: a single buffer
+    # the float64s within MIDPOINT_UNITS units of a float32 rounding midpoint: the 29 low mantissa bits, which float32
+    # rounds away (in the low 32-bit word), near 2^28
+    m = MIDPOINT_UNITS
+    low = e.view(torch.int32)[..., 0::2]
+    near = ((low - ((1 << 28) - m)) & ((1 << 29) - 1)) <= 2 * m
+    q = e.float()
+    if bool(near.any()):
+        now = gen.get_state()
+        gen.set_state(state)
+        u = torch.rand(shape, dtype=torch.float64, generator=gen)
+        gen.set_state(now)
+        at = near.nonzero(as_tuple=True)
+        q[at] = torch.tensor([-math.log1p(-x) for x in u[at].tolist()], dtype=torch.float64).float()
+    return q
+
+
+@functools.cache
+def _exact_exponentials() -> bool:
+    """Whether _exponentials draws exponential_'s very values (a probe of 2^16 draws, and the generator's state)."""
+    if sys.byteorder != "little":  # (the low word of a float64 is read as the first int32)
+        return False
+    a, b = torch.Generator().manual_seed(20240), torch.Generator().manual_seed(20240)
+    want = torch.empty(1 << 16).exponential_(1, generator=a)
+    return torch.equal(_exponentials(want.shape, b), want) and torch.equal(a.get_state(), b.get_state())
+
+
 def sample_from(probs: Tensor, gen: torch.Generator | None) -> Tensor:
-    """One draw per row of probs (…, V) -> (…,)."""
+    """One draw per row of probs (…, V) -> (…,), the token torch.multinomial(probs, 1) draws from the same generator.
+
+    On the CPU it is multinomial's own method, without multinomial's checks over the whole distribution (three
+    passes and three host reads per call): q ~ Exp(1) per entry from gen, the argmax of probs / q. A distribution
+    with NaN or infinite values, or with no mass, is refused from the entry that draw picks (a NaN or an infinity
+    always wins the argmax; a distribution without mass picks a zero)."""
     flat = probs.reshape(-1, probs.shape[-1])
-    if not bool(torch.isfinite(flat).all()):  # (torch.multinomial would fail with an internal error)
-        raise DlmError("the model's output holds NaN or infinite values: its weights are damaged, or the dtype "
-                       "overflowed (try float32)")
-    return torch.multinomial(flat, 1, generator=gen).reshape(probs.shape[:-1])
+    if flat.device.type != "cpu":
+        if not bool(torch.isfinite(flat).all()):  # (torch.multinomial would fail with an internal error)
+            raise DlmError(NONFINITE)
+        return torch.multinomial(flat, 1, generator=gen).reshape(probs.shape[:-1])
+    q = exponentials(flat, gen)
+    tokens = torch.div(flat, q, out=q).argmax(-1)
+    picked = flat.gather(-1, tokens[:, None])
+    if not bool(((picked > 0) & (picked < float("inf"))).all()):
+        if not bool(torch.isfinite(flat).all()):
+            raise DlmError(NONFINITE)
+        raise DlmError("a sampling distribution has no probability mass (every entry is zero)")
+    return tokens.reshape(probs.shape[:-1])
 
 
 def draw(logits: Tensor, temperature: float, top_k: int, top_p: float,
