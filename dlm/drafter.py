@@ -31,7 +31,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dlm.config import ModelConfig
@@ -70,10 +69,11 @@ class DynamicConv(nn.Module):
 
     def _conv(self, x: Tensor, coef: Tensor) -> Tensor:
         """x (B, T, D) convolved with the per-position kernels coef (B, T, K, D): a few whole-tensor calls (at a
-        draft block's size each call costs about its dispatch, so the count is the cost)."""
+        draft block's size each call costs about its dispatch, so the count is the cost: the shifted terms are added
+        in place, into the positions they reach)."""
         out = x * coef[:, :, 0]
         for o in range(1, min(self.kernel, x.shape[1])):  # + coef_o * x_{t-o}; zeros before the first position
-            out = out + F.pad(x, (0, 0, o, -o)) * coef[:, :, o]
+            out[:, o:].addcmul_(x[:, :-o], coef[:, o:, o])
         return out
 
     def prepare(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -128,42 +128,36 @@ class CandidateSelector(nn.Module):
                gen: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor | None]:
         """h (B, S, D), logits (B, S, V), anchor (B,) -> tokens (B, S), candidates (B, S, k), q (B, S, k) or None.
 
-        All scores are computed in one pass: slot 0's after the anchor (B, k), and for each later slot a table
-        (B, S-1, k, k) of every candidate after every candidate of the slot before; the walk left to right then
-        only reads rows of those tables (a Python loop over S small lists, no tensor work per slot)."""
+        All scores are computed in one pass, as a table (B, S, k, k) of every candidate of a slot after every
+        candidate of the slot before (slot 0: after the anchor, its k rows alike); each row's choice is made on
+        the tensor (the argmax, or the inverse CDF at a uniform draw), so the walk left to right only follows
+        (B, S, k) small integers in Python."""
         unary, cands = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1, sorted=False)
         B, S, k = cands.shape
-        hp = self.hidden_projection(h)  # (B, S, R)
-        succ = self.successor_codebook(cands)  # (B, S, k, R)
-        first = unary[:, 0] + torch.einsum("br,bkr->bk", self.predecessor_codebook(anchor) * hp[:, 0], succ[:, 0])
-        table = unary[:, 1:, None, :] + torch.einsum(
-            "bsir,bsjr->bsij", self.predecessor_codebook(cands[:, :-1]) * hp[:, 1:, None, :], succ[:, 1:])
+        prev = torch.cat((anchor[:, None, None].expand(B, 1, k), cands[:, :-1]), dim=1)  # (B, S, k) predecessors
+        a = self.predecessor_codebook(prev) * self.hidden_projection(h)[:, :, None]  # (B, S, k, R)
+        table = unary[:, :, None] + a @ self.successor_codebook(cands).transpose(-1, -2)  # (B, S, k, k)
         if temperature > 0:
-            qf = torch.softmax(first.float() / temperature, -1)  # (B, k)
-            qt = torch.softmax(table.float() / temperature, -1)  # (B, S-1, k, k)
-            u = torch.rand(B, S, generator=gen, device=h.device, dtype=torch.float64).tolist()
-            cf, ct = qf.double().cumsum(-1).tolist(), qt.double().cumsum(-1).tolist()
+            qt = torch.softmax(table.float() / temperature, -1)
+            u = torch.rand(B, S, generator=gen, device=h.device, dtype=torch.float64)
+            # the first candidate whose cumulative probability exceeds u (the last one if rounding leaves none)
+            pick = (qt.double().cumsum(-1) <= u[:, :, None, None]).sum(-1).clamp_(max=k - 1)
         else:
-            cf, ct = first.tolist(), table.tolist()
+            pick = table.argmax(-1)  # the first of equal maxima, as Python's max
+        nxt = pick.tolist()
         idx = []
         for b in range(B):
-            row, path = cf[b], []
+            j, path = 0, []
             for s in range(S):
-                if s:
-                    row = ct[b][s - 1][path[-1]]
-                if temperature > 0:  # inverse CDF of the row at a uniform draw
-                    j = next((i for i, c in enumerate(row) if u[b][s] < c), k - 1)
-                else:
-                    j = max(range(k), key=row.__getitem__)
+                j = nxt[b][s][j]
                 path.append(j)
             idx.append(path)
         idx_t = torch.tensor(idx, dtype=torch.long, device=cands.device)  # (B, S) positions among the candidates
         tokens = cands.gather(-1, idx_t[..., None])[..., 0]
         if temperature <= 0:
             return tokens, cands, None
-        prev = idx_t[:, :-1, None, None].expand(-1, -1, 1, k)
-        q = torch.cat((qf[:, None], qt.gather(2, prev)[:, :, 0]), dim=1)  # (B, S, k): the rows the walk read
-        return tokens, cands, q
+        rows = torch.cat((idx_t.new_zeros(B, 1), idx_t[:, :-1]), dim=1)[:, :, None, None].expand(-1, -1, 1, k)
+        return tokens, cands, qt.gather(2, rows)[:, :, 0]  # (B, S, k): the rows the walk read
 
 
 INJECTIONS = ("kv", "input")
