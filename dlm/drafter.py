@@ -67,11 +67,12 @@ class DynamicConv(nn.Module):
             self.base_kernel[:, 0] = 1.0
             self.kernel_projection.weight.zero_()
 
-    def _conv(self, x: Tensor, coef: Tensor) -> Tensor:
-        """x (B, T, D) convolved with the per-position kernels coef (B, T, K, D): a few whole-tensor calls (at a
-        draft block's size each call costs about its dispatch, so the count is the cost: the shifted terms are added
-        in place, into the positions they reach)."""
-        out = x * coef[:, :, 0]
+    def _conv(self, x: Tensor, coef: Tensor, residual: Tensor | None = None) -> Tensor:
+        """x (B, T, D) convolved with the per-position kernels coef (B, T, K, D), plus residual if given: a few
+        whole-tensor calls (at a draft block's size each call costs about its dispatch, so the count is the cost:
+        the residual enters the first product's call, the shifted terms are added in place where they reach)."""
+        c0 = coef[:, :, 0]
+        out = x * c0 if residual is None else torch.addcmul(residual, x, c0)
         for o in range(1, min(self.kernel, x.shape[1])):  # + coef_o * x_{t-o}; zeros before the first position
             out[:, o:].addcmul_(x[:, :-o], coef[:, o:, o])
         return out
@@ -85,8 +86,9 @@ class DynamicConv(nn.Module):
         coef = (self.base_kernel.to(x.dtype).view(2, self.kernel, g, self.group) + dyn).view(B, T, 2, self.kernel, D)
         return self._conv(x, coef[:, :, 0]), coef[:, :, 1]
 
-    def finish(self, h: Tensor, coef: Tensor) -> Tensor:
-        return self._conv(h, coef)
+    def finish(self, h: Tensor, coef: Tensor, residual: Tensor) -> Tensor:
+        """residual + the sublayer's output h convolved with the kernels `prepare` gave."""
+        return self._conv(h, coef, residual)
 
 
 class ConvBlock(Block):
@@ -99,9 +101,10 @@ class ConvBlock(Block):
 
     def layer(self, x, rope, mask, is_causal, cache, layer, write, ctx=None, ctx_rope=None) -> Tensor:
         h, k = self.attention_conv.prepare(self.input_layernorm(x))
-        x = x + self.attention_conv.finish(self.self_attn(h, rope, mask, is_causal, cache, layer, write, ctx, ctx_rope), k)
+        a = self.self_attn(h, rope, mask, is_causal, cache, layer, write, ctx, ctx_rope)
+        x = self.attention_conv.finish(a, k, x)  # x + the convolved output
         h, k = self.mlp_conv.prepare(self.post_attention_layernorm(x))
-        return x + self.mlp_conv.finish(self.mlp(h), k)
+        return self.mlp_conv.finish(self.mlp(h), k, x)
 
 
 class CandidateSelector(nn.Module):
