@@ -68,9 +68,9 @@ class DynamicConv(nn.Module):
             self.kernel_projection.weight.zero_()
 
     def _conv(self, x: Tensor, coef: Tensor, residual: Tensor | None = None) -> Tensor:
-        """x (B, T, D) convolved with the per-position kernels coef (B, T, K, D), plus residual if given: a few
-        whole-tensor calls (at a draft block's size each call costs about its dispatch, so the count is the cost:
-        the residual enters the first product's call, the shifted terms are added in place where they reach)."""
+        """x (B, T, D) convolved with the per-position kernels coef (B, T, K, D), plus residual if given, in few
+        whole-tensor calls (at a draft block's size a call's dispatch is much of its cost): the residual enters the
+        first product's call, the shifted terms are added in place where they reach."""
         c0 = coef[:, :, 0]
         out = x * c0 if residual is None else torch.addcmul(residual, x, c0)
         for o in range(1, min(self.kernel, x.shape[1])):  # + coef_o * x_{t-o}; zeros before the first position
@@ -146,7 +146,7 @@ class CandidateSelector(nn.Module):
             # the first candidate whose cumulative probability exceeds u (the last one if rounding leaves none)
             pick = (qt.double().cumsum(-1) <= u[:, :, None, None]).sum(-1).clamp_(max=k - 1)
         else:
-            pick = table.argmax(-1)  # the first of equal maxima, as Python's max
+            pick = table.argmax(-1)  # ties: the first
         nxt = pick.tolist()
         idx = []
         for b in range(B):
