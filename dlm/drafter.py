@@ -67,23 +67,28 @@ class DynamicConv(nn.Module):
             self.base_kernel[:, 0] = 1.0
             self.kernel_projection.weight.zero_()
 
-    def _conv(self, x: Tensor, dyn: Tensor, base: Tensor) -> Tensor:
-        B, T, D = x.shape  # dyn (B, T, K, D / G), base (K, D)
-        g = D // self.group
-        xs = x.view(B, T, g, self.group)
-        coef = base.to(x.dtype).view(1, 1, self.kernel, g, self.group) + dyn[..., None]  # (B, T, K, g, G)
-        out = xs * coef[:, :, 0]
-        for o in range(1, min(self.kernel, T)):  # + coef_o * x_{t-o}; zeros before the block's first position
-            out = torch.cat((out[:, :o], torch.addcmul(out[:, o:], coef[:, o:, o], xs[:, :-o])), dim=1)
-        return out.view(B, T, D)
+    def _conv(self, x: Tensor, coef: Tensor, residual: Tensor | None = None) -> Tensor:
+        """x (B, T, D) convolved with the per-position kernels coef (B, T, K, D), plus residual if given, in few
+        whole-tensor calls (at a draft block's size a call's dispatch is much of its cost): the residual enters the
+        first product's call, the shifted terms are added in place where they reach."""
+        c0 = coef[:, :, 0]
+        out = x * c0 if residual is None else torch.addcmul(residual, x, c0)
+        for o in range(1, min(self.kernel, x.shape[1])):  # + coef_o * x_{t-o}; zeros before the first position
+            out[:, o:].addcmul_(x[:, :-o], coef[:, o:, o])
+        return out
 
     def prepare(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """The sublayer's input convolved, and the dynamic kernel its output is convolved with. (B, T, D)"""
-        dyn = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel, x.shape[-1] // self.group)
-        return self._conv(x, dyn[..., 0, :, :], self.base_kernel[0]), dyn[..., 1, :, :]
+        """The sublayer's input convolved, and the kernels its output is convolved with (B, T, K, D): both
+        convolutions' kernels (base + dynamic) in one addition."""
+        B, T, D = x.shape
+        g = D // self.group
+        dyn = self.kernel_projection(x).view(B, T, 2, self.kernel, g, 1)
+        coef = (self.base_kernel.to(x.dtype).view(2, self.kernel, g, self.group) + dyn).view(B, T, 2, self.kernel, D)
+        return self._conv(x, coef[:, :, 0]), coef[:, :, 1]
 
-    def finish(self, h: Tensor, dyn: Tensor) -> Tensor:
-        return self._conv(h, dyn, self.base_kernel[1])
+    def finish(self, h: Tensor, coef: Tensor, residual: Tensor) -> Tensor:
+        """residual + the sublayer's output h convolved with the kernels `prepare` gave."""
+        return self._conv(h, coef, residual)
 
 
 class ConvBlock(Block):
@@ -96,9 +101,10 @@ class ConvBlock(Block):
 
     def layer(self, x, rope, mask, is_causal, cache, layer, write, ctx=None, ctx_rope=None) -> Tensor:
         h, k = self.attention_conv.prepare(self.input_layernorm(x))
-        x = x + self.attention_conv.finish(self.self_attn(h, rope, mask, is_causal, cache, layer, write, ctx, ctx_rope), k)
+        a = self.self_attn(h, rope, mask, is_causal, cache, layer, write, ctx, ctx_rope)
+        x = self.attention_conv.finish(a, k, x)  # x + the convolved output
         h, k = self.mlp_conv.prepare(self.post_attention_layernorm(x))
-        return x + self.mlp_conv.finish(self.mlp(h), k)
+        return self.mlp_conv.finish(self.mlp(h), k, x)
 
 
 class CandidateSelector(nn.Module):
@@ -125,42 +131,36 @@ class CandidateSelector(nn.Module):
                gen: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor | None]:
         """h (B, S, D), logits (B, S, V), anchor (B,) -> tokens (B, S), candidates (B, S, k), q (B, S, k) or None.
 
-        All scores are computed in one pass: slot 0's after the anchor (B, k), and for each later slot a table
-        (B, S-1, k, k) of every candidate after every candidate of the slot before; the walk left to right then
-        only reads rows of those tables (a Python loop over S small lists, no tensor work per slot)."""
+        All scores are computed in one pass, as a table (B, S, k, k) of every candidate of a slot after every
+        candidate of the slot before (slot 0: after the anchor, its k rows alike); each row's choice is made on
+        the tensor (the argmax, or the inverse CDF at a uniform draw), so the walk left to right only follows
+        (B, S, k) small integers in Python."""
         unary, cands = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1, sorted=False)
         B, S, k = cands.shape
-        hp = self.hidden_projection(h)  # (B, S, R)
-        succ = self.successor_codebook(cands)  # (B, S, k, R)
-        first = unary[:, 0] + torch.einsum("br,bkr->bk", self.predecessor_codebook(anchor) * hp[:, 0], succ[:, 0])
-        table = unary[:, 1:, None, :] + torch.einsum(
-            "bsir,bsjr->bsij", self.predecessor_codebook(cands[:, :-1]) * hp[:, 1:, None, :], succ[:, 1:])
+        prev = torch.cat((anchor[:, None, None].expand(B, 1, k), cands[:, :-1]), dim=1)  # (B, S, k) predecessors
+        a = self.predecessor_codebook(prev) * self.hidden_projection(h)[:, :, None]  # (B, S, k, R)
+        table = unary[:, :, None] + a @ self.successor_codebook(cands).transpose(-1, -2)  # (B, S, k, k)
         if temperature > 0:
-            qf = torch.softmax(first.float() / temperature, -1)  # (B, k)
-            qt = torch.softmax(table.float() / temperature, -1)  # (B, S-1, k, k)
-            u = torch.rand(B, S, generator=gen, device=h.device, dtype=torch.float64).tolist()
-            cf, ct = qf.double().cumsum(-1).tolist(), qt.double().cumsum(-1).tolist()
+            qt = torch.softmax(table.float() / temperature, -1)
+            u = torch.rand(B, S, generator=gen, device=h.device, dtype=torch.float64)
+            # the first candidate whose cumulative probability exceeds u (the last one if rounding leaves none)
+            pick = (qt.double().cumsum(-1) <= u[:, :, None, None]).sum(-1).clamp_(max=k - 1)
         else:
-            cf, ct = first.tolist(), table.tolist()
+            pick = table.argmax(-1)  # ties: the first
+        nxt = pick.tolist()
         idx = []
         for b in range(B):
-            row, path = cf[b], []
+            j, path = 0, []
             for s in range(S):
-                if s:
-                    row = ct[b][s - 1][path[-1]]
-                if temperature > 0:  # inverse CDF of the row at a uniform draw
-                    j = next((i for i, c in enumerate(row) if u[b][s] < c), k - 1)
-                else:
-                    j = max(range(k), key=row.__getitem__)
+                j = nxt[b][s][j]
                 path.append(j)
             idx.append(path)
         idx_t = torch.tensor(idx, dtype=torch.long, device=cands.device)  # (B, S) positions among the candidates
         tokens = cands.gather(-1, idx_t[..., None])[..., 0]
         if temperature <= 0:
             return tokens, cands, None
-        prev = idx_t[:, :-1, None, None].expand(-1, -1, 1, k)
-        q = torch.cat((qf[:, None], qt.gather(2, prev)[:, :, 0]), dim=1)  # (B, S, k): the rows the walk read
-        return tokens, cands, q
+        rows = torch.cat((idx_t.new_zeros(B, 1), idx_t[:, :-1]), dim=1)[:, :, None, None].expand(-1, -1, 1, k)
+        return tokens, cands, qt.gather(2, rows)[:, :, 0]  # (B, S, k): the rows the walk read
 
 
 INJECTIONS = ("kv", "input")
