@@ -67,10 +67,19 @@ class DynamicConv(nn.Module):
             self.base_kernel[:, 0] = 1.0
             self.kernel_projection.weight.zero_()
 
+    segment = 0  # > 0: the positions are blocks of this many laid end to end (training), each convolved alone
+
     def _conv(self, x: Tensor, coef: Tensor, residual: Tensor | None = None) -> Tensor:
         """x (B, T, D) convolved with the per-position kernels coef (B, T, K, D), plus residual if given, in few
         whole-tensor calls (at a draft block's size a call's dispatch is much of its cost): the residual enters the
-        first product's call, the shifted terms are added in place where they reach."""
+        first product's call, the shifted terms are added in place where they reach. With `segment` s, each run of
+        s positions is a block of its own: nothing reaches across a block's start, as at decoding."""
+        s, (B, T, D) = self.segment, x.shape
+        if s and T > s:
+            n = B * T // s
+            out = self._conv(x.reshape(n, s, D), coef.reshape(n, s, *coef.shape[2:]),
+                             None if residual is None else residual.reshape(n, s, D))
+            return out.view(B, T, D)
         c0 = coef[:, :, 0]
         out = x * c0 if residual is None else torch.addcmul(residual, x, c0)
         for o in range(1, min(self.kernel, x.shape[1])):  # + coef_o * x_{t-o}; zeros before the first position
@@ -320,8 +329,12 @@ class DFlashDrafter(nn.Module):
         return self.hidden_norm(self.fc(feats))
 
     def forward(self, x: Tensor, ctx: Tensor | None, pos: Tensor, ctx_pos: Tensor | None,
-                cache: KVCache | None = None, mask: str | Tensor = "full") -> Tensor:
+                cache: KVCache | None = None, mask: str | Tensor = "full", segment: int = 0) -> Tensor:
         """Block embeddings x (B, T, D) -> normed hidden states (B, T, D).
+
+        segment: x is T / segment blocks laid end to end (training's anchors): DFlash 2's convolutions run inside
+        each block alone, as they do at decoding over one block (kv injection; with input injection the context
+        rows run ahead of the blocks and the convolutions see them, at decoding too).
 
         kv: ctx (B, C, D) enters every layer's K/V (and persists in `cache`; the block does not).
         input: ctx rows run through the layers ahead of the block as ordinary tokens; with a cache
@@ -329,9 +342,18 @@ class DFlashDrafter(nn.Module):
         (for "input", queries are [ctx ; block]).
         """
         if self.injection == "kv":
-            h, _ = run_blocks(self.layers, self.inv_freq, x, pos=pos, cache=cache, mask=mask, write=False,
-                              rope_scaling=self.cfg.rope_scaling,
-                              ctx=ctx, ctx_pos=ctx_pos)
+            convs = [m for m in self.modules() if isinstance(m, DynamicConv)] if segment else []
+            check(not convs or x.shape[1] % segment == 0,
+                  f"{x.shape[1]} positions are not whole blocks of {segment}")
+            for m in convs:
+                m.segment = segment
+            try:
+                h, _ = run_blocks(self.layers, self.inv_freq, x, pos=pos, cache=cache, mask=mask, write=False,
+                                  rope_scaling=self.cfg.rope_scaling,
+                                  ctx=ctx, ctx_pos=ctx_pos)
+            finally:
+                for m in convs:
+                    m.segment = 0
             return self.norm(h)
         C = 0 if ctx is None else ctx.shape[1]
         L0 = 0 if cache is None else cache.length

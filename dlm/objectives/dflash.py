@@ -245,7 +245,7 @@ class DFlash(Objective):
         with torch.no_grad():
             x = model.embed(tgt, block.view(B, A * g))  # (B, A*g, D)
         mask = dflash_train_mask(anchors, T1, g, causal_ctx=model.injection == "input")
-        h = model(x, ctx, pos=idx.view(B, A * g), ctx_pos=torch.arange(T1, device=dev), mask=mask)
+        h = model(x, ctx, pos=idx.view(B, A * g), ctx_pos=torch.arange(T1, device=dev), mask=mask, segment=g)
         h = h.view(B, A, g, -1)[:, :, 1:]  # (B, A, g-1, D): slot 0 is the anchor, unsupervised
         logits = model.head(tgt, h).float()  # (B, A, g-1, V)
         if distill:

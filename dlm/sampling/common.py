@@ -311,7 +311,7 @@ def sample_from(probs: Tensor, gen: torch.Generator | None) -> Tensor:
     passes and three host reads per call): q ~ Exp(1) per entry from gen, the argmax of probs / q. A distribution
     with NaN or infinite values, or with no mass, is refused from the entry that draw picks (a NaN or an infinity
     always wins the argmax; a distribution without mass picks a zero)."""
-    flat = probs.reshape(-1, probs.shape[-1])
+    flat = probs.detach().reshape(-1, probs.shape[-1])  # (a draw carries no gradient)
     if flat.device.type != "cpu":
         if not bool(torch.isfinite(flat).all()):  # (torch.multinomial would fail with an internal error)
             raise DlmError(NONFINITE)
