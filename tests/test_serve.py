@@ -256,24 +256,26 @@ def joint_url():
     eng.close()
 
 
-@pytest.mark.parametrize("sampler", ["auto", "self-spec-quadratic", "threshold"])
+@pytest.mark.parametrize("sampler", ["auto", "self-spec-quadratic", "threshold", "ar"])
 def test_concurrent_joint_streams_are_batched_and_uncorrupted(joint_url, sampler):
-    """A joint model's self-speculation (linear, the default, and quadratic) and diffusion requests share forwards
-    in the same way."""
+    """A joint model's self-speculation (linear, the default, and quadratic), diffusion and AR-mode requests share
+    forwards in the same way (the AR mode on an AR batcher of its own, /health's "joint-small:ar")."""
     eng, url = joint_url
     extra = {} if sampler == "auto" else {"sampler": sampler}
     want = [reference(eng, "joint-small", p, max_new_tokens=16, **extra) for p in PROMPTS[:8]]
-    dlm = _concurrent_rows(url, "joint-small", want, extra)
+    dlm = _concurrent_rows(url, "joint-small", want, extra, "joint-small:ar" if sampler == "ar" else None)
     assert dlm["batch_rows_mean"] > 1
 
 
-def _concurrent_rows(url: str, model: str, want: list[str], extra: dict | None = None) -> dict:
+def _concurrent_rows(url: str, model: str, want: list[str], extra: dict | None = None, key: str | None = None) -> dict:
     """8 streamed requests of `model` sent together (the first with a stop string): each text is `want`'s (the first
-    cut at its stop), and they shared forwards; the dlm statistics of the second."""
+    cut at its stop), and they shared forwards (the counters of /health's batching[key or model]); the dlm
+    statistics of the second."""
     prompts = PROMPTS[:len(want)]
     extra = extra or {}
     _idle(url)
-    before = httpx.get(url + "/health").json()["batching"][model]
+    key = key or model
+    before = httpx.get(url + "/health").json()["batching"][key]
     start = threading.Barrier(len(prompts))
 
     def one(i: int) -> tuple[str, dict]:
@@ -289,7 +291,7 @@ def _concurrent_rows(url: str, model: str, want: list[str], extra: dict | None =
         got = list(pool.map(one, range(len(prompts))))
     assert [g[0] for g in got[1:]] == want[1:]
     assert got[0][0] == want[0][:want[0].index(want[0][2:5])]
-    after = _idle(url)["batching"][model]
+    after = _idle(url)["batching"][key]
     steps = after["decode_steps"] - before["decode_steps"]
     rows = after["decode_rows"] - before["decode_rows"]
     assert rows / steps > 2, (rows, steps)  # requests shared forwards

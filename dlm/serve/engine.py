@@ -24,8 +24,9 @@ Two ways to run a job:
   mode): a `RowsBatcher` too, over a `dlm.sampling.speculative.Batch`: each step, one target forward
   serves every row that verifies, prefills, or drafts over the target (self-speculation, a joint
   row's diffusion step), and one forward of the drafter's model every row that drafts; each row at
-  its own length, its own drafter fork, options and generator.
-- `naive` requests, joint's AR mode, --check-lossless, and models the row batch cannot run (a family
+  its own length, its own drafter fork, options and generator. A joint model's AR mode (`sampler: ar`)
+  runs on an `ARBatcher` of its own over the same model, as an AR model's requests do.
+- `naive` requests, --check-lossless, and models the row batch cannot run (a family
   with its own cache layout, an input-injection drafter): one worker thread per job runs its rows one
   after another with `dlm.sampling.stream` (torch releases the GIL inside its ops, so jobs overlap on
   the cores).
@@ -161,6 +162,14 @@ def _count_forward(module, args, output) -> None:
     _counts.forwards = getattr(_counts, "forwards", 0) + 1
 
 
+def _ar_mode(rows: list[Row]) -> bool:
+    """Whether a joint model's rows all run its AR mode (not naive: that one recomputes, on a thread of its own)."""
+    try:
+        return all(joint.resolve_sampler(r.cfg) == "ar" and not r.cfg.naive for r in rows)
+    except DlmError:
+        return False
+
+
 @dataclass
 class Served:
     """One model id: a checkpoint, its paradigm, and how it runs."""
@@ -174,6 +183,7 @@ class Served:
     draft: str | None = None  # the drafter's id (folder name, or 'lookup')
     batcher: ARBatcher | None = None  # AR: the batching thread of the target
     rows: RowsBatcher | None = None  # mdlm, usdm, joint, speculative: the row batching thread
+    ar_mode: ARBatcher | None = None  # joint: the batching thread of its AR mode
 
     @property
     def context(self) -> int:
@@ -217,6 +227,8 @@ class Engine:
                 ar_models.append(served)
             elif ck.objective in ("mdlm", "usdm", "joint") and batchable(model) and mdlm.rows_fit(ck):
                 served.rows = RowsBatcher(model, ck, max_batch, name)  # (full-attention / shifted: one by one)
+                if ck.objective == "joint":
+                    served.ar_mode = ARBatcher(model, ck, max_batch, f"{name}-ar")
             self.models[name] = served
         if draft:
             if not ar_models:
@@ -247,6 +259,8 @@ class Engine:
         infill = any(r.prompt.canvas is not None for r in rows)  # FIM rows: the AR sampler's own infilling
         if served.batcher is not None and (served.drafter is None or logprobs) and not infill:
             served.batcher.submit(job)
+        elif served.ar_mode is not None and not infill and _ar_mode(rows):
+            served.ar_mode.submit(job)
         elif served.rows is not None and served.rows.takes(rows):
             served.rows.submit(job)
         else:
@@ -255,15 +269,16 @@ class Engine:
         return job
 
     def stats(self) -> dict:
-        return {s.id: (s.rows or s.batcher).stats() for s in self.models.values()
-                if (s.batcher is not None and s.drafter is None) or s.rows is not None}
+        out = {s.id: (s.rows or s.batcher).stats() for s in self.models.values()
+               if (s.batcher is not None and s.drafter is None) or s.rows is not None}
+        out.update({f"{s.id}:ar": s.ar_mode.stats() for s in self.models.values() if s.ar_mode is not None})
+        return out
 
     def close(self) -> None:
         for s in self.models.values():
-            if s.batcher is not None:
-                s.batcher.close()
-            if s.rows is not None:
-                s.rows.close()
+            for b in (s.batcher, s.rows, s.ar_mode):
+                if b is not None:
+                    b.close()
 
     @torch.inference_mode()
     def _run(self, served: Served, job: Job) -> None:
