@@ -673,18 +673,12 @@ class RowsBatcher(_BatchThread):
         return speculative.Batch(self.model, self.drafter.row_model if self.drafter is not None else None, C)
 
     def takes(self, rows: list[Row]) -> bool:
-        """Whether a request's rows run here (else on a thread of their own: --naive, joint's AR mode, infilling by
-        speculation, --check-lossless)."""
+        """Whether a request's rows run here (else on a thread of their own: --naive, infilling by speculation,
+        --check-lossless; a joint model's AR mode goes to its AR batcher before this is asked)."""
         if any(r.cfg.naive for r in rows):
             return False
         if self.paradigm in ("speculative", "joint"):
-            if any(r.prompt.canvas is not None or r.cfg.check_lossless for r in rows):
-                return False
-            if self.paradigm == "joint":
-                try:
-                    return all(joint.resolve_sampler(r.cfg) != "ar" for r in rows)
-                except DlmError:
-                    return False
+            return not any(r.prompt.canvas is not None or r.cfg.check_lossless for r in rows)
         return True
 
     label = "row batcher"
