@@ -267,7 +267,7 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
 
         drafter = load_drafter(scfg.draft, net, ck, Sampling(scfg.temperature, scfg.top_k, scfg.top_p,
                                                              make_generator(scfg.seed, net.device)),
-                               scfg.draft_passes, scfg.lookup_ngram)
+                               scfg.draft_passes, scfg.lookup_ngram, scfg.draft_top_k)
     res = run_task(task, net, ck, scfg, drafter, data, n, scfg.seed, span, context, progress=not json, cases=cases,
                    samples=samples, batch=batch)
     res.pop("cases")
@@ -361,7 +361,7 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
         usdm: a usdm checkpoint for uniform-state rows (default: the shipped usdm-small when --model and
             --draft are not given; '' for none)
         sweep: sweep the diffusion samplers (steps, entropy bound, threshold, block length) instead of two rows each
-        draft: speculative rows: drafter checkpoints (dflash, AR, mdlm or joint) and/or 'lookup', each verified by --model; FOLDER@N drafts with N passes (--draft-passes)
+        draft: speculative rows: drafter checkpoints (dflash, AR, mdlm or joint) and/or 'lookup', each verified by --model; FOLDER@N drafts with N passes (--draft-passes), FOLDER@topK a DFlash 2 drafter with K candidates per slot (--draft-top-k)
         temperature: temperatures of the speculative rows (default: 0 and 1), each beside the target alone
         block_size: speculative block per cycle, last token + proposals (default: each drafter's)
         repeat: interleaved repetitions (figures: medians; ratios: min-max over repetitions too)

@@ -116,6 +116,9 @@ class ConvBlock(Block):
         return self.mlp_conv.finish(self.mlp(h), k, x)
 
 
+WALK_ABOVE = 32  # candidates per slot above which the selector walks slot by slot at T > 0 (see `select`)
+
+
 class CandidateSelector(nn.Module):
     """DFlash 2's selector: each slot's token among the top-k of its draft logits, chosen left to right from the
     anchor (the last committed token) by score = logit + sum_r A[prev]_r (W h_t)_r B[cand]_r, with A, B vocabulary
@@ -137,15 +140,19 @@ class CandidateSelector(nn.Module):
         return cand_logits + torch.einsum("br,bkr->bk", a, self.successor_codebook(cands))
 
     def select(self, h: Tensor, logits: Tensor, anchor: Tensor, temperature: float,
-               gen: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor | None]:
+               gen: torch.Generator | None, top_k: int | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
         """h (B, S, D), logits (B, S, V), anchor (B,) -> tokens (B, S), candidates (B, S, k), q (B, S, k) or None.
+        top_k: candidates per slot (default: the selector's own, what it was trained on).
 
         All scores are computed in one pass, as a table (B, S, k, k) of every candidate of a slot after every
         candidate of the slot before (slot 0: after the anchor, its k rows alike); each row's choice is made on
         the tensor (the argmax, or the inverse CDF at a uniform draw), so the walk left to right only follows
-        (B, S, k) small integers in Python."""
-        unary, cands = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1, sorted=False)
+        (B, S, k) small integers in Python. With many candidates the table would cost k x k per slot, so the
+        walk scores only the row it reads (`_walk`: the same choices, the same draws)."""
+        unary, cands = torch.topk(logits, min(top_k or self.top_k, logits.shape[-1]), dim=-1, sorted=False)
         B, S, k = cands.shape
+        if k > WALK_ABOVE:
+            return self._walk(h, unary, cands, anchor, temperature, gen)
         prev = torch.cat((anchor[:, None, None].expand(B, 1, k), cands[:, :-1]), dim=1)  # (B, S, k) predecessors
         a = self.predecessor_codebook(prev) * self.hidden_projection(h)[:, :, None]  # (B, S, k, R)
         table = unary[:, :, None] + a @ self.successor_codebook(cands).transpose(-1, -2)  # (B, S, k, k)
@@ -170,6 +177,27 @@ class CandidateSelector(nn.Module):
             return tokens, cands, None
         rows = torch.cat((idx_t.new_zeros(B, 1), idx_t[:, :-1]), dim=1)[:, :, None, None].expand(-1, -1, 1, k)
         return tokens, cands, qt.gather(2, rows)[:, :, 0]  # (B, S, k): the rows the walk read
+
+    def _walk(self, h: Tensor, unary: Tensor, cands: Tensor, anchor: Tensor, temperature: float,
+              gen: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """`select` slot after slot: each slot's k scores after the token chosen before it."""
+        B, S, k = cands.shape
+        u = torch.rand(B, S, generator=gen, device=h.device, dtype=torch.float64) if temperature > 0 else None
+        wh = self.hidden_projection(h)  # (B, S, R)
+        succ = self.successor_codebook(cands)  # (B, S, k, R)
+        prev, tokens, qs = anchor, [], []
+        for s in range(S):
+            a = self.predecessor_codebook(prev) * wh[:, s]  # (B, R)
+            score = unary[:, s] + (succ[:, s] @ a[:, :, None])[..., 0]  # (B, k)
+            if u is None:
+                pick = score.argmax(-1, keepdim=True)
+            else:
+                q = torch.softmax(score.float() / temperature, -1)
+                pick = (q.double().cumsum(-1) <= u[:, s, None]).sum(-1, keepdim=True).clamp_(max=k - 1)
+                qs.append(q)
+            prev = cands[:, s].gather(-1, pick)[:, 0]
+            tokens.append(prev)
+        return torch.stack(tokens, 1), cands, torch.stack(qs, 1) if qs else None
 
 
 INJECTIONS = ("kv", "input")

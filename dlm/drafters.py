@@ -1,6 +1,6 @@
 """Drafters built in one place: any kind of drafter from what `--draft` names, for a target.
 
-    load_drafter(spec, target, ck, sampling, passes, lookup_ngram) -> Drafter
+    load_drafter(spec, target, ck, sampling, passes, lookup_ngram, top_k) -> Drafter
 
 'lookup' is prompt lookup; a folder is a drafter checkpoint: a DFlash drafter (objective dflash, trained by dlm or
 imported from z-lab's layout), a small AR model with the target's tokenizer, or a masked-diffusion model (mdlm, or
@@ -39,7 +39,7 @@ def drafter_kind(spec: str) -> str | None:
 
 
 def load_drafter(spec: str, target: Transformer, ck, sampling: Sampling | None = None, passes: int = 1,
-                 lookup_ngram: int = 3) -> Drafter:
+                 lookup_ngram: int = 3, top_k: int | None = None) -> Drafter:
     """'lookup', or a drafter checkpoint folder (a dflash drafter or an AR model) for this target."""
     sampling = sampling or Sampling()
     if spec == "lookup":
@@ -74,4 +74,4 @@ def load_drafter(spec: str, target: Transformer, ck, sampling: Sampling | None =
     bad = [i for i in model.layer_ids if not 0 <= i < N]
     if bad:
         raise DlmError(f"--draft {spec}: reads target layers {bad}, the target has {N}")
-    return DFlashDraft(model, target, sampling, capacity, passes, name=f"dflash ({Path(spec).name})")
+    return DFlashDraft(model, target, sampling, capacity, passes, name=f"dflash ({Path(spec).name})", top_k=top_k)

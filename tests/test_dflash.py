@@ -382,6 +382,7 @@ def test_bad_input_is_one_clear_error(tiny_ar, tiny_dflash, tmp_path, corpus_dir
     refused("no such folder", draft=str(tmp_path / "nope"))
     refused("--check-lossless", draft="lookup", check_lossless=True, temperature=1.0)
     refused("--draft-passes", draft=str(tiny_dflash), draft_passes=4)
+    refused("no selector", draft=str(tiny_dflash), draft_top_k=64)  # a DFlash 1 drafter has no candidates to widen
     # a target of the same shape but other weights than the drafter was trained for
     other = tmp_path / "other-ar"
     train(tiny_train_config(corpus_dir, tokenizer_path, max_steps=2, eval_every=2, save_every=2, seq_len=32,

@@ -263,9 +263,41 @@ def test_dflash2_starts_as_the_dflash1_drafter_it_grows_from():
     assert torch.equal(tokens[0], logits[0].argmax(-1))  # zero successor codebook: each slot's argmax
 
 
-def test_the_selector_q_keeps_speculative_sampling_exact():
+def test_the_selector_walk_chooses_as_its_table(monkeypatch):
+    """Many candidates (--draft-top-k) are scored slot by slot, only the row the walk reads; the choices, the draws
+    and q are the table's, greedy and at T > 0, with the trained number of candidates and with more."""
+    import dlm.drafter as drafter
+    from dlm.drafter import CandidateSelector
+
+    torch.manual_seed(0)
+    sel = CandidateSelector(300, 32, rank=8, top_k=16)
+    with torch.no_grad():
+        sel.successor_codebook.weight.normal_(0, 1.0)
+    h, logits, anchor = torch.randn(3, 7, 32), torch.randn(3, 7, 300) * 2, torch.tensor([1, 5, 9])
+    for top_k in (None, 64):
+        for t in (0.0, 1.0):
+            monkeypatch.setattr(drafter, "WALK_ABOVE", 10**6)
+            a = sel.select(h, logits, anchor, t, torch.Generator().manual_seed(3), top_k)
+            monkeypatch.setattr(drafter, "WALK_ABOVE", 0)
+            b = sel.select(h, logits, anchor, t, torch.Generator().manual_seed(3), top_k)
+            assert a[1].shape[-1] == (top_k or 16)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+            if t == 0:
+                assert a[2] is None and b[2] is None
+            else:
+                torch.testing.assert_close(a[2], b[2], rtol=0, atol=1e-6)
+                torch.testing.assert_close(b[2].sum(-1), torch.ones(3, 7))
+    # the wider candidate set changes the draws at T > 0 (more of the vocabulary can be proposed)
+    narrow = sel.select(h, logits, anchor, 1.0, torch.Generator().manual_seed(4))[0]
+    wide = sel.select(h, logits, anchor, 1.0, torch.Generator().manual_seed(4), 256)[0]
+    assert not torch.equal(narrow, wide)
+
+
+@pytest.mark.parametrize("top_k", [None, 6])
+def test_the_selector_q_keeps_speculative_sampling_exact(top_k, monkeypatch):
     """At T > 0 the verifier reads the selector's q over the candidates (zero elsewhere): the first emitted token
-    follows the target's p exactly; reading the slot's softmax instead (the DFlash 1 q) does not."""
+    follows the target's p exactly, with the trained 3 candidates (the table) and with 6 (--draft-top-k: the walk);
+    reading the slot's softmax instead (the DFlash 1 q) does not."""
     from test_verifier import assert_follows, chi_square
 
     from dlm.drafter import CandidateSelector
@@ -282,8 +314,11 @@ def test_the_selector_q_keeps_speculative_sampling_exact():
     gen = torch.Generator().manual_seed(0)
     n = 12000
     right, wrong = torch.zeros(V), torch.zeros(V)
+    import dlm.drafter as drafter
+
+    monkeypatch.setattr(drafter, "WALK_ABOVE", 4)  # 6 candidates take the walk
     for _ in range(n):
-        tokens, cands, q = sel.select(h, logits, anchor, 1.0, gen)
+        tokens, cands, q = sel.select(h, logits, anchor, 1.0, gen, top_k)
         dense = torch.zeros(2, V).scatter_(-1, cands[0], q[0])
         k, bonus = verify_sample(tokens[0], p, dense, gen)
         right[int(tokens[0, 0]) if k > 0 else bonus] += 1

@@ -128,27 +128,30 @@ def spec_methods(model, ck, drafts: list[str], max_new_tokens: int, temperature:
 
     methods, seen = [], set()
     for given in drafts:
-        spec, passes = split_passes(given)
-        drafter = load_drafter(spec, model, ck, Sampling(temperature), passes=passes)
+        spec, passes, top_k = split_spec(given)
+        drafter = load_drafter(spec, model, ck, Sampling(temperature), passes=passes, top_k=top_k)
         g = resolve_block_size(drafter, block_size)
-        cfg = SampleConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, block_size=g)
-        if passes > 1:
-            cfg.draft_passes = passes
-        name = drafter.name + (f", {passes} passes" if passes > 1 else "")
+        cfg = SampleConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, block_size=g,
+                           draft_passes=passes, draft_top_k=top_k)
+        name = drafter.name + (f", {passes} passes" if passes > 1 else "") + (f", top {top_k}" if top_k else "")
         name = name if name not in seen else f"{name} [{spec}]"  # two folders, one name
         seen.add(name)
         methods.append(Method(f"{name} T={temperature:g}", "spec", model, ck, cfg,
-                              {"draft": spec, "gamma": g, "temperature": temperature, "draft_passes": passes},
+                              {"draft": spec, "gamma": g, "temperature": temperature, "draft_passes": passes,
+                               "draft_top_k": top_k},
                               drafter=drafter))
     return methods
 
 
-def split_passes(spec: str) -> tuple[str, int]:
-    """'FOLDER@N' -> (FOLDER, N draft passes); any other spec drafts in one pass."""
+def split_spec(spec: str) -> tuple[str, int, int | None]:
+    """'FOLDER@N' -> (FOLDER, N draft passes, None); 'FOLDER@topK' -> (FOLDER, 1, K candidates per slot: a DFlash 2
+    drafter's --draft-top-k); any other spec drafts in one pass with the drafter's own candidates."""
     head, at, tail = spec.rpartition("@")
     if at and tail.isdigit():
-        return head, int(tail)
-    return spec, 1
+        return head, int(tail), None
+    if at and tail.startswith("top") and tail[3:].isdigit():
+        return head, 1, int(tail[3:])
+    return spec, 1, None
 
 
 def build_methods(net, ck, max_new_tokens: int, naive: bool, mdlm: str | None, usdm: str | None, sweep: bool,

@@ -84,6 +84,7 @@ class SampleConfig:
         fill_length: template markers: positions per <fill> (<fill:N> asks for N)
         draft: speculative decoding: a drafter checkpoint folder, or 'lookup' (prompt lookup)
         draft_passes: DFlash: denoising passes per draft (1-3; later passes re-predict the slots below 0.9 confidence)
+        draft_top_k: DFlash 2: candidates per slot the selector chooses among (default: the drafter's selector_top_k, what it was trained with); at T > 0 more candidates give its proposal distribution more of the target's support
         lookup_ngram: prompt lookup: longest n-gram to match in the context
         check_lossless: speculative: also run the target alone and report whether the outputs agree
     """
@@ -119,6 +120,7 @@ class SampleConfig:
     # speculative decoding
     draft: str | None = None
     draft_passes: int = 1
+    draft_top_k: int | None = None
     lookup_ngram: int = 3
     check_lossless: bool = False
 
@@ -142,7 +144,8 @@ def stream(model: nn.Module, ck: Checkpoint, prompts: Sequence[Prompt | Sequence
         if drafter is None:  # built once, here, before the sampler runs (dlm.drafters: every kind in one place)
             from dlm.drafters import load_drafter
 
-            drafter = load_drafter(cfg.draft, model, ck, passes=cfg.draft_passes, lookup_ngram=cfg.lookup_ngram)
+            drafter = load_drafter(cfg.draft, model, ck, passes=cfg.draft_passes, lookup_ngram=cfg.lookup_ngram,
+                                   top_k=cfg.draft_top_k)
         return speculative.stream(model, ck, ps, cfg, drafter)
     if ck.objective not in SAMPLERS:
         raise DlmError(f"checkpoint {ck.path}: objective {ck.objective!r} has no sampler "

@@ -60,9 +60,10 @@ LOOKUP_BLOCK = 8
 MAX_BLOCK = 64  # the largest block of a cycle
 # the SampleConfig fields speculative decoding reads (see dlm.sampling.OPTIONS); DRAFTER_OPTIONS: those only one
 # kind of drafter reads (option -> the kind's name in `--draft`, and in words)
-OPTIONS = frozenset({"temperature", "top_k", "top_p", "block_size", "draft", "draft_passes", "lookup_ngram",
+OPTIONS = frozenset({"temperature", "top_k", "top_p", "block_size", "draft", "draft_passes", "draft_top_k", "lookup_ngram",
                      "check_lossless", "suffix"})
 DRAFTER_OPTIONS = {"draft_passes": (("dflash", "diffusion"), "a DFlash or diffusion drafter"),
+                   "draft_top_k": (("dflash",), "a DFlash 2 drafter"),
                    "lookup_ngram": (("lookup",), "prompt lookup")}
 DIFFUSION_DRAFT_PASSES = 3  # refinement passes of a diffusion drafter at most (--draft-passes)
 
@@ -244,11 +245,15 @@ class DFlashDraft:
     kind = "dflash"
 
     def __init__(self, drafter, target: Transformer, sampling: Sampling, capacity: int, passes: int = 1,
-                 name: str = "dflash"):
+                 name: str = "dflash", top_k: int | None = None):
         check(1 <= passes <= 3, f"--draft-passes must be 1, 2 or 3, got {passes}")
         check(passes == 1 or drafter.candidate_selector is None,
               f"--draft-passes {passes}: a DFlash 2 drafter's selector drafts in one pass (use 1)")
+        check(top_k is None or drafter.candidate_selector is not None,
+              f"--draft-top-k {top_k}: only a DFlash 2 drafter has candidates to choose among (this one has no selector)")
+        check(top_k is None or top_k >= 1, f"--draft-top-k must be >= 1, got {top_k}")
         self.d, self.target, self.sampling, self.capacity, self.passes = drafter, target, sampling, capacity, passes
+        self.top_k = top_k
         self.taps = drafter.taps
         self.forwards = 0
         self.default_block_size = drafter.block_size
@@ -257,7 +262,7 @@ class DFlashDraft:
 
     def fork(self, cfg) -> DFlashDraft:
         return DFlashDraft(self.d, self.target, Sampling(cfg.temperature, cfg.top_k, cfg.top_p), self.capacity,
-                           cfg.draft_passes, self.name)
+                           cfg.draft_passes, self.name, cfg.draft_top_k)
 
     def bind(self, cache: KVCache) -> None:
         pass
@@ -295,7 +300,8 @@ class DFlashDraft:
         # DFlash 2: a path through each slot's top candidates, from the last committed token; its q is the
         # selector's distribution over the candidates, zero elsewhere (what the verifier's residual needs)
         t = self.sampling.temperature
-        tokens, cands, q = sel.select(self.hidden[None], logits[None].float(), seq[-1:], t, self.sampling.gen)
+        tokens, cands, q = sel.select(self.hidden[None], logits[None].float(), seq[-1:], t, self.sampling.gen,
+                                      self.top_k)
         dense = None if q is None else torch.zeros(k, logits.shape[-1], device=q.device).scatter_(-1, cands[0], q[0])
         return tokens[0], dense
 

@@ -142,6 +142,7 @@ class DlmFields(_Strict):
     adaptive: bool | None = None
     fill_length: int | None = None
     draft_passes: int | None = None
+    draft_top_k: int | None = None
     lookup_ngram: int | None = None
     # older spellings of the same options (as on the command line)
     gamma: int | None = None
