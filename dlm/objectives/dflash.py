@@ -94,7 +94,8 @@ class DFlash(Objective):
         for f in ("conv_kernel_size", "selector_rank"):
             check(getattr(cfg, f, 0) >= 0, f"--{f.replace('_', '-')} must be >= 0 (0 = off), got {getattr(cfg, f)}")
         check(getattr(cfg, "conv_group_size", 16) >= 1, f"--conv-group-size must be >= 1, got {cfg.conv_group_size}")
-        check(getattr(cfg, "selector_top_k", 16) >= 1, f"--selector-top-k must be >= 1, got {cfg.selector_top_k}")
+        k = getattr(cfg, "selector_top_k", None)
+        check(k is None or k >= 1, f"--selector-top-k must be >= 1, got {k}")
         check(getattr(cfg, "selector_weight", 1.0) >= 0, f"--selector-weight must be >= 0, got {cfg.selector_weight}")
         check(0 <= getattr(cfg, "selector_ramp", 0.0) <= 1, f"--selector-ramp must be in [0, 1], got {cfg.selector_ramp}")
         tck = open_checkpoint(cfg.target, "--target")
@@ -126,7 +127,7 @@ class DFlash(Objective):
         tc = self.target.cfg
         g = lambda name, default: getattr(self.cfg, name, default)  # noqa: E731 (duck-typed configs)
         dflash2 = dict(conv_kernel_size=g("conv_kernel_size", 0), conv_group_size=g("conv_group_size", 16),
-                       selector_rank=g("selector_rank", 0), selector_top_k=g("selector_top_k", 16))
+                       selector_rank=g("selector_rank", 0), selector_top_k=g("selector_top_k", None) or 16)
         ck, d, kw = None, {}, {}
         mc = ModelConfig(**{**tc.to_dict(), "n_layers": self.n_layers, "qk_norm": True, "self_cond": False,
                             "tie_embeddings": False, "arch": None})
@@ -151,11 +152,11 @@ class DFlash(Objective):
                 if had and had != dflash2[name]:
                     raise DlmError(f"--init-from {ck.path}: a DFlash 2 drafter with {name} {had}; this run has "
                                    f"--{name.replace('_', '-')} {dflash2[name]} (give the drafter's own to continue it)")
-            for name, default in (("conv_group_size", 16), ("selector_top_k", 16)):
-                lead = "conv_kernel_size" if name.startswith("conv") else "selector_rank"
-                if d.get(lead, 0) and d.get(name, default) != dflash2[name]:
-                    raise DlmError(f"--init-from {ck.path}: {name} {d.get(name, default)}; this run has "
-                                   f"--{name.replace('_', '-')} {dflash2[name]}")
+            if d.get("conv_kernel_size", 0) and d.get("conv_group_size", 16) != dflash2["conv_group_size"]:
+                raise DlmError(f"--init-from {ck.path}: conv_group_size {d.get('conv_group_size', 16)}; this run has "
+                               f"--conv-group-size {dflash2['conv_group_size']}")
+            if g("selector_top_k", None) is None:  # the drafter's own candidates, unless the run gives others
+                dflash2["selector_top_k"] = d.get("selector_top_k", 16)
             # the drafter's own shape and numerics (an imported public drafter keeps its scales and soft-cap)
             mc = ModelConfig.from_dict({**ck.config["model"], "max_seq_len": max(ck.config["model"].get(
                 "max_seq_len", 0), self.cfg.seq_len)})
