@@ -610,8 +610,8 @@ def test_dflash2_trains_by_the_cli_and_drafts_losslessly(tiny_ar, tiny_dflash, t
     for extra, want in (([], 4), (["--selector-top-k", "6"], 6)):
         more = tmp_path / f"d{want}"
         run_cli("train", "--objective", "dflash", "--target", str(tiny_ar), "--data", str(tiny_draft_data),
-                "--init-from", str(out), "--block-size", "8", "--seq-len", "96", "--batch-size", "2", "--max-steps", "1",
-                "--eval-every", "1", "--eval-batches", "1", "--conv-kernel-size", "2", "--selector-rank", "8", *extra,
+                "--init-from", str(out), "--block-size", "8", "--seq-len", "96", "--batch-size", "2",
+                "--max-steps", "1", "--eval-every", "1", "--eval-batches", "1", "--conv-kernel-size", "2", "--selector-rank", "8", *extra,
                 "--out", str(more), "--quiet", check=True)
         assert json.loads((more / "config.json").read_text())["dflash"]["selector_top_k"] == want
     r = run_cli("train", "--objective", "ar", "--data", str(corpus_dir), "--selector-rank", "4", "--max-steps", "1",

@@ -27,8 +27,8 @@ DRAFTERS = ["dflash-small", "dflash2-small", "ar-draft", "lookup"]
 # a valid value of each option, per paradigm where it differs (small sizes: each request is fast)
 VALUES = {"top_k": 5, "steps": 4, "threshold": 0.8, "entropy_bound": 0.2, "block_size": 4, "remasking": "random",
           "canvas_length": 8, "t_max": 0.9, "t_min": 0.3, "stability_threshold": 2, "confidence_threshold": 0.01,
-          "adaptive": False, "fill_length": 4, "draft_passes": 2, "draft_top_k": 32, "lookup_ngram": 2, "preset": "none",
-          "prefix_cache": False, "sub_block": 2, "schedule": "even", "whole_blocks": True}
+          "adaptive": False, "fill_length": 4, "draft_passes": 2, "draft_top_k": 32, "lookup_ngram": 2,
+          "preset": "none", "prefix_cache": False, "sub_block": 2, "schedule": "even", "whole_blocks": True}
 SAMPLER = {"ar": "ar", "mdlm": "confidence", "usdm": "entropy_bound", "joint": "self-spec-linear"}
 
 
@@ -76,8 +76,8 @@ def test_every_option_a_paradigm_reads_is_accepted_and_others_refused(model, mod
             if draft == "dflash2-small":  # a DFlash 2 selector drafts in one pass (2 is refused, with a 400)
                 opts["draft_passes"] = 1
             if draft == "dflash-small":  # a DFlash 1 drafter has no candidates to widen: a 400 naming the field
-                r = httpx.post(url + "/v1/completions", json=_body(model, "speculative", draft_top_k=opts.pop("draft_top_k")),
-                               timeout=120)
+                body = _body(model, "speculative", draft_top_k=opts.pop("draft_top_k"))
+                r = httpx.post(url + "/v1/completions", json=body, timeout=120)
                 assert r.status_code == 400 and "draft_top_k" in r.json()["error"]["message"], r.text
             if "sampler" in own:
                 opts["sampler"] = SAMPLER[served.paradigm]

@@ -60,8 +60,8 @@ LOOKUP_BLOCK = 8
 MAX_BLOCK = 64  # the largest block of a cycle
 # the SampleConfig fields speculative decoding reads (see dlm.sampling.OPTIONS); DRAFTER_OPTIONS: those only one
 # kind of drafter reads (option -> the kind's name in `--draft`, and in words)
-OPTIONS = frozenset({"temperature", "top_k", "top_p", "block_size", "draft", "draft_passes", "draft_top_k", "lookup_ngram",
-                     "check_lossless", "suffix"})
+OPTIONS = frozenset({"temperature", "top_k", "top_p", "block_size", "draft", "draft_passes", "draft_top_k",
+                     "lookup_ngram", "check_lossless", "suffix"})
 DRAFTER_OPTIONS = {"draft_passes": (("dflash", "diffusion"), "a DFlash or diffusion drafter"),
                    "draft_top_k": (("dflash",), "a DFlash 2 drafter"),
                    "lookup_ngram": (("lookup",), "prompt lookup")}
@@ -250,7 +250,8 @@ class DFlashDraft:
         check(passes == 1 or drafter.candidate_selector is None,
               f"--draft-passes {passes}: a DFlash 2 drafter's selector drafts in one pass (use 1)")
         check(top_k is None or drafter.candidate_selector is not None,
-              f"--draft-top-k {top_k}: only a DFlash 2 drafter has candidates to choose among (this one has no selector)")
+              f"--draft-top-k {top_k}: only a DFlash 2 drafter has candidates to choose among "
+              "(this one has no selector)")
         check(top_k is None or top_k >= 1, f"--draft-top-k must be >= 1, got {top_k}")
         self.d, self.target, self.sampling, self.capacity, self.passes = drafter, target, sampling, capacity, passes
         self.top_k = top_k
