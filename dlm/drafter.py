@@ -116,6 +116,12 @@ class ConvBlock(Block):
         return self.mlp_conv.finish(self.mlp(h), k, x)
 
 
+def inverse_cdf(q: Tensor, u: Tensor) -> Tensor:
+    """q (..., k) distributions, u (...) uniforms -> (...): the first candidate whose cumulative probability exceeds u
+    (the last one if rounding leaves none)."""
+    return (q.double().cumsum(-1) <= u[..., None]).sum(-1).clamp_(max=q.shape[-1] - 1)
+
+
 WALK_ABOVE = 64  # candidates per slot above which the selector walks slot by slot (see `select`; measured: the table is
 # faster up to 64 candidates, the walk from 128)
 
@@ -160,8 +166,7 @@ class CandidateSelector(nn.Module):
         if temperature > 0:
             qt = torch.softmax(table.float() / temperature, -1)
             u = torch.rand(B, S, generator=gen, device=h.device, dtype=torch.float64)
-            # the first candidate whose cumulative probability exceeds u (the last one if rounding leaves none)
-            pick = (qt.double().cumsum(-1) <= u[:, :, None, None]).sum(-1).clamp_(max=k - 1)
+            pick = inverse_cdf(qt, u[:, :, None])
         else:
             pick = table.argmax(-1)  # ties: the first
         nxt = pick.tolist()
@@ -184,19 +189,19 @@ class CandidateSelector(nn.Module):
         """`select` slot after slot: each slot's k scores after the token chosen before it."""
         B, S, k = cands.shape
         u = torch.rand(B, S, generator=gen, device=h.device, dtype=torch.float64) if temperature > 0 else None
-        wh = self.hidden_projection(h)  # (B, S, R)
+        wh = self.hidden_projection(h)  # (B, S, R): `scores`' terms for every slot at once, outside the loop
         succ = self.successor_codebook(cands)  # (B, S, k, R)
         prev, tokens, qs = anchor, [], []
         for s in range(S):
             a = self.predecessor_codebook(prev) * wh[:, s]  # (B, R)
             score = unary[:, s] + (succ[:, s] @ a[:, :, None])[..., 0]  # (B, k)
             if u is None:
-                pick = score.argmax(-1, keepdim=True)
+                pick = score.argmax(-1)
             else:
                 q = torch.softmax(score.float() / temperature, -1)
-                pick = (q.double().cumsum(-1) <= u[:, s, None]).sum(-1, keepdim=True).clamp_(max=k - 1)
+                pick = inverse_cdf(q, u[:, s])
                 qs.append(q)
-            prev = cands[:, s].gather(-1, pick)[:, 0]
+            prev = cands[:, s].gather(-1, pick[:, None])[:, 0]
             tokens.append(prev)
         return torch.stack(tokens, 1), cands, torch.stack(qs, 1) if qs else None
 
