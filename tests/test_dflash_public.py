@@ -197,7 +197,7 @@ def tiny_drafter2(folder: Path, mask_id: int, vocab: int) -> None:
     save_file(w, folder / "model.safetensors", metadata={"format": "pt"})
 
 
-def test_a_reference_dflash2_drafter_imports_and_runs_exactly(tmp_path):
+def test_a_reference_dflash2_drafter_imports_and_runs_exactly(tmp_path, monkeypatch):
     tiny_target(tmp_path / "t")
     _, ck = load_model(CK / "ar-small")
     tok = ck.tokenizer
@@ -224,7 +224,15 @@ def test_a_reference_dflash2_drafter_imports_and_runs_exactly(tmp_path):
         seq = torch.tensor(ids + [anchor])
         drafter.reset(seq[:P], _taps(m(seq[None, :P], taps=drafter.taps), drafter.taps))
         got_tokens, q = drafter.propose(seq, B - 1)
+        # the slot-by-slot walk (what dlm runs above WALK_ABOVE candidates) picks the package's path too
+        import dlm.drafter
+
+        with monkeypatch.context() as mp:
+            mp.setattr(dlm.drafter, "WALK_ABOVE", 0)
+            drafter.reset(seq[:P], _taps(m(seq[None, :P], taps=drafter.taps), drafter.taps))
+            walked, _ = drafter.propose(seq, B - 1)
     assert torch.equal(got_tokens, want_tokens[0]) and q is None
+    assert torch.equal(walked, want_tokens[0])
     # the selector changed the draft: a DFlash 1 reading of the same logits (each slot's argmax) differs
     assert not torch.equal(want_logits.argmax(-1), want_tokens[0])
     for text in PROMPTS:
