@@ -251,7 +251,7 @@ class TrainConfig:
         target_features: dflash ablation: off = context from token embeddings, not target hidden states
         conv_kernel_size: dflash: DFlash 2's grouped dynamic causal convolution around each draft layer's attention and MLP, over this many block positions (0 = off, a DFlash 1 drafter; DFlash 2: 2); starts as the identity
         conv_group_size: dflash: channels per group of the DFlash 2 convolution's dynamic kernel (must divide the width)
-        selector_rank: dflash: DFlash 2's candidate selector, the rank of its bilinear predecessor/successor score (0 = off; DFlash 2: 256); its successor codebook starts at zero, so the drafter starts as the DFlash 1 one
+        selector_rank: dflash: DFlash 2's candidate selector, the rank of its bilinear predecessor/successor score (0 = off; DFlash 2: 256); its successor codebook starts at zero, so the drafter starts as the DFlash 1 one; with --init-from a DFlash 2 drafter, a larger rank widens its selector (the new successor codes at zero: the same function at step 0)
         selector_top_k: dflash: candidates per slot of the selector (the top-k of the slot's draft logits; default: the --init-from drafter's, else 16; a continued drafter may train with another number, it has no weights of its own)
         selector_weight: dflash, with --selector-rank: weight w of the selector's loss (cross-entropy of the gold token among the top-k candidates, the gold token before it as predecessor, slots whose gold is not a candidate dropped, the slot decay)
         selector_ramp: dflash, with --selector-rank: share of --max-steps over which the selector's weight rises linearly from 0 to --selector-weight (0 = the full weight from step 0)

@@ -614,6 +614,29 @@ def test_dflash2_trains_by_the_cli_and_drafts_losslessly(tiny_ar, tiny_dflash, t
                 "--max-steps", "1", "--eval-every", "1", "--eval-batches", "1", "--conv-kernel-size", "2", "--selector-rank", "8", *extra,
                 "--out", str(more), "--quiet", check=True)
         assert json.loads((more / "config.json").read_text())["dflash"]["selector_top_k"] == want
+    # a wider selector (rank 8 -> 12): the old codes kept, the new successor codes zero, the same drafts
+    w = _objective(tiny_ar, tiny_draft_data, corpus_dir, tokenizer_path, init_from=str(out), conv_kernel_size=2,
+                   selector_rank=12).build_model().eval()
+    assert w.candidate_selector.successor_codebook.weight.shape[1] == 12
+    assert torch.equal(w.candidate_selector.successor_codebook.weight[:, :8],
+                       drafter.candidate_selector.successor_codebook.weight)
+    assert not w.candidate_selector.successor_codebook.weight[:, 8:].any()
+    assert w.candidate_selector.hidden_projection.weight[8:].abs().sum() > 0  # new codes random, not zero
+    runs = []
+    for dr in (w, drafter):  # at T = 1 the proposals and their q reach the tokens: equal draws, equal text
+        s = Sampling(temperature=1.0, gen=torch.Generator().manual_seed(3))
+        runs.append([e.tokens for e in speculate(target, DFlashDraft(dr, target, s, capacity=256), ids, block_size=8,
+                                                 max_new_tokens=24, sampling=s) if hasattr(e, "tokens")])
+    assert runs[0] == runs[1]
+    wide = tmp_path / "wide"
+    run_cli("train", "--objective", "dflash", "--target", str(tiny_ar), "--data", str(tiny_draft_data),
+            "--init-from", str(out), "--block-size", "8", "--seq-len", "96", "--batch-size", "2", "--max-steps", "1",
+            "--eval-every", "1", "--eval-batches", "1", "--conv-kernel-size", "2", "--selector-rank", "12",
+            "--out", str(wide), "--quiet", check=True)
+    r = run_cli("train", "--objective", "dflash", "--target", str(tiny_ar), "--data", str(tiny_draft_data),
+                "--init-from", str(wide), "--block-size", "8", "--seq-len", "96", "--max-steps", "1",
+                "--conv-kernel-size", "2", "--selector-rank", "8", "--out", str(tmp_path / "narrow"), "--quiet")
+    assert r.returncode == 2 and "selector_rank 12" in r.stderr and "Traceback" not in r.stderr
     r = run_cli("train", "--objective", "ar", "--data", str(corpus_dir), "--selector-rank", "4", "--max-steps", "1",
                 "--out", str(tmp_path / "a"), "--quiet")
     assert r.returncode == 2 and "--selector-rank applies to --objective dflash" in r.stderr

@@ -149,9 +149,11 @@ class DFlash(Objective):
                                f"{self.layer_ids}, {self.block_size}, {self.cfg.injection!r}")
             for name, default in (("conv_kernel_size", 0), ("selector_rank", 0)):
                 had = d.get(name, default)
-                if had and had != dflash2[name]:
+                grown = name == "selector_rank" and had < dflash2[name]  # a wider selector: see the loading below
+                if had and had != dflash2[name] and not grown:
                     raise DlmError(f"--init-from {ck.path}: a DFlash 2 drafter with {name} {had}; this run has "
-                                   f"--{name.replace('_', '-')} {dflash2[name]} (give the drafter's own to continue it)")
+                                   f"--{name.replace('_', '-')} {dflash2[name]} (give the drafter's own to continue "
+                                   f"it, or a larger --selector-rank to widen its selector)")
             if d.get("conv_kernel_size", 0) and d.get("conv_group_size", 16) != dflash2["conv_group_size"]:
                 raise DlmError(f"--init-from {ck.path}: conv_group_size {d.get('conv_group_size', 16)}; this run has "
                                f"--conv-group-size {dflash2['conv_group_size']}")
@@ -179,8 +181,16 @@ class DFlash(Objective):
             tensors = ck.tensors()
             # DFlash 1 -> 2: the parts the checkpoint lacks keep their start (identity convolutions, the selector
             # with a zero successor codebook): the drafter computes what the checkpoint's did
-            tensors.update({k: v for k, v in model.state_dict().items()
+            fresh = model.state_dict()
+            tensors.update({k: v for k, v in fresh.items()
                             if k not in tensors and ("_conv." in k or k.startswith("candidate_selector."))})
+            # a selector widened from rank r to R: the new predecessor codes and projection rows keep their random
+            # start, the new successor codes their zeros, so the extra terms add nothing until trained
+            for k, v in fresh.items():
+                if k.startswith("candidate_selector.") and tensors[k].shape != v.shape:
+                    old_t, grown_t = tensors[k], v.clone()
+                    grown_t[tuple(slice(0, n) for n in old_t.shape)] = old_t.to(v.dtype)
+                    tensors[k] = grown_t
             load_weights(model, tensors, ck.path / "model.safetensors")
         self.numerics = {"last_layer": model.last_layer, **model.numerics()}
         return model
