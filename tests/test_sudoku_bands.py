@@ -173,3 +173,46 @@ def test_eval_clues_reports_the_band(tiny_sudoku_mdlm):
     assert code == 0, err
     res = json.loads(out)
     assert res["clues"] == "44-45" and res["n"] == 1 and res["forwards"] >= 8 and res["revisions"] >= 0
+
+
+# --tries: a decoder that consults the rules ------------------------------------------------------------------------
+
+def test_tries_samples_again_only_the_grids_that_break_the_rules(tiny_sudoku_mdlm):
+    """A grid that breaks the rules is sampled again with the next seed: the row keeps the last try's answer and the
+    work of every try; a valid grid is never sampled again (the shipped sudoku-mdlm solves easy puzzles)."""
+    from dlm.checkpoint import load_model
+    from dlm.tasks import run_task
+
+    net, ck = load_model(tiny_sudoku_mdlm)
+    cases = sudoku.cases(None, 3, 0, clues="44-45")
+    cfg = SampleConfig(temperature=1.0, seed=5, steps=8, max_new_tokens=81)
+    singles = [run_task("sudoku", net, ck, cfg.replace(seed=5 + t), cases=cases)["cases"] for t in range(3)]
+    assert not any(r["valid"] for rows in singles for r in rows)  # two training steps: no grid obeys the rules
+    assert len({r["answer"] for rows in singles for r in rows[:1]}) > 1  # the seeds differ
+    for batch in (1, 3):
+        res = run_task("sudoku", net, ck, cfg, cases=cases, tries=3, batch=batch)
+        assert res["rule_checked"] == 3 and res["tries"] == 3
+        for i, r in enumerate(res["cases"]):
+            assert r["tries"] == 3 and r["answer"] == singles[2][i]["answer"]
+            assert r["forwards"] == sum(rows[i]["forwards"] for rows in singles)
+            assert r["new_tokens"] == sum(rows[i]["new_tokens"] for rows in singles)
+    good, gck = load_model("checkpoints/sudoku-mdlm")
+    easy = sudoku.cases(None, 3, 0, clues="46-50")
+    once = run_task("sudoku", good, gck, cfg, cases=easy)
+    res = run_task("sudoku", good, gck, cfg, cases=easy, tries=4)
+    assert once["accuracy"] == 1.0 and res["tries"] == 1.0
+    assert [r["answer"] for r in res["cases"]] == [r["answer"] for r in once["cases"]]
+    assert res["forwards"] == once["forwards"]
+
+
+def test_tries_bad_input_is_one_line(tiny_sudoku_mdlm):
+    m = str(tiny_sudoku_mdlm)
+    for args, needle in ((["--task", "sudoku", "--tries", "0", "--temperature", "1"], "--tries must be >= 1"),
+                         (["--task", "sudoku", "--tries", "2"], "--tries needs --temperature > 0"),
+                         (["--task", "complete", "--tries", "2", "--temperature", "1"], "has no rule checker"),
+                         (["--tries", "2"], "--tries goes with --task sudoku")):
+        code, _, err = _cli("eval", "--model", m, "--n", "1", *args)
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    code, out, err = _cli("eval", "--model", m, "--task", "sudoku", "--clues", "44-45", "--n", "1", "--steps", "4",
+                          "--temperature", "1", "--tries", "2")
+    assert code == 0 and "rule-checked: up to 2 tries" in out, err

@@ -98,35 +98,71 @@ def summarize(task: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+SUMMED = ("new_tokens", "forwards", "draft_forwards", "steps", "canvases", "seconds")  # a case's work over its tries
+
+
+def check_tries(name: str, tries: int, cfg, ck) -> None:
+    """--tries N: a task with a rule checker, and a sampler whose output changes with its seed."""
+    if tries < 1:
+        raise DlmError(f"--tries must be >= 1, got {tries}")
+    if tries > 1 and not hasattr(task_module(name), "valid"):
+        raise DlmError(f"--tries: the {name} task has no rule checker to judge a try (sudoku has)")
+    if tries > 1 and cfg.temperature <= 0 and ck.objective != "usdm":
+        raise DlmError("--tries needs --temperature > 0: greedy decoding writes the same answer on every try")
+
+
 def run_task(name: str, model, ck, cfg, drafter=None, data: str | None = None, n: int = 100, seed: int = 0,
              span: str = "line", context: int = 0, progress: bool = False,
-             cases: list[Case] | None = None, samples: int = 1, batch: int = 1) -> dict[str, Any]:
+             cases: list[Case] | None = None, samples: int = 1, batch: int = 1, tries: int = 1) -> dict[str, Any]:
     """Every case of the task (`cases`, else the task's cases of data, n, seed, span) through one method, `samples`
     times each (seeds seed, seed + 1, ...: pass@k); returns the summary with the per-case rows under "cases".
     batch > 1: an mdlm or usdm checkpoint, or speculative decoding with `drafter`, runs that many cases at once as rows
-    of one batch (the same answers and counters; only the wall time changes); other methods run case by case."""
+    of one batch (the same answers and counters; only the wall time changes); other methods run case by case.
+
+    tries > 1 is a decoder that consults the task's rule checker (`valid`, which never reads the solution): a case
+    whose answer breaks the rules is sampled again with the next seed (sample j's try t: seed + j + t x samples), up
+    to `tries` times; its row keeps the last answer, the work of every try (tokens, forwards, seconds) and `tries`.
+    Its figures are the decoder's, not the model's alone, and are reported as such ("rule_checked")."""
     task = task_module(name)
     if samples < 1:
         raise DlmError(f"--samples must be >= 1, got {samples}")
     if batch < 1:
         raise DlmError(f"--batch must be >= 1, got {batch}")
+    check_tries(name, tries, cfg, ck)
     cases = cases if cases is not None else task.cases(data, n, seed, span)
-    rows = []
     t0 = time.perf_counter()
     from rich.progress import Progress
+
+    def run(items: list) -> list[dict[str, Any]]:
+        out = []
+        if batch > 1 and (drafter is not None or ck.objective in ("mdlm", "usdm")) and not cfg.naive:
+            for i in range(0, len(items), batch):
+                out += run_cases(task, items[i:i + batch], model, ck, context, drafter)
+                bar.advance(job, len(items[i:i + batch]))
+        else:
+            for case, c in items:
+                out.append(run_case(task, case, model, ck, c, drafter, context))
+                bar.advance(job)
+        return out
 
     with Progress(disable=not progress, transient=True) as bar:
         job = bar.add_task(f"{name}", total=len(cases) * samples)
         items = [(case, cfg if j == 0 else cfg.replace(seed=cfg.seed + j)) for case in cases for j in range(samples)]
-        if batch > 1 and (drafter is not None or ck.objective in ("mdlm", "usdm")) and not cfg.naive:
-            for i in range(0, len(items), batch):
-                rows += run_cases(task, items[i:i + batch], model, ck, context, drafter)
-                bar.advance(job, len(items[i:i + batch]))
-        else:
-            for case, c in items:
-                rows.append(run_case(task, case, model, ck, c, drafter, context))
-                bar.advance(job)
+        rows = run(items)
+        for r in rows:
+            r["tries"] = 1
+        for t in range(1, tries):  # the rule checker's rounds: only the answers that break the rules go again
+            again = [i for i, r in enumerate(rows) if not task.valid(items[i][0], r["answer"])]
+            if not again:
+                break
+            bar.update(job, total=bar.tasks[0].total + len(again))
+            redo = run([(items[i][0], items[i][1].replace(seed=items[i][1].seed + t * samples)) for i in again])
+            for i, r in zip(again, redo):
+                r.update({k: rows[i][k] + r[k] for k in SUMMED if k in r}, tries=t + 1)
+                rows[i] = r
     out = summarize(task, rows)
+    if tries > 1:
+        out.update(rule_checked=tries, tries=sum(r["tries"] for r in rows) / len(rows))
     out["wall_seconds"] = time.perf_counter() - t0
     out["cases"] = [{k: v for k, v in r.items() if k not in ("tokens", "prompt")} for r in rows]
     return out

@@ -346,5 +346,11 @@ def request(case, ck, cfg, style: str, context: int):
     return Request(Prompt(ids, canvas), 81, lambda res: tok.decode(res.tokens[0][:81]))
 
 
+def valid(case, answer: str) -> bool:
+    """The rule checker of `--tries`: a complete grid that keeps the givens and obeys the rules (the solution is not
+    read; a puzzle has one solution, so a valid grid is the solution)."""
+    return is_valid(case.prefix, parse_grid(answer))
+
+
 def score(case, answer: str) -> dict[str, float]:
     return grade(case.prefix, case.target, answer)
