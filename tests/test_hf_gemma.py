@@ -159,12 +159,16 @@ def test_fine_tune_an_imported_diffusion_gemma_and_export_it(tmp_path, lora):
 def test_an_imported_diffusion_gemma_is_served_beside_its_ar_sibling(tmp_path):
     """`dlm serve` of an imported DiffusionGemma and an imported Gemma 4 (one tokenizer): a real HTTP client gets the
     tokens the library's sampler gives for the same seed and DiffusionGemma's options; an option of another
-    paradigm is refused with a 400 that names it."""
+    paradigm is refused with a 400 that names it. DiffusionGemma's requests are rows of the row batcher: two sent
+    together, and two prompts of one request, each get the text they get alone."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
     from dlm.sampling import SampleConfig, generate
     from dlm.serve.app import create_app, running
-    from dlm.serve.engine import Engine
+    from dlm.serve.engine import Engine, RowsBatcher
 
     for name, (c, m) in (("dg", hf_diffusion_gemma((S, F, S, F), canvas=6)), ("g4", hf_model("moe-kv"))):
         m.save_pretrained(tmp_path / f"{name}-src")
@@ -173,14 +177,31 @@ def test_an_imported_diffusion_gemma_is_served_beside_its_ar_sibling(tmp_path):
     engine = Engine([str(tmp_path / "dg"), str(tmp_path / "g4")])
     try:
         s = engine.get("dg")
-        assert s.paradigm == "usdm" and engine.get("g4").paradigm == "ar"
+        assert s.paradigm == "usdm" and engine.get("g4").paradigm == "ar" and isinstance(s.rows, RowsBatcher)
         opts = {"steps": 4, "entropy_bound": 0.5, "t_min": 0.4, "t_max": 0.8}
         want = generate(s.model, s.ck, "a b c d e f g", SampleConfig(max_new_tokens=12, seed=5, **opts)).text
+        prompts = ["a b c d e f g", "h i"]  # longer and shorter than the sliding window (5)
+        alone = [generate(s.model, s.ck, p, SampleConfig(max_new_tokens=18, seed=3, **opts)).text for p in prompts]
         with running(create_app(engine, max_concurrency=2, max_queue=2)) as url:
             r = httpx.post(url + "/v1/completions", json={"model": "dg", "prompt": "a b c d e f g", "max_tokens": 12,
                                                          "seed": 5, **opts}, timeout=120)
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == want
+            go = threading.Barrier(2)
+
+            def one(p: str) -> str:
+                go.wait()
+                r = httpx.post(url + "/v1/completions", json={"model": "dg", "prompt": p, "max_tokens": 18, "seed": 3,
+                                                             **opts}, timeout=120)
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+            with ThreadPoolExecutor(2) as pool:
+                assert list(pool.map(one, prompts)) == alone
+            r = httpx.post(url + "/v1/completions", json={"model": "dg", "prompt": prompts, "max_tokens": 18, "seed": 3,
+                                                         **opts}, timeout=120)
+            assert [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])] == alone
+            assert httpx.get(url + "/health").json()["batching"]["dg"]["max_rows"] == 2  # (rows of one batch)
             r = httpx.post(url + "/v1/completions", json={"model": "dg", "prompt": "a b", "max_tokens": 4,
                                                          "draft_passes": 2}, timeout=120)
             assert r.status_code == 400 and r.json()["error"]["param"] == "draft_passes"

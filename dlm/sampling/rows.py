@@ -7,15 +7,16 @@ me the hidden states (or logits) at these window offsets". A one-row driver answ
 forward of that row alone (the unbatched path, unchanged); `RowBatch` answers the requests of every
 live row with one forward.
 
-RowBatch keeps the K/V of every row in one buffer (n_layers, rows, n_kv_heads, C, head_dim) in which
-slot == position: row b holds its positions 0..length[b]-1 in slots 0..length[b]-1. A forward runs the
-rows' windows right-padded to the longest, at their own positions, after the longest cache (Lc =
-max length): keys are the slots 0..Lc-1 (row b sees those < length[b]) and the window (row b sees its
-own tokens by its request's mask; a pad query sees itself only). A forward that keeps anything writes
-the window's K/V into slots Lc.. of every row; each row's kept part is then moved to its own slots
-length[b]... A row that leaves is replaced by the last row (rows stay 0..n-1; the forward runs on a
-view of them). What a row gets back depends on nothing but its own tokens, up to the float rounding of
-batched matmuls.
+RowBatch keeps the K/V of every row in one buffer (n_layers, rows, n_kv_heads, C, head_dim) (a gemma4
+backbone: one (rows, n_kv_heads_i, C, head_dim_i) per layer, their shapes differ) in which slot == position:
+row b holds its positions 0..length[b]-1 in slots 0..length[b]-1. A forward runs the rows' windows
+right-padded to the longest, at their own positions, after the longest cache (Lc = max length): keys are
+the slots 0..Lc-1 (row b sees those < length[b]) and the window (row b sees its own tokens by its request's
+mask; a pad query sees itself only); a gemma4 backbone's sliding-window layers also keep to a band of each
+row's own positions (RowBatch._band). A forward that keeps anything writes the window's K/V into slots Lc..
+of every row; each row's kept part is then moved to its own slots length[b]... A row that leaves is replaced
+by the last row (rows stay 0..n-1; the forward runs on a view of them). What a row gets back depends on
+nothing but its own tokens, up to the float rounding of batched matmuls.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dlm import gemma4
 from dlm.drafter import DFlashDrafter
-from dlm.masks import dflash_draft_mask
+from dlm.errors import DlmError
+from dlm.masks import LayerMasks, dflash_draft_mask
 from dlm.model import KVCache, Transformer, canvas_embeds
 from dlm.sampling.common import Event, Stats
 
@@ -72,11 +75,29 @@ class Crop:
 
 
 def batchable(model) -> bool:
-    """Whether RowBatch can run this model (the plain backbone, or a DFlash drafter with K/V injection; a family with
-    its own cache layout runs rows in turn)."""
+    """Whether RowBatch can run this model (the plain backbone or a gemma4 one, or a DFlash drafter with K/V
+    injection; another family's cache layout would run rows in turn)."""
     if isinstance(model, DFlashDrafter):
         return model.injection == "kv"
-    return isinstance(model, Transformer) and not model.cfg.arch
+    return isinstance(model, Transformer) and (not model.cfg.arch or model.cfg.arch.get("family") == "gemma4")
+
+
+def _each(x) -> list[Tensor]:
+    """A cache's K (or V) buffers: the plain backbone's one (n_layers, rows, H, C, hd), a gemma4 backbone's one
+    (rows, H_i, C, hd_i) per layer; rows at dim -4 and slots at dim -2 in both."""
+    return [x] if isinstance(x, Tensor) else x
+
+
+def _map(x, f):
+    return f(x) if isinstance(x, Tensor) else [f(t) for t in x]
+
+
+def _view(k, v, length: int):
+    """A cache object over these buffers (no copy)."""
+    cls = KVCache if isinstance(k, Tensor) else gemma4.KVCache
+    cache = cls.__new__(cls)
+    cache.k, cache.v, cache.length = k, v, length
+    return cache
 
 
 def _call(model, x: Tensor | None, embeds: Tensor | None, pos: Tensor, cache: KVCache, mask, write: bool,
@@ -93,8 +114,12 @@ def _call(model, x: Tensor | None, embeds: Tensor | None, pos: Tensor, cache: KV
     return out.last, out.taps
 
 
-def _head(model, h: Tensor) -> Tensor:
-    return model.lm_head(h)
+def head(model, h: Tensor) -> Tensor:
+    """The logits of final hidden states h, as the model's forward gives them (a gemma4 backbone's soft-capped)."""
+    logits = model.lm_head(h)
+    if isinstance(model, Transformer) and model.cfg.arch:
+        logits = gemma4.softcap(logits, model.cfg.arch.get("final_softcap"))
+    return logits
 
 
 def run_one(model, cache: KVCache, w: Window):
@@ -121,7 +146,7 @@ def run_one(model, cache: KVCache, w: Window):
     if write:
         cache.crop(L0 + C + w.keep)
     a, b = w.out
-    res = last[:, a:b] if w.hidden else _head(model, last[:, a:b])
+    res = last[:, a:b] if w.hidden else head(model, last[:, a:b])
     if w.taps:
         return res, torch.cat([taps[i][0] for i in w.taps], -1)
     return res
@@ -165,8 +190,10 @@ class RowBatch:
     def __init__(self, model, capacity: int):
         self.model = model
         self.C = capacity  # slots per row: the longest row plus the longest window (grown on demand)
-        self.k: Tensor | None = None
-        self.v: Tensor | None = None
+        self.k: Tensor | list[Tensor] | None = None  # (a gemma4 backbone: one buffer per layer)
+        self.v: Tensor | list[Tensor] | None = None
+        arch = getattr(model.cfg, "arch", None) if isinstance(model, Transformer) else None
+        self.window = arch["sliding_window"] if arch and "sliding" in arch["layer_types"] else 0
         self.length: list[int] = []
         self.forwards = 0  # model calls (a step may take two: RowBatch.forward)
         self.seconds = 0.0  # wall time of the forwards
@@ -183,15 +210,15 @@ class RowBatch:
 
     def _reserve(self, n: int, C: int | None = None) -> None:
         """Buffers for at least n rows of at least C slots (rows grown by doubling, the rows' K/V kept)."""
-        have = 0 if self.k is None else self.k.shape[1]
+        have = 0 if self.k is None else _each(self.k)[0].shape[-4]
         C = max(C or self.C, self.C)
         if n <= have and C == self.C and self.k is not None:
             return
         rows = max(n, 2 * have, 1) if n > have else have
         cache = self._buffers(rows, C)
         if self.k is not None:
-            cache.k[:, :have, :, :self.C] = self.k
-            cache.v[:, :have, :, :self.C] = self.v
+            for new, old in zip(_each(cache.k) + _each(cache.v), _each(self.k) + _each(self.v)):
+                new[..., :have, :, :self.C, :] = old
         self.k, self.v, self.C = cache.k, cache.v, C
 
     def add(self) -> int:
@@ -212,8 +239,8 @@ class RowBatch:
         moved = None
         if i != last:
             n = self.length[last]
-            self.k[:, i, :, :n] = self.k[:, last, :, :n]
-            self.v[:, i, :, :n] = self.v[:, last, :, :n]
+            for t in _each(self.k) + _each(self.v):
+                t[..., i, :, :n, :] = t[..., last, :, :n, :]
             self.length[i] = n
             moved = last
         self.length.pop()
@@ -246,10 +273,31 @@ class RowBatch:
             for grp in (sorted(order[:cut]), sorted(order[cut:])):
                 for j, r in zip(grp, self._forward([rows[j] for j in grp], [windows[j] for j in grp])):
                     res[j] = r
-        if self.k.device.type == "cuda":
-            torch.cuda.synchronize(self.k.device)
+        dev = _each(self.k)[0].device
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
         self.seconds += time.perf_counter() - t0
         return res
+
+    def _band(self, windows: list[Window], lengths: Tensor, pos: Tensor, Lc: int) -> Tensor:
+        """(n, 1, T, Lc + T): a sliding-window layer's band per row, from its positions (cache slot s holds position s,
+        window key i sits at pos[b, i]), as gemma4.sliding_mask gives the row alone: a causal query sees the keys of
+        the last `window` positions up to its own; a bidirectional window over the cache (mask None: a canvas,
+        DiffusionGemma's decoder) sees the cache's last window - 1 positions and the whole window."""
+        if any(isinstance(w.mask, Tensor) for w in windows):  # (as the one-row forward: gemma4.run_blocks)
+            raise DlmError("a gemma4 backbone with sliding-window layers needs its sliding layers' mask beside a "
+                           "bool mask (dlm.masks.LayerMasks); this layout has none yet")
+        W, dev = self.window, pos.device
+        n, T = pos.shape
+        keys = torch.cat([torch.arange(Lc, device=dev).expand(n, Lc), pos], 1)[:, None]  # (n, 1, K) positions
+        q = pos[:, :, None]  # (n, T, 1)
+        band = (keys > q - W) & (keys <= q)
+        full = [w.mask is None for w in windows]
+        if any(full):
+            seen = torch.cat([keys[:, :, :Lc] >= (lengths - (W - 1))[:, None, None],
+                              torch.ones(n, 1, T, dtype=torch.bool, device=dev)], 2)  # (n, 1, K)
+            band = torch.where(torch.tensor(full, device=dev)[:, None, None], seen, band)
+        return band[:, None]
 
     GROUP_COST = 24  # a second forward costs about this many padded tokens (its fixed overhead)
 
@@ -265,12 +313,15 @@ class RowBatch:
             self._reserve(len(self.length), max(Lc + Cm + T, self.C + self.C // 2))
         if n == 1 and not windows[0].canvas:  # one row: its own slots are a cache of its own (the one-row forward)
             b = idx[0]
-            cache = KVCache.__new__(KVCache)
-            cache.k, cache.v, cache.length = self.k[:, b:b + 1], self.v[:, b:b + 1], length[0]
+
+            def one(t: Tensor) -> Tensor:
+                return t[..., b:b + 1, :, :, :]
+
+            cache = _view(_map(self.k, one), _map(self.v, one), length[0])
             res = run_one(model, cache, windows[0])
             self.length[b] = cache.length
             return [res]
-        dev = self.k.device
+        dev = _each(self.k)[0].device
         prefix = idx == list(range(n))  # rows 0..n-1: the forward runs on a view of the buffers
         lengths = torch.tensor(length, device=dev)
         if all(w.pos is None for w in windows):
@@ -305,7 +356,8 @@ class RowBatch:
                         i += Ts[b]
         else:
             x = torch.zeros(n, T, dtype=torch.long, device=dev)
-        ctx = torch.zeros(n, Cm, model.cfg.dim, dtype=x.dtype if embeds else self.k.dtype, device=dev) if Cm else None
+        ctx = torch.zeros(n, Cm, model.cfg.dim, dtype=x.dtype if embeds else _each(self.k)[0].dtype,
+                          device=dev) if Cm else None
         for b, w in enumerate(windows):
             t = Ts[b]
             if w.mask is None:
@@ -323,15 +375,18 @@ class RowBatch:
         ctx_pos = lengths[:, None] + torch.arange(Cm, device=dev)[None] if Cm else None
         keep = [w.keep for w in windows]
         taps = tuple(sorted({i for w in windows for i in w.taps}))
-        cache = KVCache.__new__(KVCache)
-        if prefix:  # a view of the buffers: the window's K/V are written in place
-            cache.k, cache.v = self.k[:, :n], self.v[:, :n]
-        else:  # some of the rows: a copy of their slots, the window's K/V copied back below
-            cache.k = torch.cat([self.k[:, idx, :, :Lc], self.k.new_empty(self.k.shape[0], n, self.k.shape[2], Cm + T,
-                                                                           self.k.shape[4])], 3)
-            cache.v = torch.cat([self.v[:, idx, :, :Lc], torch.empty_like(cache.k[:, :, :, Lc:])], 3)
-        cache.length = Lc
-        spec: Tensor | str = "full" if bool(mask.all()) else mask
+
+        def rows_of(t: Tensor) -> Tensor:
+            if prefix:  # a view of the buffers: the window's K/V are written in place
+                return t[..., :n, :, :, :]
+            # some of the rows: a copy of their slots, the window's K/V copied back below
+            return torch.cat([t[..., idx, :, :Lc, :], t.new_empty(*t.shape[:-4], n, t.shape[-3], Cm + T, t.shape[-1])],
+                             -2)
+
+        cache = _view(_map(self.k, rows_of), _map(self.v, rows_of), Lc)
+        spec: Tensor | str | LayerMasks = "full" if bool(mask.all()) else mask
+        if self.window:  # gemma4's sliding-window layers: each row's band
+            spec = LayerMasks(mask, mask & self._band(windows, lengths, pos, Lc))
         # (write: slots Lc.. are scratch: writing the window there spares the attention a copy of the cache)
         last, tapped = _call(model, None if embeds else x, x if embeds else None, pos, cache, spec, True, ctx, ctx_pos,
                              taps)
@@ -339,14 +394,14 @@ class RowBatch:
             a = self.length[b]
             for src, dst, k in ((Lc, a, Cs[j]), (Lc + Cm, a + Cs[j], m)):  # the new context, then the kept window
                 if k and (src != dst or not prefix):  # from the scratch slots to the row's own
-                    self.k[:, b, :, dst:dst + k] = cache.k[:, j, :, src:src + k].clone()
-                    self.v[:, b, :, dst:dst + k] = cache.v[:, j, :, src:src + k].clone()
+                    for mine, got in zip(_each(self.k) + _each(self.v), _each(cache.k) + _each(cache.v)):
+                        mine[..., b, :, dst:dst + k, :] = got[..., j, :, src:src + k, :].clone()
             self.length[b] = a + Cs[j] + m
         # the head only where a row asked for logits (one matmul over all of them)
         res: list = [None] * n
         want = [(j, w) for j, w in enumerate(windows) if not w.hidden and w.out[1] > w.out[0]]
         if want:
-            logits = _head(model, torch.cat([last[j, w.out[0]:w.out[1]] for j, w in want]))
+            logits = head(model, torch.cat([last[j, w.out[0]:w.out[1]] for j, w in want]))
             i = 0
             for j, w in want:
                 m = w.out[1] - w.out[0]
