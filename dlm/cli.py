@@ -173,7 +173,7 @@ def generate_cmd(
 def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None, seq_len: int = 0, batch_size: int = 8,
              max_batches: int = 0, samples: int | None = None, reference: str | None = None, json: bool = False,
              device: str = "cpu", task: str | None = None, n: int = 100, span: str = "line",
-             context: int = 0, clues: str | None = None, batch: int = 1, tries: int = 1) -> None:
+             context: int = 0, clues: str | None = None, batch: int = 1, tries: int = 1, best_of: int = 1) -> None:
     """Held-out loss and perplexity of a checkpoint; or, with --task, what it gets right on a task.
 
     --task complete|infill|sudoku runs the task's cases through the checkpoint's sampler with the generation
@@ -207,6 +207,9 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
         tries: --task sudoku: a decoder that consults the rules: a grid that breaks them is sampled again with the
             next seed, up to this many tries (needs --temperature > 0 but for usdm); reported as rule-checked, with
             the work of every try counted, never as the model's own figure (1 = off)
+        best_of: --task, an mdlm checkpoint: draw each case this many times (needs --temperature > 0; seeds --seed,
+            --seed + 1, ...) and keep the draw whose committed tokens the model itself gives the highest
+            log-probability (no checker); every draw's forwards count (1 = off)
     """
     from dlm.checkpoint import load_model
     from dlm.config import check_seed
@@ -218,10 +221,12 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
         raise DlmError("--clues goes with --task sudoku")
     if task is not None:
         _eval_task(model, device, scfg, task, data, n, span, context, json, split, 1 if samples is None else samples,
-                   clues, batch, tries)
+                   clues, batch, tries, best_of)
         return
     if tries != 1:
         raise DlmError("--tries goes with --task sudoku")
+    if best_of != 1:
+        raise DlmError("--best-of goes with --task")
     samples = 4 if samples is None else samples
     if batch_size <= 0:
         raise DlmError(f"--batch-size must be > 0, got {batch_size}")
@@ -246,10 +251,10 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
 
 def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: int, span: str, context: int,
                json: bool, split: str = "test", samples: int = 1, clues: str | None = None, batch: int = 1,
-               tries: int = 1) -> None:
+               tries: int = 1, best_of: int = 1) -> None:
     from dlm.checkpoint import load_model
     from dlm.sampling import SampleConfig
-    from dlm.tasks import check_tries, run_task, task_module
+    from dlm.tasks import check_best_of, check_tries, run_task, task_module
 
     mod = task_module(task)
     if scfg.max_new_tokens == SampleConfig.max_new_tokens:  # not given: the task's own budget
@@ -266,6 +271,7 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
     cases = mod.cases(data, n, scfg.seed, span, split, **extra)  # bad --data is refused before the model is loaded
     net, ck = load_model(model, device=_device(device))
     check_tries(task, tries, scfg, ck)
+    check_best_of(best_of, scfg, ck, tries)
     drafter = None
     if scfg.draft:
         from dlm.sampling.common import make_generator
@@ -276,7 +282,7 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
                                                              make_generator(scfg.seed, net.device)),
                                scfg.draft_passes, scfg.lookup_ngram, scfg.draft_top_k)
     res = run_task(task, net, ck, scfg, drafter, data, n, scfg.seed, span, context, progress=not json, cases=cases,
-                   samples=samples, batch=batch, tries=tries)
+                   samples=samples, batch=batch, tries=tries, best_of=best_of)
     res.pop("cases")
     res.update(model=str(ck.path), paradigm="speculative" if drafter else ck.objective, seed=scfg.seed)
     if task in ("infill", "code-infill"):
@@ -292,7 +298,9 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
         + (["tau"] if "tau" in res else []))
         + f"  forwards {res['forwards']}  {res['seconds']:.1f} s"
         + (f"  [rule-checked: up to {tries} tries, {res['tries']:.2f} per case; not the model's own figure]"
-           if tries > 1 else ""))
+           if tries > 1 else "")
+        + (f"  [best of {best_of} draws by the model's own log-probability; every draw's forwards counted]"
+           if best_of > 1 else ""))
 
 
 def export_cmd(model: str, out: str, format: str = "hf", dtype: str = "float32", overwrite: bool = False) -> None:

@@ -5,6 +5,7 @@ model."""
 from __future__ import annotations
 
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -79,6 +80,14 @@ def test_revise_sends_a_committed_token_back_and_off_changes_nothing():
     assert out == [C, B, D]  # A was committed first, then sent back once B made it unlikely, and re-predicted
     assert stats.extra["revisions"] == 1 and stats.forwards == 4
     assert steps[1].fixed[0] and not steps[2].fixed[0] and steps[2].canvas[0] == MASK  # committed, then revised
+
+
+def test_the_sampler_scores_what_it_commits():
+    """stats.extra["logprob"]: the model's log-probability of each token when it is committed, summed (what --best-of
+    ranks draws by). The hand-made model commits A (logit 12), B (5), D (2) against zeros, <mask> and <eos> barred."""
+    _, stats, _ = run(Fickle(), 0.0)
+    want = sum(math.log(math.exp(a) / (math.exp(a) + V - 3)) for a in (12.0, 5.0, 2.0))
+    assert stats.extra["logprob"] == pytest.approx(want, abs=1e-5)
 
 
 def test_revision_ends_when_the_model_never_believes_a_token(monkeypatch):
@@ -195,7 +204,7 @@ def test_tries_samples_again_only_the_grids_that_break_the_rules(tiny_sudoku_mdl
         for i, r in enumerate(res["cases"]):
             assert r["tries"] == 3 and r["answer"] == singles[2][i]["answer"]
             assert r["forwards"] == sum(rows[i]["forwards"] for rows in singles)
-            assert r["new_tokens"] == sum(rows[i]["new_tokens"] for rows in singles)
+            assert r["new_tokens"] == singles[2][i]["new_tokens"]  # the kept answer's tokens
     good, gck = load_model("checkpoints/sudoku-mdlm")
     easy = sudoku.cases(None, 3, 0, clues="46-50")
     once = run_task("sudoku", good, gck, cfg, cases=easy)
@@ -205,12 +214,39 @@ def test_tries_samples_again_only_the_grids_that_break_the_rules(tiny_sudoku_mdl
     assert res["forwards"] == once["forwards"]
 
 
+def test_best_of_keeps_the_draw_the_model_scores_highest(tiny_sudoku_mdlm):
+    """--best-of N: every case drawn N times (seeds seed, seed + 1, ...); the row is the draw whose committed tokens
+    the model gives the highest total log-probability, as each draw reports it run alone, with every draw's
+    forwards."""
+    from dlm.checkpoint import load_model
+    from dlm.tasks import run_task
+
+    net, ck = load_model(tiny_sudoku_mdlm)
+    cases = sudoku.cases(None, 3, 0, clues="44-45")
+    cfg = SampleConfig(temperature=1.0, seed=5, steps=8, max_new_tokens=81)
+    singles = [run_task("sudoku", net, ck, cfg.replace(seed=5 + t), cases=cases)["cases"] for t in range(4)]
+    for batch in (1, 4):
+        res = run_task("sudoku", net, ck, cfg, cases=cases, best_of=4, batch=batch)
+        assert res["best_of"] == 4
+        for i, r in enumerate(res["cases"]):
+            draws = [rows[i] for rows in singles]
+            assert len({d["logprob"] for d in draws}) > 1  # the draws differ in score
+            best = max(draws, key=lambda d: d["logprob"])
+            assert r["answer"] == best["answer"] and r["logprob"] == pytest.approx(best["logprob"], abs=1e-3)
+            assert r["forwards"] == sum(d["forwards"] for d in draws) and r["new_tokens"] == best["new_tokens"]
+
+
 def test_tries_bad_input_is_one_line(tiny_sudoku_mdlm):
     m = str(tiny_sudoku_mdlm)
     for args, needle in ((["--task", "sudoku", "--tries", "0", "--temperature", "1"], "--tries must be >= 1"),
                          (["--task", "sudoku", "--tries", "2"], "--tries needs --temperature > 0"),
                          (["--task", "complete", "--tries", "2", "--temperature", "1"], "has no rule checker"),
-                         (["--tries", "2"], "--tries goes with --task sudoku")):
+                         (["--tries", "2"], "--tries goes with --task sudoku"),
+                         (["--task", "sudoku", "--best-of", "2"], "--best-of needs --temperature > 0"),
+                         (["--task", "sudoku", "--best-of", "0", "--temperature", "1"], "--best-of must be >= 1"),
+                         (["--task", "sudoku", "--best-of", "2", "--tries", "2", "--temperature", "1"],
+                          "two decoders"),
+                         (["--best-of", "2"], "--best-of goes with --task")):
         code, _, err = _cli("eval", "--model", m, "--n", "1", *args)
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
     code, out, err = _cli("eval", "--model", m, "--task", "sudoku", "--clues", "44-45", "--n", "1", "--steps", "4",

@@ -444,6 +444,9 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
                 free = free & (part == part[free][0])
             if bool(free.any()):
                 x, chosen, ent = denoise_step(logits, seq[s:e], free, rule, k, temperature, top_k, top_p, gen)
+                at = chosen.nonzero()[:, 0]  # the model's log-probability of what it commits (best-of-N reads it)
+                stats.extra["logprob"] = stats.extra.get("logprob", 0.0) + float(
+                    torch.log_softmax(logits[at].float(), -1).gather(-1, x[at, None]).sum())
             else:
                 x, chosen, ent = seq[s:e], torch.zeros_like(free), None
             seq[s:e] = x

@@ -525,6 +525,7 @@ def batch_stats(per_row: list[Stats], forwards: int) -> Stats:
             stats.extra["revisions"] = stats.extra.get("revisions", 0) + st.extra["revisions"]
     own = sum(st.forwards for st in per_row)
     stats.extra["rows"] = [{"new_tokens": st.new_tokens, "forwards": st.forwards, "steps": st.steps,
-                            "canvases": st.canvases} for st in per_row]
+                            "canvases": st.canvases, **{k: st.extra[k] for k in ("logprob",) if k in st.extra}}
+                           for st in per_row]
     stats.extra["rows_per_forward"] = own / forwards if forwards else 0.0
     return stats

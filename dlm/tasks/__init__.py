@@ -72,6 +72,8 @@ def run_cases(task: Any, items: list[tuple[Case, Any]], model, ck, context: int 
                    draft_forwards=own.get("draft_forwards", 0))
         if "tau" in own:  # speculation: the row's own verify-cycle counters
             st.extra = {k: own[k] for k in ("tau", "cycles", "acceptance_histogram")}
+        if "logprob" in own:  # mdlm: the model's log-probability of what the row committed
+            st.extra["logprob"] = own["logprob"]
         rows.append(_case_row(task, case, req, Result([res.tokens[i]], [res.texts[i]], st)))
     return rows
 
@@ -98,7 +100,21 @@ def summarize(task: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-SUMMED = ("new_tokens", "forwards", "draft_forwards", "steps", "canvases", "seconds")  # a case's work over its tries
+# a case's work over its tries or draws (its new tokens stay the kept answer's: tokens per forward is then the
+# answer's tokens over all the forwards spent on it)
+SUMMED = ("forwards", "draft_forwards", "steps", "canvases", "seconds")
+
+
+def check_best_of(best_of: int, cfg, ck, tries: int = 1) -> None:
+    """--best-of N: an mdlm checkpoint (its sampler scores what it commits), draws that differ, no rule checker."""
+    if best_of < 1:
+        raise DlmError(f"--best-of must be >= 1, got {best_of}")
+    if best_of > 1 and ck.objective != "mdlm":
+        raise DlmError(f"--best-of: an mdlm checkpoint (its sampler scores what it commits), got {ck.objective}")
+    if best_of > 1 and cfg.temperature <= 0:
+        raise DlmError("--best-of needs --temperature > 0: greedy decoding writes the same answer every time")
+    if best_of > 1 and tries > 1:
+        raise DlmError("--best-of and --tries are two decoders: give one")
 
 
 def check_tries(name: str, tries: int, cfg, ck) -> None:
@@ -113,7 +129,8 @@ def check_tries(name: str, tries: int, cfg, ck) -> None:
 
 def run_task(name: str, model, ck, cfg, drafter=None, data: str | None = None, n: int = 100, seed: int = 0,
              span: str = "line", context: int = 0, progress: bool = False,
-             cases: list[Case] | None = None, samples: int = 1, batch: int = 1, tries: int = 1) -> dict[str, Any]:
+             cases: list[Case] | None = None, samples: int = 1, batch: int = 1, tries: int = 1,
+             best_of: int = 1) -> dict[str, Any]:
     """Every case of the task (`cases`, else the task's cases of data, n, seed, span) through one method, `samples`
     times each (seeds seed, seed + 1, ...: pass@k); returns the summary with the per-case rows under "cases".
     batch > 1: an mdlm or usdm checkpoint, or speculative decoding with `drafter`, runs that many cases at once as rows
@@ -121,14 +138,20 @@ def run_task(name: str, model, ck, cfg, drafter=None, data: str | None = None, n
 
     tries > 1 is a decoder that consults the task's rule checker (`valid`, which never reads the solution): a case
     whose answer breaks the rules is sampled again with the next seed (sample j's try t: seed + j + t x samples), up
-    to `tries` times; its row keeps the last answer, the work of every try (tokens, forwards, seconds) and `tries`.
-    Its figures are the decoder's, not the model's alone, and are reported as such ("rule_checked")."""
+    to `tries` times; its row keeps the last answer (its tokens), the work of every try (forwards, seconds) and
+    `tries`.
+    Its figures are the decoder's, not the model's alone, and are reported as such ("rule_checked").
+
+    best_of > 1 (mdlm) draws each case that many times (sample j's draw t: seed + j + t x samples) and keeps the
+    draw whose committed tokens the model gives the highest total log-probability: the model's own choice, no
+    checker; the row keeps every draw's work and `best_of`."""
     task = task_module(name)
     if samples < 1:
         raise DlmError(f"--samples must be >= 1, got {samples}")
     if batch < 1:
         raise DlmError(f"--batch must be >= 1, got {batch}")
     check_tries(name, tries, cfg, ck)
+    check_best_of(best_of, cfg, ck, tries)
     cases = cases if cases is not None else task.cases(data, n, seed, span)
     t0 = time.perf_counter()
     from rich.progress import Progress
@@ -148,7 +171,16 @@ def run_task(name: str, model, ck, cfg, drafter=None, data: str | None = None, n
     with Progress(disable=not progress, transient=True) as bar:
         job = bar.add_task(f"{name}", total=len(cases) * samples)
         items = [(case, cfg if j == 0 else cfg.replace(seed=cfg.seed + j)) for case in cases for j in range(samples)]
-        rows = run(items)
+        if best_of > 1:  # every draw of every item, then each item's best by the model's own score
+            bar.update(job, total=len(items) * best_of)
+            draws = run([(case, c.replace(seed=c.seed + t * samples)) for case, c in items for t in range(best_of)])
+            rows = []
+            for i in range(len(items)):
+                mine = draws[i * best_of:(i + 1) * best_of]
+                best = max(mine, key=lambda r: r.get("logprob", 0.0))  # (ties: the first draw)
+                rows.append({**best, **{k: sum(r[k] for r in mine) for k in SUMMED if k in best}, "best_of": best_of})
+        else:
+            rows = run(items)
         for r in rows:
             r["tries"] = 1
         for t in range(1, tries):  # the rule checker's rounds: only the answers that break the rules go again
@@ -163,6 +195,8 @@ def run_task(name: str, model, ck, cfg, drafter=None, data: str | None = None, n
     out = summarize(task, rows)
     if tries > 1:
         out.update(rule_checked=tries, tries=sum(r["tries"] for r in rows) / len(rows))
+    if best_of > 1:
+        out["best_of"] = best_of
     out["wall_seconds"] = time.perf_counter() - t0
     out["cases"] = [{k: v for k, v in r.items() if k not in ("tokens", "prompt")} for r in rows]
     return out
