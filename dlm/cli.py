@@ -207,8 +207,8 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
         tries: --task sudoku: a decoder that consults the rules: a grid that breaks them is sampled again with the
             next seed, up to this many tries (needs --temperature > 0 but for usdm); reported as rule-checked, with
             the work of every try counted, never as the model's own figure (1 = off)
-        best_of: --task, an mdlm checkpoint: draw each case this many times (needs --temperature > 0; seeds --seed,
-            --seed + 1, ...) and keep the draw whose committed tokens the model itself gives the highest
+        best_of: --task, an mdlm or usdm checkpoint: draw each case this many times (mdlm needs --temperature > 0;
+            seeds --seed, --seed + 1, ...) and keep the draw whose committed tokens the model itself gives the highest
             log-probability (no checker); every draw's forwards count (1 = off)
     """
     from dlm.checkpoint import load_model

@@ -413,6 +413,29 @@ def test_every_paradigm_runs_sudoku(sudoku_models):
     assert json.loads(out)["forwards"] == 10 and json.loads(out)["tokens_per_forward"] >= 3
 
 
+def test_best_of_a_usdm_model_keeps_the_draw_it_scores_highest(sudoku_models):
+    """usdm scores a canvas by the model's log-probability of its final tokens at the last step: --best-of keeps the
+    draw (seed, seed + 1, ...) with the highest, as each draw reports it alone; AR has no --best-of."""
+    from dlm.checkpoint import load_model
+    from dlm.sampling import SampleConfig
+    from dlm.tasks import run_task
+
+    models, test = sudoku_models
+    net, ck = load_model(models["usdm"])
+    cases = sudoku.cases(str(test), 2, 0)
+    cfg = SampleConfig(seed=3, steps=4)
+    singles = [run_task("sudoku", net, ck, cfg.replace(seed=3 + t), cases=cases)["cases"] for t in range(3)]
+    res = run_task("sudoku", net, ck, cfg, cases=cases, best_of=3, batch=6)
+    for i, r in enumerate(res["cases"]):
+        draws = [rows[i] for rows in singles]
+        assert all(d["logprob"] < 0 for d in draws) and len({d["logprob"] for d in draws}) == 3
+        best = max(draws, key=lambda d: d["logprob"])
+        assert r["answer"] == best["answer"] and r["forwards"] == sum(d["forwards"] for d in draws)
+    code, _, err = _cli("eval", "--task", "sudoku", "--data", str(test), "--n", "1", "--model", str(models["ar"]),
+                        "--temperature", "1", "--best-of", "2")
+    assert code == 2 and "--best-of: an mdlm or usdm checkpoint" in err and len(err.strip().splitlines()) == 1
+
+
 def test_dlm_task_sudoku_writes_the_public_layout(tmp_path):
     from dlm.data.csvtask import read_pairs
 

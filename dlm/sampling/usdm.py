@@ -273,7 +273,7 @@ def _row(p: Prompt, L: int, steps: int, N: int, eos_id: Eos, cfg, gen: torch.Gen
             holes = torch.ones(n, dtype=torch.bool, device=dev)
             pins = torch.zeros(n, dtype=torch.long, device=dev)
         tokens, used = yield from _canvas_program(holes, pins, N, eos_id, p.canvas is not None, canvas_index, row,
-                                                  done, steps, cfg, gen, first, step_events, dev)
+                                                  done, steps, cfg, gen, first, step_events, dev, stats)
         stats.canvases += 1
         stats.steps += used
         stats.extra["steps_per_canvas"].append(used)
@@ -307,8 +307,10 @@ def _denoise_canvas(model: Transformer, cache, holes: Tensor, pins: Tensor, N: i
 
 def _canvas_program(holes: Tensor, pins: Tensor, N: int, eos_id: Eos, no_eos: bool, canvas_index: int, row: int,
                     offset: int, S: int, cfg, gen: torch.Generator, first: Tensor | None, step_events: bool,
-                    dev: torch.device):
-    """One canvas as a program: Step events and a Denoise request per step; returns (committed tokens, steps used)."""
+                    dev: torch.device, stats: Stats | None = None):
+    """One canvas as a program: Step events and a Denoise request per step; returns (committed tokens, steps used).
+    stats: the model's log-probability (T = 1) of the committed holes at the last step is added to extra["logprob"]
+    (what --best-of ranks draws by)."""
     n = holes.shape[0]
     stop = sorted(eos_set(eos_id))
     canvas = renoise(pins, torch.zeros_like(holes), holes, pins, torch.randint(0, N, (n,), generator=gen, device=dev))
@@ -341,4 +343,7 @@ def _canvas_program(holes: Tensor, pins: Tensor, N: int, eos_id: Eos, no_eos: bo
             yield Step(canvas.tolist(), (accepted | ~holes).tolist(), step, canvas_index, mean_ent, row, offset)
         if cfg.adaptive and should_stop(stable, mean_ent, cfg.stability_threshold, cfg.confidence_threshold):
             break
+    if stats is not None:
+        lp = torch.log_softmax(raw.float(), -1).gather(-1, argmax[:, None])[:, 0]
+        stats.extra["logprob"] = stats.extra.get("logprob", 0.0) + float(lp[holes].sum())
     return argmax.tolist(), step

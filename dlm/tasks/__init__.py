@@ -72,7 +72,7 @@ def run_cases(task: Any, items: list[tuple[Case, Any]], model, ck, context: int 
                    draft_forwards=own.get("draft_forwards", 0))
         if "tau" in own:  # speculation: the row's own verify-cycle counters
             st.extra = {k: own[k] for k in ("tau", "cycles", "acceptance_histogram")}
-        if "logprob" in own:  # mdlm: the model's log-probability of what the row committed
+        if "logprob" in own:  # mdlm, usdm: the model's log-probability of what the row committed
             st.extra["logprob"] = own["logprob"]
         rows.append(_case_row(task, case, req, Result([res.tokens[i]], [res.texts[i]], st)))
     return rows
@@ -106,12 +106,13 @@ SUMMED = ("forwards", "draft_forwards", "steps", "canvases", "seconds")
 
 
 def check_best_of(best_of: int, cfg, ck, tries: int = 1) -> None:
-    """--best-of N: an mdlm checkpoint (its sampler scores what it commits), draws that differ, no rule checker."""
+    """--best-of N: an mdlm or usdm checkpoint (their samplers score what they commit), draws that differ."""
     if best_of < 1:
         raise DlmError(f"--best-of must be >= 1, got {best_of}")
-    if best_of > 1 and ck.objective != "mdlm":
-        raise DlmError(f"--best-of: an mdlm checkpoint (its sampler scores what it commits), got {ck.objective}")
-    if best_of > 1 and cfg.temperature <= 0:
+    if best_of > 1 and ck.objective not in ("mdlm", "usdm"):
+        raise DlmError(f"--best-of: an mdlm or usdm checkpoint (their samplers score what they commit), "
+                       f"got {ck.objective}")
+    if best_of > 1 and cfg.temperature <= 0 and ck.objective != "usdm":
         raise DlmError("--best-of needs --temperature > 0: greedy decoding writes the same answer every time")
     if best_of > 1 and tries > 1:
         raise DlmError("--best-of and --tries are two decoders: give one")
@@ -142,7 +143,7 @@ def run_task(name: str, model, ck, cfg, drafter=None, data: str | None = None, n
     `tries`.
     Its figures are the decoder's, not the model's alone, and are reported as such ("rule_checked").
 
-    best_of > 1 (mdlm) draws each case that many times (sample j's draw t: seed + j + t x samples) and keeps the
+    best_of > 1 (mdlm, usdm) draws each case that many times (sample j's draw t: seed + j + t x samples) and keeps the
     draw whose committed tokens the model gives the highest total log-probability: the model's own choice, no
     checker; the row keeps every draw's work and `best_of`."""
     task = task_module(name)
