@@ -107,8 +107,8 @@ def test_mdlm_rows_equal_each_row_alone(mdlm_model, opts):
                [(s.canvas, s.fixed, s.step, s.canvas_index, s.offset) for s in a[1][0]]
     assert_stopping_points_differ(tokens, 20)
     # one Done: totals, and each row's own counters as it counts them alone
-    assert [dict(new_tokens=a[2].new_tokens, forwards=a[2].forwards, steps=a[2].steps, canvases=a[2].canvases)
-            for a in alone] == stats.extra["rows"]
+    assert [dict(new_tokens=a[2].new_tokens, forwards=a[2].forwards, steps=a[2].steps, canvases=a[2].canvases,
+                 logprob=pytest.approx(a[2].extra["logprob"], rel=1e-9)) for a in alone] == stats.extra["rows"]
     assert stats.new_tokens == sum(a[2].new_tokens for a in alone) == sum(map(len, tokens))
     assert stats.steps == sum(a[2].steps for a in alone)
     assert stats.forwards < sum(a[2].forwards for a in alone)  # rows shared forwards
@@ -199,8 +199,8 @@ def test_usdm_rows_equal_each_row_alone(usdm_model, opts):
                [(s.canvas, s.fixed, s.step, s.canvas_index, s.offset) for s in a[1][0]]
         assert [s.entropy for s in steps[r]] == pytest.approx([s.entropy for s in a[1][0]], rel=1e-9)
     assert_stopping_points_differ(tokens, 18)
-    assert [dict(new_tokens=a[2].new_tokens, forwards=a[2].forwards, steps=a[2].steps, canvases=a[2].canvases)
-            for a in alone] == stats.extra["rows"]
+    assert [dict(new_tokens=a[2].new_tokens, forwards=a[2].forwards, steps=a[2].steps, canvases=a[2].canvases,
+                 logprob=pytest.approx(a[2].extra["logprob"], rel=1e-9)) for a in alone] == stats.extra["rows"]
     assert stats.extra["steps_per_canvas"] == sum((a[2].extra["steps_per_canvas"] for a in alone), [])
     if cfg.confidence_threshold > 1:  # canvases stopped adaptively after different numbers of steps
         assert len(set(stats.extra["steps_per_canvas"])) > 1
