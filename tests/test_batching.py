@@ -208,23 +208,29 @@ def test_usdm_rows_equal_each_row_alone(usdm_model, opts):
 
 
 def test_usdm_rows_join_a_running_batch_with_their_own_options(usdm_model):
+    check_usdm_rows_join(usdm_model, V, EOS, usdm_run)
+
+
+def check_usdm_rows_join(model, vocab: int, eos: int, run) -> None:
+    """The server's use: usdm rows with their own options join between steps (and move into a leaving row's place);
+    each comes out as run(model, [prompt], cfg, False) gives it alone."""
     cfgs = [SampleConfig(max_new_tokens=n, canvas_length=L, steps=s, seed=sd)
             for n, L, s, sd in [(18, 6, 8, 0), (7, 4, 5, 1), (12, 12, 10, 2), (16, 5, 6, 3), (10, 10, 4, 4)]]
-    batch = usdm.Batch(usdm_model, 256)
+    batch = usdm.Batch(model, 256)
     got: list[list[int]] = [[] for _ in PROMPTS]
     arrive = {0: [0, 1], 2: [2], 6: [3, 4]}
     step = 0
     while step == 0 or len(batch) or any(k >= step for k in arrive):
         for r in arrive.get(step, []):
             c = cfgs[r]
-            batch.add(Prompt(PROMPTS[r]), c.canvas_length, c.steps, V, EOS, c, r, Stats(extra={"steps_per_canvas": []}),
-                      tag=r)
+            batch.add(Prompt(PROMPTS[r]), c.canvas_length, c.steps, vocab, eos, c, r,
+                      Stats(extra={"steps_per_canvas": []}), tag=r)
         if len(batch):
             for r, ev in batch.step():
                 got[r] += ev.tokens if isinstance(ev, Commit) else []
         step += 1
     for r, c in enumerate(cfgs):
-        alone = rows_of(usdm_run(usdm_model, [PROMPTS[r]], c.replace(seed=c.seed + r), False), 1)[0][0]
+        alone = rows_of(run(model, [PROMPTS[r]], c.replace(seed=c.seed + r), False), 1)[0][0]
         assert got[r] == alone, r
 
 

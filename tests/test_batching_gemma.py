@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import random_transformer
-from test_batching import MDLM, PROMPTS, TINY, mdlm_alone, mdlm_jobs, rows_of
+from test_batching import MDLM, PROMPTS, TINY, check_usdm_rows_join, mdlm_alone, mdlm_jobs, rows_of
 
 from dlm.sampling import SampleConfig, mdlm, stream, stream_rows, usdm
-from dlm.sampling.common import Commit, Prompt, Stats
+from dlm.sampling.common import Prompt
 from dlm.sampling.rows import RowBatch, Window, batchable, run_one
 
 pytest.importorskip("transformers")
@@ -103,23 +103,7 @@ def test_stream_rows_of_a_diffusion_gemma_run_together(dg):
 
 def test_diffusion_gemma_rows_join_a_running_batch(dg):
     """The server's use: rows with their own options join between steps (and move into a leaving row's place)."""
-    cfgs = [SampleConfig(max_new_tokens=n, canvas_length=L, steps=s, seed=sd)
-            for n, L, s, sd in [(18, 6, 8, 0), (7, 4, 5, 1), (12, 12, 10, 2), (16, 5, 6, 3), (10, 10, 4, 4)]]
-    batch = usdm.Batch(dg, 256)
-    got: list[list[int]] = [[] for _ in PROMPTS]
-    arrive = {0: [0, 1], 2: [2], 6: [3, 4]}
-    step = 0
-    while step == 0 or len(batch) or any(k >= step for k in arrive):
-        for r in arrive.get(step, []):
-            c = cfgs[r]
-            batch.add(Prompt(PROMPTS[r]), c.canvas_length, c.steps, V, EOS, c, r, Stats(extra={"steps_per_canvas": []}),
-                      tag=r)
-        if len(batch):
-            for r, ev in batch.step():
-                got[r] += ev.tokens if isinstance(ev, Commit) else []
-        step += 1
-    for r, c in enumerate(cfgs):
-        assert got[r] == rows_of(usdm_run(dg, [PROMPTS[r]], c.replace(seed=c.seed + r), False), 1)[0][0], r
+    check_usdm_rows_join(dg, V, EOS, usdm_run)
 
 
 def test_mdlm_rows_on_a_gemma4_backbone_of_full_layers():
