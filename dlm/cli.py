@@ -173,7 +173,8 @@ def generate_cmd(
 def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None, seq_len: int = 0, batch_size: int = 8,
              max_batches: int = 0, samples: int | None = None, reference: str | None = None, json: bool = False,
              device: str = "cpu", task: str | None = None, n: int = 100, span: str = "line",
-             context: int = 0, clues: str | None = None, batch: int = 1, tries: int = 1, best_of: int = 1) -> None:
+             context: int = 0, clues: str | None = None, batch: int = 1, tries: int = 1, best_of: int = 1,
+             pick: str = "score") -> None:
     """Held-out loss and perplexity of a checkpoint; or, with --task, what it gets right on a task.
 
     --task complete|infill|sudoku runs the task's cases through the checkpoint's sampler with the generation
@@ -210,6 +211,8 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
         best_of: --task, an mdlm or usdm checkpoint: draw each case this many times (mdlm needs --temperature > 0;
             seeds --seed, --seed + 1, ...) and keep the draw whose committed tokens the model itself gives the highest
             log-probability (no checker); every draw's forwards count (1 = off)
+        pick: --best-of: score (the draw the model scores highest) or vote (the answer most draws agree on, the
+            score breaking ties)
     """
     from dlm.checkpoint import load_model
     from dlm.config import check_seed
@@ -221,7 +224,7 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
         raise DlmError("--clues goes with --task sudoku")
     if task is not None:
         _eval_task(model, device, scfg, task, data, n, span, context, json, split, 1 if samples is None else samples,
-                   clues, batch, tries, best_of)
+                   clues, batch, tries, best_of, pick)
         return
     if tries != 1:
         raise DlmError("--tries goes with --task sudoku")
@@ -251,7 +254,7 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
 
 def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: int, span: str, context: int,
                json: bool, split: str = "test", samples: int = 1, clues: str | None = None, batch: int = 1,
-               tries: int = 1, best_of: int = 1) -> None:
+               tries: int = 1, best_of: int = 1, pick: str = "score") -> None:
     from dlm.checkpoint import load_model
     from dlm.sampling import SampleConfig
     from dlm.tasks import check_best_of, check_tries, run_task, task_module
@@ -282,7 +285,7 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
                                                              make_generator(scfg.seed, net.device)),
                                scfg.draft_passes, scfg.lookup_ngram, scfg.draft_top_k)
     res = run_task(task, net, ck, scfg, drafter, data, n, scfg.seed, span, context, progress=not json, cases=cases,
-                   samples=samples, batch=batch, tries=tries, best_of=best_of)
+                   samples=samples, batch=batch, tries=tries, best_of=best_of, pick=pick)
     res.pop("cases")
     res.update(model=str(ck.path), paradigm="speculative" if drafter else ck.objective, seed=scfg.seed)
     if task in ("infill", "code-infill"):
@@ -299,7 +302,8 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
         + f"  forwards {res['forwards']}  {res['seconds']:.1f} s"
         + (f"  [rule-checked: up to {tries} tries, {res['tries']:.2f} per case; not the model's own figure]"
            if tries > 1 else "")
-        + (f"  [best of {best_of} draws by the model's own log-probability; every draw's forwards counted]"
+        + (f"  [best of {best_of} draws by the model's own {'log-probability' if pick == 'score' else 'vote'}; every "
+           "draw's forwards counted]"
            if best_of > 1 else ""))
 
 

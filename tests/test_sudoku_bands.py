@@ -234,6 +234,25 @@ def test_best_of_keeps_the_draw_the_model_scores_highest(tiny_sudoku_mdlm):
             best = max(draws, key=lambda d: d["logprob"])
             assert r["answer"] == best["answer"] and r["logprob"] == pytest.approx(best["logprob"], abs=1e-3)
             assert r["forwards"] == sum(d["forwards"] for d in draws) and r["new_tokens"] == best["new_tokens"]
+    # pick vote: the answer most draws agree on (the score breaks ties); here draws 0 and 2 are made to agree
+    from dlm import tasks
+
+    real = tasks.run_cases
+
+    def agreeing(task, items, *a):
+        rows = real(task, items, *a)
+        for r, (_, c) in zip(rows, items):
+            if c.seed in (5, 7):  # draws 0 and 2 of each case write one answer, both with the lowest scores
+                r["answer"], r["logprob"] = "same" + r["case"], -1e9 - c.seed
+        return rows
+
+    tasks.run_cases = agreeing
+    try:
+        res = run_task("sudoku", net, ck, cfg, cases=cases, best_of=4, batch=4, pick="vote")
+    finally:
+        tasks.run_cases = real
+    assert res["pick"] == "vote" and all(r["answer"] == "same" + r["case"] for r in res["cases"])
+    assert all(r["logprob"] == -1e9 - 5 for r in res["cases"])  # the tie between them broken by the score
 
 
 def test_tries_bad_input_is_one_line(tiny_sudoku_mdlm):

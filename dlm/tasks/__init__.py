@@ -15,6 +15,7 @@ that committed n tokens, from which the acceptance rate of each draft slot follo
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Any
 
@@ -131,7 +132,7 @@ def check_tries(name: str, tries: int, cfg, ck) -> None:
 def run_task(name: str, model, ck, cfg, drafter=None, data: str | None = None, n: int = 100, seed: int = 0,
              span: str = "line", context: int = 0, progress: bool = False,
              cases: list[Case] | None = None, samples: int = 1, batch: int = 1, tries: int = 1,
-             best_of: int = 1) -> dict[str, Any]:
+             best_of: int = 1, pick: str = "score") -> dict[str, Any]:
     """Every case of the task (`cases`, else the task's cases of data, n, seed, span) through one method, `samples`
     times each (seeds seed, seed + 1, ...: pass@k); returns the summary with the per-case rows under "cases".
     batch > 1: an mdlm or usdm checkpoint, or speculative decoding with `drafter`, runs that many cases at once as rows
@@ -144,8 +145,9 @@ def run_task(name: str, model, ck, cfg, drafter=None, data: str | None = None, n
     Its figures are the decoder's, not the model's alone, and are reported as such ("rule_checked").
 
     best_of > 1 (mdlm, usdm) draws each case that many times (sample j's draw t: seed + j + t x samples) and keeps the
-    draw whose committed tokens the model gives the highest total log-probability: the model's own choice, no
-    checker; the row keeps every draw's work and `best_of`."""
+    draw whose committed tokens the model gives the highest total log-probability (pick "score"), or the answer most
+    draws agree on, that score breaking ties (pick "vote"): the model's own choice, no checker; the row keeps every
+    draw's work and `best_of`."""
     task = task_module(name)
     if samples < 1:
         raise DlmError(f"--samples must be >= 1, got {samples}")
@@ -153,6 +155,8 @@ def run_task(name: str, model, ck, cfg, drafter=None, data: str | None = None, n
         raise DlmError(f"--batch must be >= 1, got {batch}")
     check_tries(name, tries, cfg, ck)
     check_best_of(best_of, cfg, ck, tries)
+    if pick not in ("score", "vote"):
+        raise DlmError(f"--pick must be score or vote, got {pick!r}")
     cases = cases if cases is not None else task.cases(data, n, seed, span)
     t0 = time.perf_counter()
     from rich.progress import Progress
@@ -178,7 +182,8 @@ def run_task(name: str, model, ck, cfg, drafter=None, data: str | None = None, n
             rows = []
             for i in range(len(items)):
                 mine = draws[i * best_of:(i + 1) * best_of]
-                best = max(mine, key=lambda r: r.get("logprob", 0.0))  # (ties: the first draw)
+                votes = collections.Counter(r["answer"] for r in mine) if pick == "vote" else None
+                best = max(mine, key=lambda r: (votes[r["answer"]] if votes else 0, r.get("logprob", 0.0)))
                 rows.append({**best, **{k: sum(r[k] for r in mine) for k in SUMMED if k in best}, "best_of": best_of})
         else:
             rows = run(items)
@@ -197,7 +202,7 @@ def run_task(name: str, model, ck, cfg, drafter=None, data: str | None = None, n
     if tries > 1:
         out.update(rule_checked=tries, tries=sum(r["tries"] for r in rows) / len(rows))
     if best_of > 1:
-        out["best_of"] = best_of
+        out.update(best_of=best_of, pick=pick)
     out["wall_seconds"] = time.perf_counter() - t0
     out["cases"] = [{k: v for k, v in r.items() if k not in ("tokens", "prompt")} for r in rows]
     return out
