@@ -257,7 +257,7 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
                tries: int = 1, best_of: int = 1, pick: str = "score") -> None:
     from dlm.checkpoint import load_model
     from dlm.sampling import SampleConfig
-    from dlm.tasks import check_best_of, check_tries, run_task, task_module
+    from dlm.tasks import run_task, task_module
 
     mod = task_module(task)
     if scfg.max_new_tokens == SampleConfig.max_new_tokens:  # not given: the task's own budget
@@ -273,8 +273,6 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
     extra = {"clues": clues} if clues is not None else {}
     cases = mod.cases(data, n, scfg.seed, span, split, **extra)  # bad --data is refused before the model is loaded
     net, ck = load_model(model, device=_device(device))
-    check_tries(task, tries, scfg, ck)
-    check_best_of(best_of, scfg, ck, tries)
     drafter = None
     if scfg.draft:
         from dlm.sampling.common import make_generator

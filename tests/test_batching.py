@@ -323,6 +323,18 @@ def _verified(events, n: int) -> list[list[tuple]]:
     return out
 
 
+def check_speculative_rows(target, kind: str, cfg):
+    """PROMPTS as rows of one batch against each alone (row r seeded cfg.seed + r): the same tokens, draft for draft,
+    rows stopping at different points; returns (batched events, tokens, stats, each row's events alone)."""
+    events = _spec(target, kind, PROMPTS, cfg)
+    tokens, _, stats = rows_of(events, len(PROMPTS))
+    alone = [_spec(target, kind, [p], cfg.replace(seed=cfg.seed + r)) for r, p in enumerate(PROMPTS)]
+    assert tokens == [rows_of(a, 1)[0][0] for a in alone]
+    assert _verified(events, len(PROMPTS)) == [_verified(a, 1)[0] for a in alone]
+    assert_stopping_points_differ(tokens, cfg.max_new_tokens)
+    return events, tokens, stats, alone
+
+
 @pytest.mark.parametrize("opts", SPEC, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "greedy")
 @pytest.mark.parametrize("kind", [*DRAFTERS, "self-spec-quadratic"])
 def test_speculative_rows_equal_each_row_alone(target, kind, opts):
@@ -330,12 +342,7 @@ def test_speculative_rows_equal_each_row_alone(target, kind, opts):
     verify step, one drafter forward per draft step) give each row what it gets alone, draft for draft; greedy rows
     are the target's own greedy output (lossless, row by row)."""
     cfg = SampleConfig(max_new_tokens=20, block_size=4, **opts, **KIND_OPTIONS.get(kind, {}))
-    events = _spec(target, kind, PROMPTS, cfg)
-    tokens, _, stats = rows_of(events, len(PROMPTS))
-    alone = [_spec(target, kind, [p], cfg.replace(seed=cfg.seed + r)) for r, p in enumerate(PROMPTS)]
-    assert tokens == [rows_of(a, 1)[0][0] for a in alone]
-    assert _verified(events, len(PROMPTS)) == [_verified(a, 1)[0] for a in alone]
-    assert_stopping_points_differ(tokens, 20)
+    events, tokens, stats, alone = check_speculative_rows(target, kind, cfg)
     own = [rows_of(a, 1)[2] for a in alone]
     assert [r["forwards"] for r in stats.extra["rows"]] == [st.forwards for st in own]
     assert [r["draft_forwards"] for r in stats.extra["rows"]] == [st.draft_forwards for st in own]

@@ -130,7 +130,7 @@ def test_speculative_rows_on_a_gemma4_target_equal_each_row_alone(kind, opts):
     """An imported Gemma 4 target (sliding layers of window 5, soft-cap) verifying rows of one batch: each row gets
     what it gets alone, draft for draft, and greedy rows are the target's own greedy output."""
     from test_batching import EOS as SPEC_EOS  # (the <eos> of the speculative samplers' checkpoint stand-in)
-    from test_batching import KIND_OPTIONS, _spec, _verified, assert_stopping_points_differ
+    from test_batching import KIND_OPTIONS, check_speculative_rows
     from test_gemma4 import hf_model
     from test_gemma4 import ours as gemma4_ours
 
@@ -142,12 +142,7 @@ def test_speculative_rows_on_a_gemma4_target_equal_each_row_alone(kind, opts):
         target.lm_head.weight[SPEC_EOS] = 1.3 * target.lm_head.weight[12]
     target = target.double().eval()
     cfg = SampleConfig(max_new_tokens=16, block_size=4, **opts, **KIND_OPTIONS.get(kind, {}))
-    events = _spec(target, kind, PROMPTS, cfg)
-    tokens, _, stats = rows_of(events, len(PROMPTS))
-    alone = [_spec(target, kind, [p], cfg.replace(seed=cfg.seed + r)) for r, p in enumerate(PROMPTS)]
-    assert tokens == [rows_of(a, 1)[0][0] for a in alone]
-    assert _verified(events, len(PROMPTS)) == [_verified(a, 1)[0] for a in alone]
+    _, tokens, stats, _ = check_speculative_rows(target, kind, cfg)
     assert stats.extra["rows_per_forward"] > 1.5
-    assert_stopping_points_differ(tokens, 16)
     if not cfg.temperature:
         assert tokens == [speculative.target_greedy(target, p, 16, SPEC_EOS) for p in PROMPTS]

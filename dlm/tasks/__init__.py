@@ -106,27 +106,30 @@ def summarize(task: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
 SUMMED = ("forwards", "draft_forwards", "steps", "canvases", "seconds")
 
 
+def _check_draws(option: str, n: int, cfg, ck) -> None:
+    """An option that draws a case n times: n >= 1, and (n > 1) draws that differ with the seed (usdm always
+    samples; the others need --temperature > 0)."""
+    if n < 1:
+        raise DlmError(f"{option} must be >= 1, got {n}")
+    if n > 1 and cfg.temperature <= 0 and ck.objective != "usdm":
+        raise DlmError(f"{option} needs --temperature > 0: greedy decoding writes the same answer every time")
+
+
 def check_best_of(best_of: int, cfg, ck, tries: int = 1) -> None:
     """--best-of N: an mdlm or usdm checkpoint (their samplers score what they commit), draws that differ."""
-    if best_of < 1:
-        raise DlmError(f"--best-of must be >= 1, got {best_of}")
     if best_of > 1 and ck.objective not in ("mdlm", "usdm"):
         raise DlmError(f"--best-of: an mdlm or usdm checkpoint (their samplers score what they commit), "
                        f"got {ck.objective}")
-    if best_of > 1 and cfg.temperature <= 0 and ck.objective != "usdm":
-        raise DlmError("--best-of needs --temperature > 0: greedy decoding writes the same answer every time")
+    _check_draws("--best-of", best_of, cfg, ck)
     if best_of > 1 and tries > 1:
         raise DlmError("--best-of and --tries are two decoders: give one")
 
 
 def check_tries(name: str, tries: int, cfg, ck) -> None:
     """--tries N: a task with a rule checker, and a sampler whose output changes with its seed."""
-    if tries < 1:
-        raise DlmError(f"--tries must be >= 1, got {tries}")
     if tries > 1 and not hasattr(task_module(name), "valid"):
         raise DlmError(f"--tries: the {name} task has no rule checker to judge a try (sudoku has)")
-    if tries > 1 and cfg.temperature <= 0 and ck.objective != "usdm":
-        raise DlmError("--tries needs --temperature > 0: greedy decoding writes the same answer on every try")
+    _check_draws("--tries", tries, cfg, ck)
 
 
 def run_task(name: str, model, ck, cfg, drafter=None, data: str | None = None, n: int = 100, seed: int = 0,
