@@ -105,7 +105,7 @@ def distill(target: str, out: str, data: str = "stdlib", prompts: int = 4096, ma
             task = progress.add_task("distill", total=len(snippets), tps=0.0)
             for b0 in range(0, len(snippets), batch_size):
                 batch = snippets[b0:b0 + batch_size]
-                ids = [tok.encode(s.text)[-room:] for s in batch]
+                ids = [tok.encode_tail(s.text, room) for s in batch]
                 new: list[list[int]] = [[] for _ in batch]
                 cfg = SampleConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + b0,
                                    sampler="ar")  # a joint target: its AR mode
@@ -115,7 +115,7 @@ def distill(target: str, out: str, data: str = "stdlib", prompts: int = 4096, ma
                 for s, p, t in zip(batch, ids, new):
                     t = before_eos(t, tok.eos_ids)
                     n_tokens += len(t)
-                    prompt = tok.decode(p)
+                    prompt = tok.text(p)  # the snippet's text (not the <bos> a tokenizer puts before it)
                     fh.write(json.dumps({"text": prompt + tok.decode(t), "prompt": prompt,
                                          "source": s.source}) + "\n")
                 progress.update(task, advance=len(batch), tps=n_tokens / (time.perf_counter() - t0))

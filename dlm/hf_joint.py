@@ -45,9 +45,7 @@ def model_config(hf: dict[str, Any], source: Path) -> ModelConfig:
     if hf.get("dlm_type", "llada") != "llada":
         raise DlmError(f"{source}: dlm_type {hf.get('dlm_type')!r} (shifted predictions) is not supported by dlm's joint "
                        "samplers (dlm_type llada is)")
-    if hf.get("sliding_window"):
-        raise DlmError(f"{source}: sliding-window attention is not supported")
-    return model_config_from_hf({k: v for k, v in hf.items() if k != "model_type"}, source, family="llama")
+    return model_config_from_hf(hf, source, family="ministral3")  # its backbone: a plain Ministral 3 (dlm.hf_layout)
 
 
 def conventions(hf: dict[str, Any], cfg: ModelConfig, source: Path) -> dict[str, Any]:

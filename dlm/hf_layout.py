@@ -1,4 +1,4 @@
-"""transformers' Qwen3 / Qwen2 / Llama layout: config.json keys <-> ModelConfig, the weight files of a folder and
+"""transformers' Qwen3 / Qwen2 / Llama / Ministral 3 layout: config.json keys <-> ModelConfig, the weight files of a folder and
 the tensor names (dlm's are transformers' without the `model.` prefix). dlm.hf (export and import of these
 families) and dlm.hf_mdlm (the public masked-diffusion models, most of which use this layout) build on it.
 Nothing here imports transformers.
@@ -18,16 +18,20 @@ from dlm.tokenizer import Tokenizer
 
 
 def hf_family(cfg: ModelConfig) -> str:
-    """The transformers family a dlm backbone is: Qwen3 (q/k-norm), Qwen2 (q/k/v bias) or Llama (neither)."""
+    """The transformers family a dlm backbone is: Qwen3 (q/k-norm), Qwen2 (q/k/v bias), Ministral 3 (neither, with the
+    queries' attention temperature: Llama's layers, YaRN) or Llama (neither)."""
     if cfg.moe or cfg.partial_rotary != 1:
         raise DlmError("--format hf: a mixture-of-experts or partial-rotary backbone has no Qwen3/Qwen2/Llama layout "
                        "(an imported LLaDA 2 exports to its own)")
     if cfg.qk_norm and cfg.attn_bias:
         raise DlmError("--format hf: q/k-norm with q/k/v biases has no transformers layout (Qwen3 or Qwen2 has one)")
-    return "qwen3" if cfg.qk_norm else "qwen2" if cfg.attn_bias else "llama"
+    if cfg.qk_norm or cfg.attn_bias:
+        return "qwen3" if cfg.qk_norm else "qwen2"
+    return "ministral3" if (cfg.rope_scaling or {}).get("llama_4_scaling_beta") else "llama"
 
 
-ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+                 "ministral3": "Ministral3ForCausalLM"}
 
 
 def hf_config(cfg: ModelConfig, tok: Tokenizer, dtype: str = "float32") -> dict[str, Any]:
@@ -66,21 +70,36 @@ def hf_config(cfg: ModelConfig, tok: Tokenizer, dtype: str = "float32") -> dict[
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
         if family == "qwen2":
             out.pop("attention_bias")  # Qwen2's q/k/v always carry a bias (the key means nothing to it)
+    elif family == "ministral3":  # the temperature's keys live in rope_parameters, as Ministral3Config keeps them
+        out.update(sliding_window=None, rope_scaling=None)
+        out.pop("attention_bias")
     else:
         out.update(mlp_bias=False, pretraining_tp=1)
     return out
 
 
-def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _rope(hf: dict[str, Any], temperature: bool = False) -> tuple[float, dict[str, Any] | None]:
+    """rope_theta and the scaling dict (ModelConfig.rope_scaling); temperature: the family reads
+    llama_4_scaling_beta (Ministral 3; Llama and Qwen ignore the key, and so does this then)."""
     params = hf.get("rope_parameters") or {}
     for key in ("rope_parameters", "rope_scaling"):
         if hf.get(key) is not None and not isinstance(hf[key], dict):
             raise DlmError(f"config.json: {key} must be an object, got {hf[key]!r}"[:200])
     theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
-    scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default"
+                                         or params.get("llama_4_scaling_beta") else None)
+    if scaling and not temperature:
+        scaling = {k: v for k, v in scaling.items() if k != "llama_4_scaling_beta"}
     if scaling:
         kind = scaling.get("rope_type", scaling.get("type"))
-        if kind == "default":
+        orig = scaling.get("original_max_position_embeddings")
+        if scaling.get("llama_4_scaling_beta") and (not isinstance(orig, int) or isinstance(orig, bool) or orig < 1):
+            raise DlmError(f"config.json: rope llama_4_scaling_beta needs original_max_position_embeddings (a "
+                           f"positive integer), got {orig!r}"[:200])
+        if kind == "default" and scaling.get("llama_4_scaling_beta"):  # plain RoPE, the queries' temperature kept
+            scaling = {"rope_type": "default", "llama_4_scaling_beta": scaling["llama_4_scaling_beta"],
+                       "original_max_position_embeddings": scaling.get("original_max_position_embeddings")}
+        elif kind == "default":
             scaling = None
         elif kind not in ("llama3", "yarn"):
             raise DlmError(f"config.json: rope scaling {kind!r} is not supported (default, llama3 and yarn are)")
@@ -93,18 +112,20 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 
 def model_config_from_hf(hf: dict[str, Any], source: Path, family: str | None = None) -> ModelConfig:
-    """A Qwen3 / Qwen2 / Llama config.json (or one in their layout: family names which) -> ModelConfig."""
+    """A Qwen3 / Qwen2 / Llama / Ministral 3 config.json (or one in their layout: family names which) -> ModelConfig.
+    Ministral 3 is Llama's layers with YaRN and the queries' attention temperature (rope_parameters'
+    llama_4_scaling_beta), both in ModelConfig.rope_scaling."""
     kind = family if family is not None else hf.get("model_type")
-    if kind not in ("qwen3", "qwen2", "llama"):
-        raise DlmError(f"{source}: model_type {kind!r} is not supported (qwen3, qwen2, llama, gemma4_text, gemma4, "
-                       f"diffusion_gemma, llada, Dream, sdar, Fast_dLLM_Qwen and llada2_moe are)")
+    if kind not in ("qwen3", "qwen2", "llama", "ministral3"):
+        raise DlmError(f"{source}: model_type {kind!r} is not supported (qwen3, qwen2, llama, ministral3, gemma4_text, "
+                       f"gemma4, diffusion_gemma, llada, Dream, sdar, Fast_dLLM_Qwen and llada2_moe are)")
     if (hf.get("attention_bias") and kind != "qwen2") or hf.get("mlp_bias"):
         raise DlmError(f"{source}: attention/MLP biases are not supported (except Qwen2's q/k/v biases)")
-    if hf.get("use_sliding_window"):
+    if hf.get("use_sliding_window") or (kind == "ministral3" and hf.get("sliding_window")):
         raise DlmError(f"{source}: sliding-window attention is not supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise DlmError(f"{source}: hidden_act {hf.get('hidden_act')!r} is not supported (silu is)")
-    theta, scaling = _rope(hf)
+    theta, scaling = _rope(hf, temperature=kind == "ministral3")
 
     def get(key: str, default: Any = None) -> Any:
         if hf.get(key) is None:

@@ -58,9 +58,10 @@ class DlmLM(LM):
     # tokens -------------------------------------------------------------------------------------------
 
     def _pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        ctx = self.tok.encode(context)
-        whole = self.tok.encode(context + continuation)
-        cont = whole[len(ctx):] if whole[:len(ctx)] == ctx else self.tok.encode(continuation)
+        ctx = self.tok.encode(context, specials=False)
+        whole = self.tok.encode(context + continuation, specials=False)
+        cont = whole[len(ctx):] if whole[:len(ctx)] == ctx else self.tok.encode(continuation, specials=False)
+        ctx = self.tok.lead_ids + ctx  # the context as a prompt begins: after the tokenizer's <bos>, if it adds one
         ctx = ctx or [self.tok.eos_id]  # nothing before: the document boundary the models are trained after
         keep = self.max_length - len(cont)
         if keep < 1:
@@ -109,10 +110,11 @@ class DlmLM(LM):
 
         out = []
         for r in requests:
-            ids = self.tok.encode(r.args[0])
+            ids = self.tok.encode(r.args[0], specials=False)
+            lead = self.tok.lead_ids  # the first window starts after the tokenizer's <bos>, else after an <eos>
             total = 0.0
             for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
-                    token_list=ids, prefix_token=self.tok.eos_id, max_seq_len=self.max_length, context_len=1)):
+                    token_list=ids, prefix_token=lead[-1] if lead else self.tok.eos_id, max_seq_len=self.max_length, context_len=1)):
                 total += self._score(list(ctx), list(cont))[0]
             out.append(total)
         return out
@@ -127,10 +129,11 @@ class DlmLM(LM):
             temperature = float(kw.get("temperature", 0.0) or 0.0) if kw.get("do_sample", True) else 0.0
             cfg = SampleConfig(max_new_tokens=int(kw.get("max_gen_toks", 256)), seed=self.seed,
                                temperature=0.0 if self.paradigm == "usdm" else temperature)
-            ctx = self.tok.encode(context)
             cfg.max_new_tokens = max(1, min(cfg.max_new_tokens, self.max_length - 1))
-            if len(ctx) + cfg.max_new_tokens > self.max_length:
-                context = self.tok.decode(ctx[-(self.max_length - cfg.max_new_tokens):])
+            room = self.max_length - cfg.max_new_tokens
+            if len(self.tok.encode(context)) > room:  # the text of the context's last tokens (generate adds a <bos>)
+                ctx = self.tok.encode(context, specials=False)
+                context = self.tok.decode(ctx[-max(room - len(self.tok.lead_ids), 1):])
             text = generate(self.model, self.ck, context, cfg).text
             cut = min((i for i in (text.find(u) for u in until if u) if i >= 0), default=len(text))
             out.append(text[:cut])

@@ -17,6 +17,12 @@ being `eos_id`, the one written after documents and used as padding. tokenizer.j
 checkpoint records them in its config.json (`tokenizer.eos_ids`, set by `use_eos_ids`), an imported model takes
 them from its generation_config.json or config.json (`eos_token_id`, an id or a list).
 Special-token strings inside ordinary text are encoded as text (never as control tokens).
+
+A prompt is encoded as transformers' `tokenizer(prompt)["input_ids"]` encodes it: with the tokens the tokenizer's
+post-processor puts around a text (the <bos> a Llama, Mistral or Gemma tokenizer.json adds; dlm's own tokenizers add
+none). A piece of text that continues other ids (a suffix, a scored continuation, a training document) is encoded
+alone (`specials=False`). Output text is decoded as transformers' `decode(ids, skip_special_tokens=True)`: without
+the special tokens (`text`).
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ class Tokenizer:
         self.tk.no_padding()
         self.tk.no_truncation()
         self.source = source
+        self._lead: list[int] | None = None
         ids = {role: self._find(names) for role, names in _ALIASES.items()}
         if ids["eos"] is None:
             raise DlmError(f"tokenizer {source}: no end-of-text token (looked for {_ALIASES['eos']})")
@@ -166,14 +173,36 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tk.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tk.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, specials: bool = True) -> list[int]:
+        """A prompt's ids, as transformers' `tokenizer(text)["input_ids"]`: the text's tokens with what the
+        post-processor puts around them (a <bos>); specials=False: the text's own tokens alone (a piece)."""
+        return self.tk.encode(text, add_special_tokens=specials).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Pieces (documents, continuations): each text's own tokens, nothing around them."""
         return [e.ids for e in self.tk.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_tail(self, text: str, n: int) -> list[int]:
+        """A prompt cut to its last n ids (n >= 1), the post-processor's lead (a <bos>) kept in front."""
+        lead = self.lead_ids[:max(n - 1, 0)]
+        ids = self.encode(text, specials=False)
+        return lead + ids[len(ids) - (n - len(lead)):] if len(lead) + len(ids) > n else self.encode(text)
+
+    @property
+    def lead_ids(self) -> list[int]:
+        """The ids the post-processor puts before every text (a Llama or Gemma tokenizer's [<bos>]; [] for most)."""
+        if self._lead is None:
+            e = self.tk.encode("a", add_special_tokens=True)
+            first = next((i for i, s in enumerate(e.sequence_ids) if s is not None), len(e.ids))
+            self._lead = e.ids[:first]
+        return list(self._lead)
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=skip_special)
+
+    def text(self, ids: Iterable[int]) -> str:
+        """Output text, as transformers' `decode(ids, skip_special_tokens=True)`: the special tokens left out."""
+        return self.tk.decode(list(ids), skip_special_tokens=True)
 
     @property
     def special_ids(self) -> set[int]:
@@ -181,14 +210,15 @@ class Tokenizer:
                             self.fim_suffix_id, self.fim_middle_id, self.fill_id) if i is not None}
 
     def hf_config(self) -> dict:
-        """tokenizer_config.json for transformers' AutoTokenizer."""
+        """tokenizer_config.json for transformers' AutoTokenizer. No add_bos_token / add_eos_token: tokenizer.json's
+        post-processor says what goes around a text (transformers 5 rebuilds it from those keys when both are given)."""
         def tok(i: int | None) -> str | None:
             return None if i is None else self.tk.id_to_token(i)
         return {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": tok(self.bos_id), "eos_token": tok(self.eos_id), "pad_token": tok(self.pad_id),
             "mask_token": tok(self.mask_id), "unk_token": None,
-            "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+            "clean_up_tokenization_spaces": False,
             "model_max_length": 1 << 30, "split_special_tokens": True,
         }
 

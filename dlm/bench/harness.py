@@ -44,7 +44,7 @@ class Method:
 
     def run(self, ids: list[int]) -> Result:
         tok = self.ck.tokenizer
-        return drain(stream(self.model, self.ck, [ids], self.cfg, self.drafter), tok.decode, tok.eos_ids)
+        return drain(stream(self.model, self.ck, [ids], self.cfg, self.drafter), tok.text, tok.eos_ids)
 
 
 @dataclass

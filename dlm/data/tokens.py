@@ -60,7 +60,8 @@ def fim_document(tok: Tokenizer, text: str, rng: np.random.Generator) -> list[in
     prefix, middle, suffix; <fim_prefix> prefix <fim_suffix> suffix <fim_middle> middle. The <eos> that
     follows every document then ends the middle, so a model learns where a middle stops."""
     a, b = sorted(int(x) for x in rng.integers(0, len(text) + 1, size=2))
-    return fim_prompt_ids(tok, tok.encode(text[:a]), tok.encode(text[b:])) + tok.encode(text[a:b])
+    return fim_prompt_ids(tok, tok.encode(text[:a], specials=False), tok.encode(text[b:], specials=False)) + \
+        tok.encode(text[a:b], specials=False)
 
 
 def load_tokens(corpus: Corpus, tok: Tokenizer, split: str, fim_rate: float = 0.0, seed: int = 0) -> np.ndarray:

@@ -78,7 +78,7 @@ class Objective(ABC):
         self.sep_id: int | None = None  # supervised pairs (--answer-sep): the separator's token
         sep = getattr(cfg, "answer_sep", None)
         if sep:
-            ids = tokenizer.encode(sep)
+            ids = tokenizer.encode(sep, specials=False)
             if len(ids) != 1:
                 raise DlmError(f"--answer-sep {sep!r} must be one token of the tokenizer, "
                                f"it is {len(ids)}")

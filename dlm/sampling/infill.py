@@ -30,21 +30,22 @@ def parse_template(tok: Tokenizer, text: str, fill_length: int) -> Prompt:
     if fill_length <= 0:
         raise DlmError(f"--fill-length must be > 0, got {fill_length}")
     parts = FILL_RE.split(text)  # text, n, text, n, ..., text
-    prefix = tok.encode(parts[0])
+    prefix = tok.lead_ids + tok.encode(parts[0], specials=False)  # what the tokenizer puts before a text (<bos>)
     canvas: list[int | None] = []
     for i in range(1, len(parts), 2):
         n = int(parts[i]) if parts[i] else fill_length
         if n <= 0:
             raise DlmError(f"template: <fill:{n}> must ask for at least one token")
         canvas.extend([None] * n)
-        canvas.extend(tok.encode(parts[i + 1]))
+        canvas.extend(tok.encode(parts[i + 1], specials=False))
     return Prompt(prefix, canvas)
 
 
 def infill_prompt(tok: Tokenizer, prefix: str, suffix: str, middle: int) -> Prompt:
     if middle <= 0:
         raise DlmError(f"--max-new-tokens (the middle's length) must be > 0 to leave room to fill, got {middle}")
-    return Prompt(tok.encode(prefix), [None] * middle + tok.encode(suffix))
+    return Prompt(tok.lead_ids + tok.encode(prefix, specials=False),
+                  [None] * middle + tok.encode(suffix, specials=False))
 
 
 def encode_prompt(tok: Tokenizer, text: str, suffix: str | None = None, max_new_tokens: int = 128,

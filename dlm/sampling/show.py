@@ -39,7 +39,7 @@ class View:
 
     def text(self, tokens: list[int]) -> str:
         """Decoded text up to the first <eos> (what the Result will hold)."""
-        return self.tok.decode(before_eos(tokens, self.tok.eos_ids))
+        return self.tok.text(before_eos(tokens, self.tok.eos_ids))
 
     def canvas_text(self, step: Step) -> Text:
         """The canvas as rich Text: fixed tokens bright, noise dim, masks as blocks."""
@@ -155,4 +155,4 @@ def live(events: Iterator[Event], tokenizer, prompt: str | list[str], console: C
     console = console or Console()
     view = View(tokenizer, prompts, mask_id)
     watched = _terminal(events, view, console) if console.is_terminal else _lines(events, view, console.file or sys.stdout)
-    return drain(watched, tokenizer.decode, tokenizer.eos_ids, rows=rows or len(prompts))
+    return drain(watched, tokenizer.text, tokenizer.eos_ids, rows=rows or len(prompts))

@@ -372,7 +372,7 @@ def plan_completion(engine: Engine, served: Served, req: CompletionRequest) -> P
                 raise ApiError(400, f"prompt: token ids must be in [0, {vocab}) and at most {served.context} of them",
                                "prompt", "invalid_value")
         if req.suffix is not None:
-            suffix_ids = served.ck.tokenizer.encode(req.suffix)
+            suffix_ids = served.ck.tokenizer.encode(req.suffix, specials=False)
             prompts = [Prompt(list(s), [None] * max_tokens + suffix_ids) for s in seqs]
         else:
             prompts = [Prompt(list(s)) for s in seqs]
@@ -483,7 +483,7 @@ class RowText:
     def update(self, final: bool = False) -> str:
         """The text released by this update (held back: a partial UTF-8 character, a possible stop string)."""
         if not self.stopped:
-            text = self.echo + self.tok.decode(self.visible())
+            text = self.echo + self.tok.text(self.visible())
             cut = [i for i in (text.find(s, len(self.echo)) for s in self.stops) if i >= 0]
             if cut:
                 text, self.stopped = text[:min(cut)], True

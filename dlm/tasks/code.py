@@ -31,7 +31,7 @@ from typing import Any
 from dlm.errors import DlmError
 from dlm.sampling.common import Prompt
 from dlm.tasks import infill
-from dlm.tasks.common import Case, Request, check_n, pick, rng_for, tail
+from dlm.tasks.common import Case, Request, check_n, pick, rng_for
 from dlm.tasks.execution import run_program
 
 NAME = "code"
@@ -114,7 +114,7 @@ def default_new_tokens(span: str) -> int:
 
 def request(case: Case, ck, cfg, style: str, context: int) -> Request:
     new = cfg.max_new_tokens
-    ids = tail(ck.tokenizer.encode(case.prefix), max(1, context - new))
+    ids = ck.tokenizer.encode_tail(case.prefix, max(1, context - new))
     return Request(Prompt(ids), new, lambda res: res.text)
 
 

@@ -93,10 +93,6 @@ def window(ck, model) -> int:
     return min(model.cfg.max_seq_len, seq) if seq else model.cfg.max_seq_len
 
 
-def tail(ids: list[int], n: int) -> list[int]:
-    return ids[-n:] if n > 0 else []
-
-
 def check_n(n: int) -> None:
     if n <= 0:
         raise DlmError(f"--n must be > 0, got {n}")

@@ -14,7 +14,7 @@ training text ever does, and the models answer with a blank line.
 from __future__ import annotations
 
 from dlm.sampling.common import Prompt
-from dlm.tasks.common import Case, Request, check_n, pick, rng_for, source_files, tail
+from dlm.tasks.common import Case, Request, check_n, pick, rng_for, source_files
 from dlm.tasks.metrics import text_scores
 
 NAME = "complete"
@@ -58,7 +58,7 @@ def next_line(text: str) -> str:
 
 def request(case: Case, ck, cfg, style: str, context: int) -> Request:
     new = cfg.max_new_tokens
-    ids = tail(ck.tokenizer.encode(case.prefix), max(1, context - new))
+    ids = ck.tokenizer.encode_tail(case.prefix, max(1, context - new))
     return Request(Prompt(ids), new, lambda res: next_line(res.text))
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dlm.data.tokens import fim_prompt_ids
 from dlm.errors import DlmError
 from dlm.sampling.common import Prompt
-from dlm.tasks.common import Case, Request, check_n, pick, rng_for, source_files, tail
+from dlm.tasks.common import Case, Request, check_n, pick, rng_for, source_files
 from dlm.tasks.metrics import text_scores
 
 NAME = "infill"
@@ -67,11 +67,11 @@ def request(case: Case, ck, cfg, style: str, context: int) -> Request:
     room = context - new - 3  # the three FIM markers of the AR form
     if room < 2:
         raise DlmError(f"--max-new-tokens {new}: no room left for a prefix and a suffix in a window of {context}")
-    suf_ids = tok.encode(case.suffix)[: room // 3]
-    pre_ids = tail(tok.encode(case.prefix), room - len(suf_ids))
+    suf_ids = tok.encode(case.suffix, specials=False)[: room // 3]
+    pre_ids = tok.encode_tail(case.prefix, room - len(suf_ids))
     if style == "ar":
         return Request(Prompt(fim_prompt_ids(tok, pre_ids, suf_ids)), new, lambda res: res.text)
-    k = max(1, min(new, len(tok.encode(case.info["middle"])) + MARGIN))
+    k = max(1, min(new, len(tok.encode(case.info["middle"], specials=False)) + MARGIN))
     return Request(Prompt(pre_ids, [None] * k + suf_ids), k,
                    lambda res: tok.decode([t for t in res.tokens[0][:k]]))
 

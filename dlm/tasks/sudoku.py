@@ -341,7 +341,7 @@ def request(case, ck, cfg, style: str, context: int):
     ids = tok.encode(case.prefix + SEP)
     if style == "ar":
         return Request(Prompt(ids), cfg.max_new_tokens, lambda res: res.text)
-    digit = {c: tok.encode(c)[-1] for c in "123456789"}
+    digit = {c: tok.encode(c, specials=False)[-1] for c in "123456789"}
     canvas = [None if c == "0" else digit[c] for c in case.prefix]
     return Request(Prompt(ids, canvas), 81, lambda res: tok.decode(res.tokens[0][:81]))
 

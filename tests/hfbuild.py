@@ -1,0 +1,105 @@
+"""Tiny transformers models and real tokenizers for the parity tests, built here (random weights, seeded), saved as
+a hub folder and imported through `dlm import --hf`'s library call (dlm.hf.import_hf).
+
+The tokenizer is a byte-level BPE (Qwen's and Llama 3's kind) whose merges are learned from a fixed text, with its
+special tokens at the ids a test chooses and a post-processor that adds nothing, a <bos>, or a <bos> and an <eos>
+(TemplateProcessing, as Llama's, Mistral's and Gemma's tokenizer.json carry)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+TEXT = ("the quick brown fox jumps over the lazy dog; def main(argv): return sum(x * x for x in range(10))\n"
+        "import os, sys\nclass Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n"
+        "Ein Hund lief über die Straße. 数字 123 456 789 — done.\n") * 4
+SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+POSTS = ("", "bos", "bos+eos")  # what the post-processor puts around a text
+
+
+def bpe_tokenizer(n_vocab: int, special_ids: dict[str, int], post: str = "") -> HFTokenizer:
+    """A byte-level BPE of n_vocab tokens (>= 256 + the specials): SPECIALS at special_ids (token -> id, any ids
+    below n_vocab), the 256 bytes and merges of TEXT at the others."""
+    assert sorted(special_ids) == sorted(SPECIALS) and len(set(special_ids.values())) == len(SPECIALS)
+    trainer = trainers.BpeTrainer(vocab_size=n_vocab - len(SPECIALS), min_frequency=1, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    base = HFTokenizer(models.BPE())
+    base.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    base.train_from_iterator([TEXT], trainer=trainer)
+    learned = json.loads(base.to_str())["model"]
+    ordinary = sorted(learned["vocab"], key=learned["vocab"].get)
+    assert len(ordinary) + len(SPECIALS) <= n_vocab
+    ordinary += [f"<extra_{i}>" for i in range(n_vocab - len(SPECIALS) - len(ordinary))]  # never produced by text
+    free = iter(i for i in range(n_vocab) if i not in special_ids.values())
+    vocab = {**{t: next(free) for t in ordinary}, **special_ids}
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
+    tk = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(list(SPECIALS))
+    bos, eos = ("<bos>", special_ids["<bos>"]), ("<eos>", special_ids["<eos>"])
+    if post == "bos":
+        tk.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
+                                                          special_tokens=[bos])
+    elif post == "bos+eos":
+        tk.post_processor = processors.TemplateProcessing(single="<bos> $A <eos>", pair="<bos> $A <eos> $B <eos>",
+                                                          special_tokens=[bos, eos])
+    else:
+        assert post == ""
+        tk.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tk
+
+
+def save_folder(folder: Path, model, tk: HFTokenizer, eos_ids: list[int]) -> Path:
+    """The hub folder: the model (fp32 safetensors), tokenizer.json, tokenizer_config.json and a
+    generation_config.json whose eos_token_id is the list eos_ids (greedy, as the model's defaults)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model.generation_config.eos_token_id = list(eos_ids)
+    model.generation_config.do_sample = False
+    model.save_pretrained(folder)
+    tk.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+        "pad_token": "<pad>", "unk_token": "<unk>"}))
+    return folder
+
+
+def randomize(model, seed: int, std: float) -> None:
+    """Weights away from their init: matrices N(0, std), vectors (norms, biases) near 1 or 0, so a missed term
+    shows and the distributions are peaked enough for greedy decoding to mean something."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            if t.dim() >= 2:
+                t.copy_(torch.randn(t.shape, generator=g) * std)
+            elif name.endswith("bias"):
+                t.copy_(torch.randn(t.shape, generator=g) * 0.5)
+            else:
+                t.copy_(1 + 0.3 * torch.randn(t.shape, generator=g))
+
+
+def hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' generate (greedy, its generation_config's EOS ids): the new tokens, an ending EOS included."""
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=model.generation_config.eos_token_id[0])
+    return out[0, len(ids):].tolist()
+
+
+def assert_same_greedy(model, prompt: list[int], ours: list[int], theirs: list[int], tie: float = 1e-4) -> None:
+    """dlm's greedy tokens are transformers': equal, or equal up to a step where transformers' own two best logits
+    lie within `tie` of each other (fp32 rounding may then pick either; nothing after it is compared)."""
+    if ours == theirs:
+        return
+    i = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    assert i < len(ours) and i < len(theirs), f"lengths differ: dlm {ours}, transformers {theirs}"
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + theirs[:i]])).logits[0, -1].double()
+    top = torch.topk(logits, 2)
+    assert {ours[i], theirs[i]} == set(top.indices.tolist()) and float(top.values[0] - top.values[1]) < tie, \
+        f"greedy tokens differ at {i}: dlm {ours}, transformers {theirs}"
