@@ -29,14 +29,22 @@ def model_config_from_gemma(t: dict[str, Any], **extra: Any) -> ModelConfig:
     rp = t.get("rope_parameters") or {}
     sl = rp.get("sliding_attention") or {"rope_theta": 10_000.0}
     fu = rp.get("full_attention") or {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}
-    plc = {int(k): v for k, v in (t.get("per_layer_config") or {}).items()}
-    full_idx = [i for i, k in enumerate(kinds) if k == "full"]
-    specs = {(plc.get(i, {}).get("head_dim", t.get("global_head_dim", 512)),
-              plc.get(i, {}).get("num_key_value_heads", t.get("num_global_key_value_heads") or t["num_key_value_heads"]))
-             for i in full_idx}
+    base = (t.get("head_dim", 256), t["num_key_value_heads"])
+    if t.get("per_layer_config") is not None:  # transformers 5: each layer's overrides of the base head dim / KV heads
+        plc = {int(k): v for k, v in t["per_layer_config"].items()}
+        spec = [(plc.get(i, {}).get("head_dim", base[0]), plc.get(i, {}).get("num_key_value_heads", base[1]))
+                for i in range(n)]
+    else:  # the older keys, read as transformers reads them: full layers global_head_dim (512), and
+        # num_global_key_value_heads when K = V
+        glob = (t.get("global_head_dim") or 512,
+                (t.get("num_global_key_value_heads") if t.get("attention_k_eq_v") else None) or base[1])
+        spec = [glob if k == "full" else base for k in kinds]
+    if any(s != base for s, k in zip(spec, kinds) if k == "sliding"):
+        raise DlmError("Gemma 4 sliding-attention layers with their own head dims or KV heads are not supported")
+    specs = {s for s, k in zip(spec, kinds) if k == "full"}
     if len(specs) > 1:
         raise DlmError(f"Gemma 4 full-attention layers with different specs {sorted(specs)} are not supported")
-    full_hd, full_kv = specs.pop() if specs else (t.get("head_dim", 256), t["num_key_value_heads"])
+    full_hd, full_kv = specs.pop() if specs else base
     moe = None
     if t.get("enable_moe_block"):
         moe = {"n_experts": t["num_experts"], "top_k": t["top_k_experts"], "ffn_dim": t["moe_intermediate_size"]}

@@ -80,6 +80,9 @@ def randomize(model, seed: int, std: float) -> None:
                 t.copy_(torch.randn(t.shape, generator=g) * 0.5)
             else:
                 t.copy_(1 + 0.3 * torch.randn(t.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's (1 at init)
+                b.fill_(0.7)
 
 
 def hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:

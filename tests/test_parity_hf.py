@@ -24,6 +24,7 @@ from transformers import (  # noqa: E402
     AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, Ministral3Config, Ministral3ForCausalLM,
     Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
 )
+from transformers.models.gemma4 import Gemma4ForCausalLM, Gemma4TextConfig  # noqa: E402
 
 from dlm.checkpoint import load_model  # noqa: E402
 from dlm.errors import DlmError  # noqa: E402
@@ -35,7 +36,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 transformers.utils.logging.disable_progress_bar()
 
 FAMILIES = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-            "llama": (LlamaConfig, LlamaForCausalLM), "ministral3": (Ministral3Config, Ministral3ForCausalLM)}
+            "llama": (LlamaConfig, LlamaForCausalLM), "ministral3": (Ministral3Config, Ministral3ForCausalLM),
+            "gemma4_text": (Gemma4TextConfig, Gemma4ForCausalLM)}  # (tests/test_parity_gemma4.py draws its configs)
 EXAMPLES = 8
 PROMPT_CHARS = st.characters(codec="utf-8", exclude_characters="<")  # (special-token strings: see the module doc)
 
