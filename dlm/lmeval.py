@@ -61,13 +61,13 @@ class DlmLM(LM):
         ctx = self.tok.encode(context, specials=False)
         whole = self.tok.encode(context + continuation, specials=False)
         cont = whole[len(ctx):] if whole[:len(ctx)] == ctx else self.tok.encode(continuation, specials=False)
-        ctx = self.tok.lead_ids + ctx  # the context as a prompt begins: after the tokenizer's <bos>, if it adds one
-        ctx = ctx or [self.tok.eos_id]  # nothing before: the document boundary the models are trained after
         keep = self.max_length - len(cont)
         if keep < 1:
             raise DlmError(f"a continuation of {len(cont)} tokens does not fit the model's context of "
                            f"{self.max_length}")
-        return ctx[-keep:], cont
+        lead = self.tok.lead_ids[:keep - 1]  # the context begins as a prompt does: after the tokenizer's <bos>
+        ctx = lead + ctx[max(len(ctx) - (keep - len(lead)), 0):]  # (kept when a long context is cut)
+        return ctx or [self.tok.eos_id], cont  # nothing before: the document boundary the models are trained after
 
     # scores -------------------------------------------------------------------------------------------
 
