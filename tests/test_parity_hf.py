@@ -249,3 +249,29 @@ def test_the_lm_eval_adapter_scores_after_the_bos(tmp_path):
         logp = torch.log_softmax(model(torch.tensor([w])).logits[0].double(), -1)
     want = sum(float(logp[k - 1, w[k]]) for k in range(len(c), len(w)))
     assert c[0] == 0 and ll == pytest.approx(want, abs=1e-4)
+
+
+def test_the_server_answers_what_transformers_generates(tmp_path):
+    """`dlm serve` (a real uvicorn, the openai client) on an imported Llama whose tokenizer adds <bos>: the prompt's
+    token count and the completion are transformers' (greedy, its EOS ids, special tokens left out of the text)."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from dlm.serve.app import create_app, running
+    from dlm.serve.engine import Engine
+
+    case = named("bos")
+    check("llama", case, tmp_path)
+    tok, model = AutoTokenizer.from_pretrained(tmp_path / "hf"), AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ids = tok(case["prompt"])["input_ids"]
+    theirs = hf_greedy(model, ids, case["new"])
+    eos = model.generation_config.eos_token_id
+    want = tok.decode(theirs[:-1] if theirs[-1] in eos else theirs, skip_special_tokens=True)
+    engine = Engine([str(tmp_path / "ck")])
+    try:
+        with running(create_app(engine)) as base:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+            r = client.completions.create(model="ck", prompt=case["prompt"], max_tokens=case["new"], temperature=0)
+    finally:
+        engine.close()
+    assert r.usage.prompt_tokens == len(ids) and ids[0] == 0
+    assert r.choices[0].text == want and r.usage.completion_tokens == len(theirs)
