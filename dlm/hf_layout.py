@@ -27,7 +27,7 @@ def hf_family(cfg: ModelConfig) -> str:
         raise DlmError("--format hf: q/k-norm with q/k/v biases has no transformers layout (Qwen3 or Qwen2 has one)")
     if cfg.qk_norm or cfg.attn_bias:
         return "qwen3" if cfg.qk_norm else "qwen2"
-    return "ministral3" if (cfg.rope_scaling or {}).get("llama_4_scaling_beta") else "llama"
+    return "ministral3" if "llama_4_scaling_beta" in (cfg.rope_scaling or {}) else "llama"
 
 
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
@@ -87,7 +87,7 @@ def _rope(hf: dict[str, Any], temperature: bool = False) -> tuple[float, dict[st
             raise DlmError(f"config.json: {key} must be an object, got {hf[key]!r}"[:200])
     theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
     scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default"
-                                         or params.get("llama_4_scaling_beta") else None)
+                                         or "llama_4_scaling_beta" in params else None)
     if scaling and not temperature:
         scaling = {k: v for k, v in scaling.items() if k != "llama_4_scaling_beta"}
     if scaling:
@@ -96,9 +96,9 @@ def _rope(hf: dict[str, Any], temperature: bool = False) -> tuple[float, dict[st
         if scaling.get("llama_4_scaling_beta") and (not isinstance(orig, int) or isinstance(orig, bool) or orig < 1):
             raise DlmError(f"config.json: rope llama_4_scaling_beta needs original_max_position_embeddings (a "
                            f"positive integer), got {orig!r}"[:200])
-        if kind == "default" and scaling.get("llama_4_scaling_beta"):  # plain RoPE, the queries' temperature kept
+        if kind == "default" and "llama_4_scaling_beta" in scaling:  # plain RoPE, the queries' temperature kept
             scaling = {"rope_type": "default", "llama_4_scaling_beta": scaling["llama_4_scaling_beta"],
-                       "original_max_position_embeddings": scaling.get("original_max_position_embeddings")}
+                       **({"original_max_position_embeddings": orig} if orig is not None else {})}
         elif kind == "default":
             scaling = None
         elif kind not in ("llama3", "yarn"):
