@@ -1,5 +1,5 @@
-"""transformers' Qwen3 / Qwen2 / Llama / Ministral 3 layout: config.json keys <-> ModelConfig, the weight files of a folder and
-the tensor names (dlm's are transformers' without the `model.` prefix). dlm.hf (export and import of these
+"""transformers' Qwen3 / Qwen2 / Llama / Ministral 3 layout: config.json keys <-> ModelConfig, the weight files of a
+folder and the tensor names (dlm's are transformers' without the `model.` prefix). dlm.hf (export and import of these
 families) and dlm.hf_mdlm (the public masked-diffusion models, most of which use this layout) build on it.
 Nothing here imports transformers.
 """

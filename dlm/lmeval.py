@@ -112,9 +112,10 @@ class DlmLM(LM):
         for r in requests:
             ids = self.tok.encode(r.args[0], specials=False)
             lead = self.tok.lead_ids  # the first window starts after the tokenizer's <bos>, else after an <eos>
+            prefix = lead[-1] if lead else self.tok.eos_id
             total = 0.0
             for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
-                    token_list=ids, prefix_token=lead[-1] if lead else self.tok.eos_id, max_seq_len=self.max_length, context_len=1)):
+                    token_list=ids, prefix_token=prefix, max_seq_len=self.max_length, context_len=1)):
                 total += self._score(list(ctx), list(cont))[0]
             out.append(total)
         return out

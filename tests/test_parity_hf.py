@@ -73,7 +73,8 @@ def cases(draw, family: str) -> dict:
         # hidden size a multiple of the heads (Llama checks it), head_dim apart from hidden / heads (as Qwen3's)
         config=dict(vocab_size=vocab, hidden_size=heads * draw(st.sampled_from([8, 16])),
                     intermediate_size=draw(st.integers(16, 96)), num_hidden_layers=draw(st.integers(1, 4)),
-                    num_key_value_heads=kv, num_attention_heads=heads, head_dim=draw(st.sampled_from([8, 16])), rms_norm_eps=draw(st.sampled_from([1e-6, 1e-5])),
+                    num_key_value_heads=kv, num_attention_heads=heads, head_dim=draw(st.sampled_from([8, 16])),
+                    rms_norm_eps=draw(st.sampled_from([1e-6, 1e-5])),
                     tie_word_embeddings=draw(st.booleans()), max_position_embeddings=256,
                     rope_parameters=draw(rope(family))),
         specials=dict(zip(SPECIALS, ids)), post=draw(st.sampled_from(POSTS)),
