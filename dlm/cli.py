@@ -174,7 +174,7 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
              max_batches: int = 0, samples: int | None = None, reference: str | None = None, json: bool = False,
              device: str = "cpu", task: str | None = None, n: int = 100, span: str = "line",
              context: int = 0, clues: str | None = None, batch: int = 1, tries: int = 1, best_of: int = 1,
-             pick: str = "score") -> None:
+             pick: str = "score", allow_code_execution: bool = False) -> None:
     """Held-out loss and perplexity of a checkpoint; or, with --task, what it gets right on a task.
 
     --task complete|infill|sudoku runs the task's cases through the checkpoint's sampler with the generation
@@ -213,6 +213,8 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
             log-probability (no checker); every draw's forwards count (1 = off)
         pick: --best-of: score (the draw the model scores highest) or vote (the answer most draws agree on, the
             score breaking ties)
+        allow_code_execution: --task code, code-infill: run the programs the model wrote (contained: namespaces or
+            a fresh uid, limits; docs/reliability.md); also DLM_ALLOW_CODE_EXECUTION=1
     """
     from dlm.checkpoint import load_model
     from dlm.config import check_seed
@@ -223,6 +225,10 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
     if clues is not None and task != "sudoku":
         raise DlmError("--clues goes with --task sudoku")
     if task is not None:
+        if task in ("code", "code-infill"):
+            from dlm.tasks.code import allowed
+
+            print(allowed(allow_code_execution, task), file=sys.stderr)
         _eval_task(model, device, scfg, task, data, n, span, context, json, split, 1 if samples is None else samples,
                    clues, batch, tries, best_of, pick)
         return

@@ -21,7 +21,7 @@ removed whatever is left in it. Isolation, the strongest the machine allows (`DL
     uid        root without namespaces: the program runs as a fresh uid (every process of that uid is killed
                after the run); it cannot read the parent's /proc entries or 0600 files, but it sees the
                filesystem, may write world-writable folders (/tmp) and has the network.
-    process    neither: its own session, the limits, and every descendant killed (the launcher is a child
+    process    neither (never as root): its own session, the limits, and every descendant killed (the launcher is a child
                subreaper); the program runs as the user that runs dlm and can read and write what that user
                can. Use it only inside a container or VM.
 """
@@ -99,13 +99,14 @@ def level() -> str:
         raise SandboxError(f"DLM_SANDBOX must be one of {', '.join(LEVELS)}, got {want!r}")
     root = os.geteuid() == 0
     unshare = shutil.which("unshare")
-    ok = {"process": True, "uid": root,
+    ok = {"process": not root, "uid": root,  # root never runs a program as itself
           "namespace": bool(root and unshare and _probe([unshare, *UNSHARE, "true"])),
           "userns": bool(unshare and _probe([unshare, "--user", "--map-root-user", *UNSHARE, "true"]))}
     if want:
         if not ok[want]:
-            raise SandboxError(f"DLM_SANDBOX={want}: not available on this machine "
-                               f"({'needs root' if want in ('namespace', 'uid') and not root else 'unshare refused'})")
+            why = ("dlm runs as root: it never runs a program as root" if want == "process" else
+                   "needs root" if want in ("namespace", "uid") and not root else "unshare refused")
+            raise SandboxError(f"DLM_SANDBOX={want}: not available on this machine ({why})")
         got = want
     else:
         got = next(lv for lv in LEVELS if ok[lv])

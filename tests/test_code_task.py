@@ -1,4 +1,4 @@
-"""`dlm eval --task code / code-infill`: programs run in a child process with limits, pass@k, the public layouts."""
+"""`dlm eval --task code / code-infill`: programs run contained (dlm.sandbox), opt-in, pass@k, the public layouts."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from dlm.errors import DlmError
 from dlm.tasks import code
-from dlm.tasks.execution import run_program
+from dlm.sandbox import Limits, run
 
 ROOT = Path(__file__).resolve().parents[1]
 HUMANEVAL = [
@@ -38,28 +38,28 @@ def files(tmp_path):
 
 
 def test_programs_run_in_a_child_process_with_limits(tmp_path):
-    assert run_program("assert 1 + 1 == 2\n").passed
-    bad = run_program("assert 1 + 1 == 3, 'wrong'\n")
+    assert run("assert 1 + 1 == 2\n").passed
+    bad = run("assert 1 + 1 == 3, 'wrong'\n")
     assert not bad.passed and bad.status == "failed" and "wrong" in bad.detail
-    assert run_program("import sys\nsys.exit(3)\n").status == "failed"
+    assert run("import sys\nsys.exit(3)\n").status == "failed"
     t0 = time.perf_counter()
-    loop = run_program("while True:\n    pass\n", timeout=1.0)
+    loop = run("while True:\n    pass\n", Limits(wall=1.0))
     assert loop.status == "timeout" and time.perf_counter() - t0 < 5
-    # a child it spawns dies with it (its process group is killed)
+    # a child it spawns dies with it
     t0 = time.perf_counter()
-    assert run_program("import subprocess, sys\nsubprocess.run([sys.executable, '-c', 'import time; time.sleep(30)'])\n",
-                       timeout=1.0).status == "timeout"
+    assert run("import subprocess, sys\nsubprocess.run([sys.executable, '-c', 'import time; time.sleep(30)'])\n",
+               Limits(wall=1.0)).status == "timeout"
     assert time.perf_counter() - t0 < 5
-    hog = run_program("x = bytearray(2 * 1024 ** 3)\n", memory_mb=256)
+    hog = run("x = bytearray(2 * 1024 ** 3)\n", Limits(memory_mb=256))
     assert not hog.passed and "MemoryError" in hog.detail
     # it runs in a fresh folder: what it writes lands there, not where dlm runs
-    assert run_program("open('left.txt', 'w').write('x')\nimport os\nassert os.getcwd() != %r\n" % str(Path.cwd())).passed
+    assert run("open('left.txt', 'w').write('x')\nimport os\nassert os.getcwd() != %r\n" % str(Path.cwd())).passed
     assert not (Path.cwd() / "left.txt").exists()
     # the environment is not inherited
     import os
     os.environ["DLM_SECRET_FOR_TEST"] = "1"
     try:
-        assert run_program("import os\nassert 'DLM_SECRET_FOR_TEST' not in os.environ\n").passed
+        assert run("import os\nassert 'DLM_SECRET_FOR_TEST' not in os.environ\n").passed
     finally:
         del os.environ["DLM_SECRET_FOR_TEST"]
 
@@ -120,13 +120,16 @@ def test_bad_data_is_one_line(files, tmp_path):
 def test_cli_eval_code_on_a_shipped_model(files):
     he, _ = files
     cmd = [sys.executable, "-m", "dlm", "eval", "--model", str(ROOT / "checkpoints" / "ar-small"), "--task", "code",
-           "--data", str(he), "--max-new-tokens", "16", "--samples", "2", "--temperature", "1", "--json"]
+           "--data", str(he), "--max-new-tokens", "16", "--samples", "2", "--temperature", "1", "--json",
+           "--allow-code-execution"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
+    assert out.stderr.count("code execution isolation: ") == 1  # said once, on stderr
     res = json.loads(out.stdout)
     assert res["task"] == "code" and res["problems"] == 2 and res["n"] == 4
     assert 0.0 <= res["pass_at_1"] <= 1.0 and res["forwards"] > 0
-    bad = subprocess.run(cmd[:9] + [str(he.parent / "missing.jsonl")], capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(cmd[:9] + [str(he.parent / "missing.jsonl"), "--allow-code-execution"], capture_output=True,
+                         text=True, timeout=300)
     assert bad.returncode == 2 and "no such file" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -137,7 +140,23 @@ def test_eval_code_on_every_shipped_paradigm(files, name, capsys):
 
     he, _ = files
     assert main(["eval", "--model", str(ROOT / "checkpoints" / name), "--task", "code", "--data", str(he),
-                 "--max-new-tokens", "8", "--json"]) == 0
+                 "--max-new-tokens", "8", "--json", "--allow-code-execution"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["problems"] == 2 and res["paradigm"] == name.split("-")[0] and 0.0 <= res["pass_at_1"] <= 1.0
     assert res["forwards"] > 0
+
+
+def test_running_model_code_is_opt_in(files, monkeypatch):
+    """Without --allow-code-execution (or DLM_ALLOW_CODE_EXECUTION=1): one line, exit 2, before any model loads."""
+    he, _ = files
+    monkeypatch.delenv("DLM_ALLOW_CODE_EXECUTION", raising=False)
+    for task in ("code", "code-infill"):
+        cmd = [sys.executable, "-m", "dlm", "eval", "--model", str(ROOT / "checkpoints" / "ar-small"), "--task", task,
+               "--data", str(he), "--max-new-tokens", "4", "--n", "1"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
+        assert out.stderr.count("\n") == 1 and "--allow-code-execution" in out.stderr, out.stderr
+    out = subprocess.run(cmd + ["--json"], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "DLM_ALLOW_CODE_EXECUTION": "1"})
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["task"] == "code-infill" and "code execution isolation: " in out.stderr

@@ -340,7 +340,7 @@ def test_cli_import_generate_eval_export(imported, tmp_path, capsys):
     he = tmp_path / "he.jsonl"
     he.write_text("".join(json.dumps(p) + "\n" for p in HUMANEVAL))
     assert main(["eval", "--model", str(tmp_path / "ck"), "--task", "code", "--data", str(he), "--max-new-tokens", "8",
-                 "--json"]) == 0
+                 "--json", "--allow-code-execution"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["problems"] == 2 and 0.0 <= res["pass_at_1"] <= 1.0 and res["forwards"] > 0
     assert main(["export", "--model", str(tmp_path / "ck"), "--out", str(tmp_path / "hf")]) == 0

@@ -8,8 +8,9 @@
 The model continues the prompt (MBPP's prompt: the description and the first test in a docstring, as
 in the Codex-style zero-shot prompt); the completion is cut at the first line that starts a new top-level
 statement (`\\ndef`, `\\nclass`, `\\nif`, `\\nprint`, `\\n#`: the Codex paper's stop sequences) and the
-program (prompt + completion + tests) runs in a child process with a time and memory limit
-(dlm.tasks.execution): it passes when it exits with status 0.
+program (prompt + completion + tests) runs contained (dlm.sandbox: namespaces or a fresh uid, limits): it
+passes when its tests ran to the end. Running model-written code is opt-in: `--allow-code-execution` or
+DLM_ALLOW_CODE_EXECUTION=1 (`allowed`).
 
 pass@k (Chen et al. 2021): with `--samples N` each problem is sampled N times (seeds --seed .. --seed+N-1;
 use --temperature > 0, greedy gives N equal samples) and pass@k = mean over problems of
@@ -25,20 +26,41 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
+from dlm import sandbox
 from dlm.errors import DlmError
 from dlm.sampling.common import Prompt
 from dlm.tasks import infill
 from dlm.tasks.common import Case, Request, check_n, pick, rng_for
-from dlm.tasks.execution import run_program
 
 NAME = "code"
 METRICS = ("pass_at_1",)
 PRIMARY = "pass_at_1"
 PASS_AT_K = (1, 5, 10, 100)
 STOPS = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#")
+ENV = "DLM_ALLOW_CODE_EXECUTION"
+
+
+def allowed(flag: bool, task: str) -> str:
+    """Model-written programs run only when asked (the flag, or DLM_ALLOW_CODE_EXECUTION=1); the isolation they
+    get, in one line for stderr. Refused: one DlmError line."""
+    if not (flag or os.environ.get(ENV, "") == "1"):
+        raise DlmError(f"--task {task} runs programs the model wrote: pass --allow-code-execution (or set {ENV}=1) "
+                       "to run them contained (docs/reliability.md)")
+    try:
+        return sandbox.describe()
+    except sandbox.SandboxError as e:
+        raise DlmError(str(e)) from None
+
+
+def run_program(source: str) -> sandbox.Outcome:
+    try:
+        return sandbox.run(source)
+    except sandbox.SandboxError as e:
+        raise DlmError(str(e)) from None
 
 
 def read_problems(data: str | None) -> list[dict[str, Any]]:
@@ -46,6 +68,8 @@ def read_problems(data: str | None) -> list[dict[str, Any]]:
     if data is None:
         raise DlmError("--task code needs --data FILE.jsonl (HumanEval or MBPP layout)")
     p = Path(data).expanduser()
+    if p.is_dir():
+        raise DlmError(f"--data {data} is a folder: --task code reads one .jsonl file")
     if not p.is_file():
         raise DlmError(f"--data: no such file: {data}")
     out = []
