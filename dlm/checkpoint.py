@@ -47,13 +47,18 @@ def hf_eos_ids(folder: Path, hf: dict[str, Any] | None = None) -> int | list[int
     """The EOS ids a transformers folder records (an id or a list, as written): generation_config.json's
     eos_token_id, else config.json's (`hf`: its contents; top level, else its text_config's), else None."""
     gen = Path(folder) / "generation_config.json"
+    found, where = None, gen
     if gen.is_file() and read_json(gen).get("eos_token_id") is not None:
-        return read_json(gen)["eos_token_id"]
+        found = read_json(gen)["eos_token_id"]
     hf = hf or {}
     for c in (hf, hf.get("text_config") or {}):
-        if isinstance(c, dict) and c.get("eos_token_id") is not None:
-            return c["eos_token_id"]
-    return None
+        if found is None and isinstance(c, dict) and c.get("eos_token_id") is not None:
+            found, where = c["eos_token_id"], Path(folder) / "config.json"
+    ids = found if isinstance(found, list) else [found]
+    if found is not None and (not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                 for i in ids)):
+        raise DlmError(f"{where}: eos_token_id must be a token id or a list of them, got {found!r}"[:200])
+    return found
 
 
 def import_tokenizer(src: Path, hf: dict[str, Any] | None = None) -> Tokenizer:

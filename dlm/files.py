@@ -30,7 +30,7 @@ def _fsync_replace(tmp: Path, dst: Path) -> None:
 def write_json(path: Path, obj: Any) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    tmp.write_text(json.dumps(obj, indent=2, allow_nan=False) + "\n")  # standard JSON only: no NaN, no Infinity
     _fsync_replace(tmp, path)
 
 
@@ -108,14 +108,50 @@ def mmap_tensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+JSON_DEPTH = 64  # objects and arrays nested deeper than this are refused (a config.json needs a handful)
+
+
+def _json_depth(text: str) -> int:
+    """The deepest nesting of objects and arrays in JSON text (strings skipped), without recursion."""
+    import re
+
+    depth = deepest = 0
+    for m in re.finditer(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', text):
+        c = m.group()
+        if c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth -= 1
+    return deepest
+
+
+def _standard_number(s: str) -> float:
+    v = float(s)
+    if not math.isfinite(v):
+        raise ValueError(f"the number {s[:40]} is out of range")
+    return v
+
+
+def _no_constant(s: str) -> Any:
+    raise ValueError(f"{s} is not standard JSON")
+
+
 def read_json(path: Path) -> dict:
+    """A JSON object from a file: standard JSON only (no NaN, Infinity or numbers past a float's range), nested at
+    most JSON_DEPTH deep; anything else is one DlmError line naming the file."""
     path = Path(path)
     if not path.is_file():
         raise DlmError(f"{path}: missing")
     try:
-        obj = json.loads(path.read_text())
+        text = path.read_text(encoding="utf-8")
+        if _json_depth(text) > JSON_DEPTH:
+            raise DlmError(f"{path}: JSON nested deeper than {JSON_DEPTH} levels")
+        obj = json.loads(text, parse_float=_standard_number, parse_constant=_no_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DlmError(f"{path}: not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:
+        raise DlmError(f"{path}: not standard JSON ({e})"[:300]) from None
     if not isinstance(obj, dict):
         raise DlmError(f"{path}: expected a JSON object")
     return obj

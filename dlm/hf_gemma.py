@@ -16,7 +16,17 @@ LAYER_KIND = {"sliding_attention": "sliding", "full_attention": "full"}
 
 
 def model_config_from_gemma(t: dict[str, Any], **extra: Any) -> ModelConfig:
-    """A Gemma 4 text config (dict, as in config.json) -> ModelConfig with arch family gemma4."""
+    """A Gemma 4 text config (dict, as in config.json) -> ModelConfig with arch family gemma4; a field missing or
+    of the wrong type is one DlmError line naming it."""
+    try:
+        return _gemma_config(t, **extra)
+    except KeyError as e:
+        raise DlmError(f"config.json: {e.args[0]} is missing (a Gemma 4 config.json has it)") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise DlmError(f"config.json: a Gemma 4 field has the wrong type or value ({e})"[:300]) from None
+
+
+def _gemma_config(t: dict[str, Any], **extra: Any) -> ModelConfig:
     if t.get("hidden_size_per_layer_input"):
         raise DlmError("Gemma 4 per-layer embeddings (hidden_size_per_layer_input > 0: the E2B/E4B models) are not supported")
     if t.get("num_kv_shared_layers"):

@@ -106,8 +106,8 @@ def _rope(hf: dict[str, Any], temperature: bool = False) -> tuple[float, dict[st
         else:  # (transformers' standardized copy repeats the context length and the old key `type`)
             scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type", "max_position_embeddings")}
             scaling["rope_type"] = kind
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool):
-        raise DlmError(f"config.json: rope_theta must be a number, got {theta!r}"[:200])
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not 0 < theta < float("inf"):
+        raise DlmError(f"config.json: rope_theta must be a finite number > 0, got {theta!r}"[:200])
     return float(theta), scaling
 
 
@@ -176,7 +176,11 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a transformers folder, memory-mapped (nothing is read until it is used)."""
     tensors: dict[str, torch.Tensor] = {}
     for f in weight_files(folder):
-        tensors.update(mmap_tensors(folder / f))
+        for name, t in mmap_tensors(folder / f).items():
+            if not t.is_floating_point():
+                raise DlmError(f"{folder / f}: tensor {name} holds {str(t.dtype).removeprefix('torch.')} values; "
+                               "weights are floating point (F32, F16, BF16)")
+            tensors[name] = t
     return tensors
 
 

@@ -197,6 +197,26 @@ def hf_index(shard: str):
     return setup
 
 
+def hf_file(name: str, text=None, edit=None):
+    """Setup: the transformers folder's file `name` replaced by text (or text(old text)), or its JSON changed by
+    edit(obj)."""
+    def setup(s: dict[str, str], paths: dict[str, Path]) -> None:
+        p = Path(s["hf"]) / name
+        if text is not None:
+            p.write_text(text(p.read_text()) if callable(text) else text)
+        else:
+            p.write_text(json.dumps(edit(json.loads(p.read_text()))))
+    return setup
+
+
+def hf_int_weights(s: dict[str, str], paths: dict[str, Path]) -> None:
+    """Setup: the weights as int64 tensors of the right names and shapes."""
+    from safetensors.torch import load_file, save_file
+
+    f = Path(s["hf"]) / "model.safetensors"
+    save_file({k: v.to(torch.int64) for k, v in load_file(f).items()}, f)
+
+
 def records(**changes):
     """Setup: ./crafted records a corpus or reference elsewhere (a secret folder beside the sandbox)."""
     def setup(s: dict[str, str], paths: dict[str, Path]) -> None:
@@ -268,6 +288,20 @@ CASES = [
      ["hidden_size must be a number", "'big'"], None),
     ("hf-layers-unbacked", hf_config(num_hidden_layers=900), ["import", "--hf", "{hf}", "--out", "new"],
      ["does not match its config.json", "missing"], None),
+    ("hf-config-deep", hf_file("config.json", '{"a": ' + "[" * 200_000 + "]" * 200_000 + "}"),
+     ["import", "--hf", "{hf}", "--out", "new"], ["config.json", "nested deeper than 64"], None),
+    ("hf-gemma4-alone", hf_file("config.json", '{"model_type": "gemma4_text"}'),
+     ["import", "--hf", "{hf}", "--out", "new"], ["num_hidden_layers is missing"], None),
+    ("hf-eos-float", hf_file("generation_config.json", edit=lambda g: {**g, "eos_token_id": 2.5}),
+     ["import", "--hf", "{hf}", "--out", "new"], ["generation_config.json", "eos_token_id", "2.5"], None),
+    ("hf-int64-weights", hf_int_weights, ["import", "--hf", "{hf}", "--out", "new"],
+     ["model.safetensors", "int64", "floating point"], None),
+    ("hf-rope-infinity", hf_config(rope_theta=float("inf")), ["import", "--hf", "{hf}", "--out", "new"],
+     ["config.json", "Infinity is not standard JSON"], None),
+    ("hf-rope-overflow", hf_file("config.json", lambda t: t.replace('"rope_theta": 1', '"rope_theta": 1e400, "x": 1')),
+     ["import", "--hf", "{hf}", "--out", "new"], ["config.json", "1e400 is out of range"], None),
+    ("hf-rope-string", hf_config(rope_theta="1e4"), ["import", "--hf", "{hf}", "--out", "new"],
+     ["rope_theta must be a finite number > 0", "'1e4'"], None),
     ("hf-index-absolute", hf_index("/etc/passwd"), ["import", "--hf", "{hf}", "--out", "new"],
      ["'/etc/passwd'", "plain file name"], None),
     ("hf-index-dotdot", hf_index("../ck/model.safetensors"), ["import", "--hf", "{hf}", "--out", "new"],
