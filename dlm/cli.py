@@ -228,7 +228,7 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
         if task in ("code", "code-infill"):
             from dlm.tasks.code import allowed
 
-            print(allowed(allow_code_execution, task), file=sys.stderr)
+            allowed(allow_code_execution, task)  # refused in one line unless asked for; said below once the data is read
         _eval_task(model, device, scfg, task, data, n, span, context, json, split, 1 if samples is None else samples,
                    clues, batch, tries, best_of, pick)
         return
@@ -243,8 +243,8 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
         raise DlmError(f"--max-batches must be >= 0 (0 = the whole split), got {max_batches}")
     if seq_len < 0:
         raise DlmError(f"--seq-len must be >= 0 (0 = the training sequence length), got {seq_len}")
-    if samples <= 0:
-        raise DlmError(f"--samples must be > 0, got {samples}")
+    if not 1 <= samples <= 1024:
+        raise DlmError(f"--samples must be in [1, 1024], got {samples}")
     net, ck = load_model(model, device=_device(device))
     from dlm.data.corpus import Corpus
     from dlm.evaluate import evaluate
@@ -270,14 +270,18 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
         scfg = scfg.replace(max_new_tokens=mod.default_new_tokens(span))
     if context < 0:
         raise DlmError(f"--context must be >= 0 (0 = the training window), got {context}")
-    if samples <= 0:
-        raise DlmError(f"--samples must be > 0, got {samples}")
+    if not 1 <= samples <= 1024:
+        raise DlmError(f"--samples must be in [1, 1024], got {samples}")
     if batch <= 0:
         raise DlmError(f"--batch must be > 0 (1 = one case at a time), got {batch}")
     if data is None and task != "sudoku" and split not in ("val", "test"):
         raise DlmError(f"--split with --task: val (to tune on) or test, got {split!r}")
     extra = {"clues": clues} if clues is not None else {}
     cases = mod.cases(data, n, scfg.seed, span, split, **extra)  # bad --data is refused before the model is loaded
+    if task in ("code", "code-infill"):
+        from dlm.sandbox import describe
+
+        print(describe(), file=sys.stderr)
     net, ck = load_model(model, device=_device(device))
     drafter = None
     if scfg.draft:

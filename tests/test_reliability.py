@@ -217,6 +217,31 @@ def hf_int_weights(s: dict[str, str], paths: dict[str, Path]) -> None:
     save_file({k: v.to(torch.int64) for k, v in load_file(f).items()}, f)
 
 
+def sudoku_csv(how: str):
+    """Setup: ./s.csv, one puzzle row damaged by `how`: a 200,000-character field, a solution that breaks the
+    rules while keeping its givens, or one that contradicts a given."""
+    def setup(s: dict[str, str], paths: dict[str, Path]) -> None:
+        from dlm.tasks.sudoku import generate
+
+        (q, sol), = generate(1, (40, 50), 0)
+        rows = [f"{q},{sol}"]
+        if how == "long":
+            rows.append("1" * 200_000 + "," + sol)
+        elif how == "rules":  # two blanks of one row swapped: the row still holds 1-9, two columns do not
+            i, j = next((a, b) for a in range(9) for b in range(a + 1, 9) if q[a] == q[b] == "0" and sol[a] != sol[b])
+            bad = list(sol)
+            bad[i], bad[j] = bad[j], bad[i]
+            rows.append(f"{q},{''.join(bad)}")
+        else:  # the givens
+            k = next(k for k in range(81) if q[k] != "0")
+            rows.append(f"{q},{sol[:k]}{(int(sol[k]) % 9) + 1}{sol[k + 1:]}")
+        (Path(s["w"]) / "s.csv").write_text("quizzes,solutions\n" + "\n".join(rows) + "\n")
+    return setup
+
+
+SUDOKU = ["eval", "--model", "{ck}", "--task", "sudoku", "--n", "1"]
+
+
 def records(**changes):
     """Setup: ./crafted records a corpus or reference elsewhere (a secret folder beside the sandbox)."""
     def setup(s: dict[str, str], paths: dict[str, Path]) -> None:
@@ -306,6 +331,22 @@ CASES = [
      ["'/etc/passwd'", "plain file name"], None),
     ("hf-index-dotdot", hf_index("../ck/model.safetensors"), ["import", "--hf", "{hf}", "--out", "new"],
      ["'../ck/model.safetensors'", "plain file name"], None),
+    # sudoku data and the options that draw a case many times
+    ("sudoku-field-200k", sudoku_csv("long"), [*SUDOKU, "--data", "s.csv"], ["s.csv", "line 3"], None),
+    ("sudoku-breaks-rules", sudoku_csv("rules"), [*SUDOKU, "--data", "s.csv"],
+     ["s.csv", "line 3", "breaks the rules", "column"], None),
+    ("sudoku-breaks-givens", sudoku_csv("givens"), [*SUDOKU, "--data", "s.csv"],
+     ["s.csv", "line 3", "contradicts a given"], None),
+    ("sudoku-data-folder", None, [*SUDOKU, "--data", "user"], ["--data user is a folder"], None),
+    ("code-data-folder", None, ["eval", "--model", "{ck}", "--task", "code", "--data", "user",
+                                "--allow-code-execution"], ["--data user is a folder"], None),
+    ("tries-huge", None, [*SUDOKU, "--tries", "1000000000", "--temperature", "1"],
+     ["--tries must be in [1, 1024]", "1000000000"], None),
+    ("best-of-huge", None, ["eval", "--model", "{mdlm}", "--task", "sudoku", "--n", "1", "--best-of", "1000000000",
+                            "--temperature", "1"], ["--best-of must be in [1, 1024]"], None),
+    ("samples-huge", None, [*SUDOKU, "--samples", "1000000000"], ["--samples must be in [1, 1024]"], None),
+    ("eval-samples-huge", None, ["eval", "--model", "{ck}", "--samples", "100000"],
+     ["--samples must be in [1, 1024]"], None),
     # --out that cannot be one
     ("train-out-file", None, ["train", "--out", "afile", *TINY], ["--out afile", "not a folder"], None),
     ("train-out-symlink", None, ["train", "--out", "link", *TINY], ["--out link", "not a folder"], None),

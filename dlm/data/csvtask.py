@@ -50,14 +50,33 @@ def _cells(value: str, what: str, where: str, blanks: bool) -> str:
     return v
 
 
+def rule_broken(solution: str) -> str | None:
+    """The first row, column or box of a full grid that does not hold 1-9 once each (None: none)."""
+    for kind, cells in (("row", lambda u, k: 9 * u + k), ("column", lambda u, k: u + 9 * k),
+                        ("box", lambda u, k: 27 * (u // 3) + 3 * (u % 3) + 9 * (k // 3) + k % 3)):
+        for u in range(9):
+            if sorted(solution[cells(u, k)] for k in range(9)) != list("123456789"):
+                return f"{kind} {u + 1} does not hold 1-9 once each"
+    return None
+
+
 def read_pairs(path: str | Path, option: str = "--data") -> list[tuple[str, str]]:
     """(quiz, solution) of every row of a sudoku CSV, checked: 81 digits each, the solution fills the quiz."""
     p = Path(path)
+    if p.is_dir():
+        raise DlmError(f"{option} {path} is a folder: give a CSV file (quizzes,solutions)")
     if not p.is_file():
         raise DlmError(f"{option}: no such file: {path}")
     text = read_text_strict(p, option)
-    rows = list(csv.reader(io.StringIO(text)))
-    rows = [r for r in rows if any(c.strip() for c in r)]
+    reader = csv.reader(io.StringIO(text))
+    rows, lines = [], []
+    try:
+        for r in reader:
+            if any(c.strip() for c in r):
+                rows.append(r)
+                lines.append(reader.line_num)
+    except csv.Error as e:
+        raise DlmError(f"{option} {path}: line {reader.line_num}: not a CSV row a puzzle fits in ({e})"[:300]) from None
     if not rows:
         raise DlmError(f"{option} {path}: empty (expected a header `quizzes,solutions` and one puzzle per row)")
     header = [h.strip().lower() for h in rows[0]]
@@ -67,13 +86,16 @@ def read_pairs(path: str | Path, option: str = "--data") -> list[tuple[str, str]
         raise DlmError(f"{option} {path}: the header must name a quiz column ({'|'.join(QUIZ_COLUMNS)}) and a "
                        f"solution column ({'|'.join(SOLUTION_COLUMNS)}), got {rows[0][:6]}")
     pairs = []
-    for n, r in enumerate(rows[1:], start=2):
+    for n, r in zip(lines[1:], rows[1:]):
         where = f"{option} {path}: line {n}"
         if len(r) <= max(qi, si):
             raise DlmError(f"{where}: {len(r)} columns, expected at least {max(qi, si) + 1}")
         q, s = _cells(r[qi], "the quiz", where, True), _cells(r[si], "the solution", where, False)
         if any(a != "0" and a != b for a, b in zip(q, s)):
             raise DlmError(f"{where}: the solution contradicts a given digit of the quiz")
+        broken = rule_broken(s)
+        if broken:
+            raise DlmError(f"{where}: the solution breaks the rules ({broken})")
         pairs.append((q, s))
     if not pairs:
         raise DlmError(f"{option} {path}: no puzzles after the header")

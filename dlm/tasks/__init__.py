@@ -21,7 +21,7 @@ from typing import Any
 
 from dlm.errors import DlmError
 from dlm.tasks import code, complete, infill, sudoku
-from dlm.tasks.common import Case, style_of, window
+from dlm.tasks.common import Case, check_draws, style_of, window
 
 TASKS: dict[str, Any] = {"complete": complete, "infill": infill, "sudoku": sudoku, "code": code,
                          "code-infill": code.Infill}
@@ -109,8 +109,7 @@ SUMMED = ("forwards", "draft_forwards", "steps", "canvases", "seconds")
 def _check_draws(option: str, n: int, cfg, ck) -> None:
     """An option that draws a case n times: n >= 1, and (n > 1) draws that differ with the seed (usdm always
     samples; the others need --temperature > 0)."""
-    if n < 1:
-        raise DlmError(f"{option} must be >= 1, got {n}")
+    check_draws(option, n)
     if n > 1 and cfg.temperature <= 0 and ck.objective != "usdm":
         raise DlmError(f"{option} needs --temperature > 0: greedy decoding writes the same answer every time")
 
@@ -152,8 +151,7 @@ def run_task(name: str, model, ck, cfg, drafter=None, data: str | None = None, n
     draws agree on, that score breaking ties (pick "vote"): the model's own choice, no checker; the row keeps every
     draw's work and `best_of`."""
     task = task_module(name)
-    if samples < 1:
-        raise DlmError(f"--samples must be >= 1, got {samples}")
+    check_draws("--samples", samples)
     if batch < 1:
         raise DlmError(f"--batch must be >= 1, got {batch}")
     check_tries(name, tries, cfg, ck)

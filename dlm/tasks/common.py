@@ -93,6 +93,15 @@ def window(ck, model) -> int:
     return min(model.cfg.max_seq_len, seq) if seq else model.cfg.max_seq_len
 
 
+MAX_DRAWS = 1024  # --samples, --tries, --best-of: draws of one case at most
+
+
+def check_draws(option: str, n: int) -> None:
+    """An option that draws a case n times: 1 <= n <= MAX_DRAWS."""
+    if not 1 <= n <= MAX_DRAWS:
+        raise DlmError(f"{option} must be in [1, {MAX_DRAWS}], got {n}")
+
+
 def check_n(n: int) -> None:
     if n <= 0:
         raise DlmError(f"--n must be > 0, got {n}")
