@@ -111,7 +111,7 @@ def mmap_tensors(path: Path) -> dict[str, torch.Tensor]:
 JSON_DEPTH = 64  # objects and arrays nested deeper than this are refused (a config.json needs a handful)
 
 
-def _json_depth(text: str) -> int:
+def json_depth(text: str) -> int:
     """The deepest nesting of objects and arrays in JSON text (strings skipped), without recursion."""
     import re
 
@@ -145,7 +145,7 @@ def read_json(path: Path) -> dict:
         raise DlmError(f"{path}: missing")
     try:
         text = path.read_text(encoding="utf-8")
-        if _json_depth(text) > JSON_DEPTH:
+        if json_depth(text) > JSON_DEPTH:
             raise DlmError(f"{path}: JSON nested deeper than {JSON_DEPTH} levels")
         obj = json.loads(text, parse_float=_standard_number, parse_constant=_no_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

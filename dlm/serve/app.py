@@ -31,6 +31,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from dlm.files import JSON_DEPTH, json_depth
 
 from dlm.serve.engine import Engine, Failed, Job
 from dlm.serve.protocol import (
@@ -43,6 +46,7 @@ STATIC = Path(__file__).parent / "static"
 PAGES = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8",
          "style.css": "text/css; charset=utf-8"}
 MAX_BODY = 1 << 20  # bytes of a request body (1 MiB)
+BODY_TIMEOUT = 30.0  # seconds a client may pause while sending its body
 
 
 # admission: concurrency and queue limits --------------------------------------------------------------
@@ -118,17 +122,35 @@ async def read_json(request: Request, cap: int) -> dict:
     if length is not None and (not length.isdigit() or int(length) > cap):
         raise ApiError(413, f"request body too large (at most {cap} bytes)", None, "body_too_large")
     body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > cap:
-            raise ApiError(413, f"request body too large (at most {cap} bytes)", None, "body_too_large")
+    parts = request.stream().__aiter__()
     try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
+        while True:
+            try:
+                part = await asyncio.wait_for(parts.__anext__(), BODY_TIMEOUT)
+            except StopAsyncIteration:
+                break
+            body += part
+            if len(body) > cap:
+                raise ApiError(413, f"request body too large (at most {cap} bytes)", None, "body_too_large")
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body stalled (nothing for {BODY_TIMEOUT:g} s)", None, "timeout") from None
+    except ClientDisconnect:
+        raise ApiError(400, "the client left before sending its whole body", None, "client_disconnected") from None
+    try:
+        text = body.decode("utf-8")
+        if json_depth(text) > JSON_DEPTH:
+            raise ApiError(400, f"the request body nests deeper than {JSON_DEPTH} levels", None, "invalid_json")
+        obj = json.loads(text)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ApiError(400, f"could not parse the request body as JSON ({str(e)[:120]})", None, "invalid_json") \
             from None
     if not isinstance(obj, dict):
         raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
+    try:  # a lone surrogate (JSON's "\\ud800") is no text a tokenizer can take
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"the request body holds a lone surrogate ({e.object[e.start:e.end]!r}): text must be "
+                            "valid Unicode", None, "invalid_json") from None
     return obj
 
 
@@ -175,7 +197,7 @@ def create_app(engine: Engine, *, max_concurrency: int = 8, max_queue: int = 32,
                max_body: int = MAX_BODY) -> FastAPI:
     if max_concurrency < 1:
         raise ValueError("max_concurrency must be >= 1")
-    app = FastAPI(title="dlm serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="dlm serve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     adm = Admission(max_concurrency, max(0, max_queue))
     app.state.engine, app.state.admission = engine, adm
     started = time.time()
@@ -201,6 +223,27 @@ def create_app(engine: Engine, *, max_concurrency: int = 8, max_queue: int = 32,
 
     if api_key:
         app.add_middleware(ApiKey, key=api_key)
+
+    def openapi() -> dict:
+        """FastAPI's schema of the routes, with the two POST bodies (parsed by hand: protocol.parse) declared from
+        their pydantic models, `model` naming the served ids."""
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            comps = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path, kind in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatRequest)):
+                s = kind.model_json_schema(ref_template="#/components/schemas/{model}")
+                comps.update(s.pop("$defs", {}))
+                s["properties"]["model"] = {"type": "string", "enum": list(engine.models)}
+                comps[kind.__name__] = s
+                schema["paths"][path]["post"]["requestBody"] = {
+                    "required": True, "content": {"application/json": {
+                        "schema": {"$ref": f"#/components/schemas/{kind.__name__}"}}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     # pages --------------------------------------------------------------------------------------
 
