@@ -130,10 +130,22 @@ def test_writes_and_deletes_outside_the_run_do_not_happen(at, lv, planted):
 
 @pytest.mark.parametrize("lv", CONTAINED)
 def test_nothing_of_the_parent_is_read(at, lv, planted):
+    """Not its environment, not a 0600 file, not any process's environment or command line, not the network."""
+    import socket
+
     at(lv)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
     out, _ = run(f"""
-        import os
+        import os, socket
         got = []
+        try:
+            socket.create_connection(("127.0.0.1", {port}), timeout=1)
+            got.append("connected")
+        except OSError as e:
+            got.append(type(e).__name__)
         for path in ("/proc/{os.getpid()}/environ", "/proc/{os.getppid()}/environ", "/proc/1/environ",
                      "/proc/self/environ", {str(planted["private"])!r}):
             try:
@@ -149,8 +161,9 @@ def test_nothing_of_the_parent_is_read(at, lv, planted):
                     pass
         print(repr(got))
     """)
+    listener.close()
     assert out.passed, out.detail
-    assert planted["secret"] not in out.stdout and "pytest" not in out.stdout
+    assert planted["secret"] not in out.stdout and "pytest" not in out.stdout and "connected" not in out.stdout
 
 
 @pytest.mark.parametrize("lv", CONTAINED)
