@@ -228,7 +228,7 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
         if task in ("code", "code-infill"):
             from dlm.tasks.code import allowed
 
-            allowed(allow_code_execution, task)  # refused in one line unless asked for; said below once the data is read
+            allowed(allow_code_execution, task)  # refused in one line unless asked for
         _eval_task(model, device, scfg, task, data, n, span, context, json, split, 1 if samples is None else samples,
                    clues, batch, tries, best_of, pick)
         return
@@ -278,10 +278,6 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
         raise DlmError(f"--split with --task: val (to tune on) or test, got {split!r}")
     extra = {"clues": clues} if clues is not None else {}
     cases = mod.cases(data, n, scfg.seed, span, split, **extra)  # bad --data is refused before the model is loaded
-    if task in ("code", "code-infill"):
-        from dlm.sandbox import describe
-
-        print(describe(), file=sys.stderr)
     net, ck = load_model(model, device=_device(device))
     drafter = None
     if scfg.draft:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +57,15 @@ def allowed(flag: bool, task: str) -> str:
         raise DlmError(str(e)) from None
 
 
+_SAID: list[str] = []
+
+
 def run_program(source: str) -> sandbox.Outcome:
+    """One program through the runner; the first one says on stderr which isolation the programs get."""
     try:
+        if not _SAID:
+            _SAID.append(sandbox.describe())
+            print(_SAID[0], file=sys.stderr)
         return sandbox.run(source)
     except sandbox.SandboxError as e:
         raise DlmError(str(e)) from None
