@@ -257,12 +257,12 @@ def test_best_of_keeps_the_draw_the_model_scores_highest(tiny_sudoku_mdlm):
 
 def test_tries_bad_input_is_one_line(tiny_sudoku_mdlm):
     m = str(tiny_sudoku_mdlm)
-    for args, needle in ((["--task", "sudoku", "--tries", "0", "--temperature", "1"], "--tries must be >= 1"),
+    for args, needle in ((["--task", "sudoku", "--tries", "0", "--temperature", "1"], "--tries must be in [1, 1024]"),
                          (["--task", "sudoku", "--tries", "2"], "--tries needs --temperature > 0"),
                          (["--task", "complete", "--tries", "2", "--temperature", "1"], "has no rule checker"),
                          (["--tries", "2"], "--tries goes with --task sudoku"),
                          (["--task", "sudoku", "--best-of", "2"], "--best-of needs --temperature > 0"),
-                         (["--task", "sudoku", "--best-of", "0", "--temperature", "1"], "--best-of must be >= 1"),
+                         (["--task", "sudoku", "--best-of", "0", "--temperature", "1"], "--best-of must be in [1, 1024]"),
                          (["--task", "sudoku", "--best-of", "2", "--tries", "2", "--temperature", "1"],
                           "two decoders"),
                          (["--best-of", "2"], "--best-of goes with --task")):

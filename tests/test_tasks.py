@@ -463,7 +463,7 @@ def test_bad_data_exits_2_with_one_line(tmp_path):
                                ("sudoku", tmp_path / "wide.csv", "81 digits"),
                                ("sudoku", tmp_path / "missing.csv", "no such"),
                                ("sudoku", tmp_path / "latin1.py", "not UTF-8"),
-                               ("sudoku", tmp_path / "emptydir", "no such file")):
+                               ("sudoku", tmp_path / "emptydir", "is a folder")):
         code, out, err = _cli("eval", "--model", ar, "--task", task, "--data", str(data), "--n", "1", "--json")
         assert code == 2 and out == "", (task, data, err)
         assert err.startswith("dlm: error: ") and needle in err and len(err.strip().splitlines()) == 1, err
