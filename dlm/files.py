@@ -111,30 +111,38 @@ def mmap_tensors(path: Path) -> dict[str, torch.Tensor]:
 JSON_DEPTH = 64  # objects and arrays nested deeper than this are refused (a config.json needs a handful)
 
 
-def json_depth(text: str) -> int:
-    """The deepest nesting of objects and arrays in JSON text (strings skipped), without recursion."""
-    import re
-
-    depth = deepest = 0
-    for m in re.finditer(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', text):
-        c = m.group()
-        if c in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif c in "]}":
-            depth -= 1
+def json_depth(obj: Any) -> int:
+    """The deepest nesting of objects and arrays in a parsed JSON value (a scalar: 0), without recursion."""
+    deepest, todo = 0, [(obj, 1)]
+    while todo:
+        o, d = todo.pop()
+        if isinstance(o, (dict, list)):
+            deepest = max(deepest, d)
+            todo.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
     return deepest
+
+
+def loads_bounded(text: str | bytes, **kw: Any) -> Any:
+    """json.loads, refusing (ValueError) what nests deeper than JSON_DEPTH: the decoder's own recursion stops
+    at the interpreter's limit (RecursionError, caught here), the rest is measured after parsing."""
+    try:
+        obj = json.loads(text, **kw)
+    except RecursionError:
+        raise ValueError(f"JSON nested deeper than {JSON_DEPTH} levels") from None
+    if json_depth(obj) > JSON_DEPTH:
+        raise ValueError(f"JSON nested deeper than {JSON_DEPTH} levels")
+    return obj
 
 
 def _standard_number(s: str) -> float:
     v = float(s)
     if not math.isfinite(v):
-        raise ValueError(f"the number {s[:40]} is out of range")
+        raise ValueError(f"not standard JSON: the number {s[:40]} is out of range")
     return v
 
 
 def _no_constant(s: str) -> Any:
-    raise ValueError(f"{s} is not standard JSON")
+    raise ValueError(f"not standard JSON: {s} is no JSON number")
 
 
 def read_json(path: Path) -> dict:
@@ -144,14 +152,12 @@ def read_json(path: Path) -> dict:
     if not path.is_file():
         raise DlmError(f"{path}: missing")
     try:
-        text = path.read_text(encoding="utf-8")
-        if json_depth(text) > JSON_DEPTH:
-            raise DlmError(f"{path}: JSON nested deeper than {JSON_DEPTH} levels")
-        obj = json.loads(text, parse_float=_standard_number, parse_constant=_no_constant)
+        obj = loads_bounded(path.read_text(encoding="utf-8"), parse_float=_standard_number,
+                            parse_constant=_no_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DlmError(f"{path}: not valid JSON ({e})") from None
-    except (ValueError, RecursionError) as e:
-        raise DlmError(f"{path}: not standard JSON ({e})"[:300]) from None
+    except ValueError as e:
+        raise DlmError(f"{path}: {e}"[:300]) from None
     if not isinstance(obj, dict):
         raise DlmError(f"{path}: expected a JSON object")
     return obj

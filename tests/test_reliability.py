@@ -322,7 +322,7 @@ CASES = [
     ("hf-int64-weights", hf_int_weights, ["import", "--hf", "{hf}", "--out", "new"],
      ["model.safetensors", "int64", "floating point"], None),
     ("hf-rope-infinity", hf_config(rope_theta=float("inf")), ["import", "--hf", "{hf}", "--out", "new"],
-     ["config.json", "Infinity is not standard JSON"], None),
+     ["config.json", "not standard JSON: Infinity"], None),
     ("hf-rope-overflow", hf_file("config.json", lambda t: t.replace('"rope_theta": 1', '"rope_theta": 1e400, "x": 1')),
      ["import", "--hf", "{hf}", "--out", "new"], ["config.json", "1e400 is out of range"], None),
     ("hf-rope-string", hf_config(rope_theta="1e4"), ["import", "--hf", "{hf}", "--out", "new"],

@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from dlm.files import JSON_DEPTH, json_depth
+from dlm.files import loads_bounded
 
 from dlm.serve.engine import Engine, Failed, Job
 from dlm.serve.protocol import (
@@ -137,11 +137,8 @@ async def read_json(request: Request, cap: int) -> dict:
     except ClientDisconnect:
         raise ApiError(400, "the client left before sending its whole body", None, "client_disconnected") from None
     try:
-        text = body.decode("utf-8")
-        if json_depth(text) > JSON_DEPTH:
-            raise ApiError(400, f"the request body nests deeper than {JSON_DEPTH} levels", None, "invalid_json")
-        obj = json.loads(text)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        obj = loads_bounded(body.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"could not parse the request body as JSON ({str(e)[:120]})", None, "invalid_json") \
             from None
     if not isinstance(obj, dict):
