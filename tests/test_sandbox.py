@@ -7,6 +7,7 @@ import glob
 import os
 import resource
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -75,12 +76,21 @@ def survivors(tag: str) -> list[int]:
     return out
 
 
+@pytest.fixture(autouse=True)
+def private_tmp(monkeypatch):
+    """The runs' temporary folders go to a folder of this test's own (others may run programs meanwhile)."""
+    d = tempfile.mkdtemp(prefix="dlm-sandbox-test-")
+    os.chmod(d, 0o711)  # (the uid level's program must reach its folder inside)
+    monkeypatch.setattr(tempfile, "tempdir", d)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
 def run(src: str, limits: sandbox.Limits = FAST) -> tuple[sandbox.Outcome, float]:
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "dlm-exec-*")))
     t = time.monotonic()
     out = sandbox.run(textwrap.dedent(src), limits)
     took = time.monotonic() - t
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "dlm-exec-*"))) <= before  # its folder is gone
+    assert os.listdir(tempfile.gettempdir()) == []  # its folder is gone, whatever the program left in it
     assert took < limits.wall + 6  # bounded, whatever the program did
     return out, took
 
