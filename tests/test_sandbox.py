@@ -309,6 +309,18 @@ def test_uid_level_hides_the_parent(at, planted):
     assert survivors(tag) == []
 
 
+@pytest.mark.skipif(not ROOT, reason="the uid level needs root")
+def test_every_process_of_a_runs_uid_is_killed():
+    """The uid level's backstop: processes of the run's uid outside any tree dlm knows (new sessions) all die."""
+    uid = 1_000_000_000 + secrets.randbelow(1_000_000_000)
+    ps = [subprocess.Popen(["sleep", "600"], user=uid, group=uid, extra_groups=[], start_new_session=True)
+          for _ in range(3)]
+    time.sleep(0.2)
+    assert len(sandbox._uid_procs(uid)) == 3
+    sandbox._kill_uid(uid)
+    assert [p.wait(timeout=5) for p in ps] == [-9] * 3 and sandbox._uid_procs(uid) == []
+
+
 @pytest.mark.skipif(ROOT, reason="root never runs a program at the process level")
 def test_process_level_still_kills_every_descendant(at):
     at("process")
