@@ -2,6 +2,7 @@
 
     GET  /                      the playground (static/index.html, app.js, style.css)
     GET  /health                liveness, load and batching counters (answers while models work)
+    GET  /openapi.json          the routes' schema, request bodies included
     GET  /v1/models[/{id}]      the served model ids with their paradigm
     POST /v1/completions        OpenAI completions (+ suffix infilling, + dlm's extra fields)
     POST /v1/chat/completions   OpenAI chat completions over a plain template (protocol.chat_prompt)
@@ -10,7 +11,7 @@ Load: at most `max_concurrency` requests generate at once, at most `max_queue` m
 slot (in arrival order); beyond that a request gets 429 with Retry-After. Generation runs in the
 engine's threads; the event loop only moves events to the client, so /health and new requests are
 answered while models work. A client that disconnects cancels its job (the workers check between
-events). Request bodies are capped (413). Every error is OpenAI's error object; client mistakes are
+events). Request bodies are capped (413), nested at most 64 deep, and must not stall (408). Every error is OpenAI's error object; client mistakes are
 4xx, never 5xx.
 """
 
