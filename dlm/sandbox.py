@@ -97,6 +97,8 @@ def level() -> str:
         return _LEVEL[key]
     if want and want not in LEVELS:
         raise SandboxError(f"DLM_SANDBOX must be one of {', '.join(LEVELS)}, got {want!r}")
+    if not sys.platform.startswith("linux"):
+        raise SandboxError(f"running model-written code needs Linux (its namespaces and /proc), not {sys.platform}")
     root = os.geteuid() == 0
     unshare = shutil.which("unshare")
     ok = {"process": not root, "uid": root,  # root never runs a program as itself
