@@ -21,9 +21,9 @@ removed whatever is left in it. Isolation, the strongest the machine allows (`DL
     uid        root without namespaces: the program runs as a fresh uid (every process of that uid is killed
                after the run); it cannot read the parent's /proc entries or 0600 files, but it sees the
                filesystem, may write world-writable folders (/tmp) and has the network.
-    process    neither (never as root): its own session, the limits, and every descendant killed (the launcher is a child
-               subreaper); the program runs as the user that runs dlm and can read and write what that user
-               can. Use it only inside a container or VM.
+    process    neither (never for root): its own session, the limits, and every descendant killed (the launcher
+               is a child subreaper); the program runs as the user that runs dlm and can read and write what
+               that user can. Use it only inside a container or VM.
 """
 
 from __future__ import annotations

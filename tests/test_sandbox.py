@@ -224,7 +224,8 @@ def test_killing_the_parent_and_a_fork_bomb(at, lv):
         while True:
             try:
                 if os.fork() == 0:
-                    os.execv(sys.executable, [sys.executable, "-c", "import os\\nwhile True:\\n try: os.fork()\\n except OSError: pass", "{tag}"])
+                    bomb = "import os\\nwhile True:\\n try: os.fork()\\n except OSError: pass"
+                    os.execv(sys.executable, [sys.executable, "-c", bomb, "{tag}"])
                 n += 1
             except OSError:
                 pass

@@ -4,7 +4,6 @@ never a traceback in the log, and the server healthy afterwards."""
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
 import time

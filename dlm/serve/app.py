@@ -11,8 +11,8 @@ Load: at most `max_concurrency` requests generate at once, at most `max_queue` m
 slot (in arrival order); beyond that a request gets 429 with Retry-After. Generation runs in the
 engine's threads; the event loop only moves events to the client, so /health and new requests are
 answered while models work. A client that disconnects cancels its job (the workers check between
-events). Request bodies are capped (413), nested at most 64 deep, and must not stall (408). Every error is OpenAI's error object; client mistakes are
-4xx, never 5xx.
+events). Request bodies are capped (413), nested at most 64 deep, and must not stall (408). Every
+error is OpenAI's error object; client mistakes are 4xx, never 5xx.
 """
 
 from __future__ import annotations
