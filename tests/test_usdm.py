@@ -288,7 +288,7 @@ def test_adaptive_stopping_and_canvas_extension(tiny_usdm, monkeypatch):
     P = len(ck.tokenizer.encode(prompt))
     fake = FakeDenoiser(V)
     monkeypatch.setattr(us, "denoise", fake)
-    cfg = SampleConfig(max_new_tokens=40, canvas_length=16)
+    cfg = SampleConfig(max_new_tokens=40, canvas_length=16, last_canvas="whole")
     res = generate(model, ck, prompt, cfg, keep_events=True)
     s = res.stats.as_dict()
     # three whole canvases (as DiffusionGemma's generate: the last one too, its 8 positions past max_new_tokens dropped)
@@ -311,10 +311,11 @@ def test_adaptive_stopping_and_canvas_extension(tiny_usdm, monkeypatch):
     # stability threshold 3: three unchanged argmax canvases after the first
     monkeypatch.setattr(us, "denoise", FakeDenoiser(V))
     assert generate(model, ck, prompt, cfg.replace(stability_threshold=3)).stats.extra["steps_per_canvas"] == [4, 4, 4]
-    # last_canvas fit: the last canvas holds only the 8 positions left, the same tokens here (the fake reads positions)
+    # last_canvas fit (the default of dlm's own checkpoints): the last canvas holds only the 8 positions left, the
+    # same tokens here (the fake reads positions)
     fake3 = FakeDenoiser(V)
     monkeypatch.setattr(us, "denoise", fake3)
-    res3 = generate(model, ck, prompt, cfg.replace(last_canvas="fit"))
+    res3 = generate(model, ck, prompt, cfg.replace(last_canvas=None))
     assert [(c[0], c[1]) for c in fake3.calls if not c[2]] == [(P, 16), (P + 16, 16), (P + 32, 8)]
     assert res3.tokens == res.tokens
 

@@ -15,9 +15,9 @@ Per canvas of L tokens at the positions they will hold once committed:
      steps and the mean entropy is below `confidence_threshold`, or after `--steps` (default 48);
   5. commit the argmax of the last step's processed logits; tokens after the first <eos> (any of the
      tokenizer's EOS ids) are dropped and generation ends; otherwise an incremental causal prefill appends the canvas to
-     the cache and the next canvas begins, until `max_new_tokens`. A canvas is always whole, the last one too
-     (DiffusionGemma's generate): what lies past `max_new_tokens` is dropped; `last_canvas="fit"` denoises only the
-     positions left instead.
+     the cache and the next canvas begins, until `max_new_tokens`. last_canvas "whole" (an imported DiffusionGemma's
+     default, what its generate does): every canvas is whole, the last one too, what lies past `max_new_tokens`
+     dropped; "fit" (dlm's own checkpoints' default): the last canvas holds only the positions left.
 
 The arithmetic is the reference sampler's (transformers' DiffusionGemma generate), draw for draw from a generator
 seeded as torch.manual_seed(seed) seeds the global one: the canvas's uniform draw, then per step the candidates
@@ -118,7 +118,7 @@ def canvas_size(L: int, left: int, room: int, last_canvas: str) -> int:
 
 def span(p: Prompt, L: int, total: int, ctx: int, last_canvas: str) -> int:
     """Positions a row occupies in its cache at most: its prompt and every canvas it may denoise."""
-    if p.canvas is not None or last_canvas == "fit":
+    if p.canvas is not None or last_canvas != "whole":
         return len(p.ids) + total
     return min(ctx, len(p.ids) + -(-total // L) * L)
 
@@ -160,8 +160,17 @@ def check_options(model: Transformer, ck, cfg) -> tuple[int, int]:
     check(cfg.confidence_threshold >= 0, f"--confidence-threshold must be >= 0, got {cfg.confidence_threshold}")
     check(cfg.self_cond_input in ("tempered", "untempered"),
           f"--self-cond-input must be tempered or untempered, got {cfg.self_cond_input!r}")
-    check(cfg.last_canvas in ("whole", "fit"), f"--last-canvas must be whole or fit, got {cfg.last_canvas!r}")
+    check(cfg.last_canvas in (None, "whole", "fit"), f"--last-canvas must be whole or fit, got {cfg.last_canvas!r}")
     return L, steps
+
+
+def with_last_canvas(ck, cfg):
+    """cfg with last_canvas resolved: given, or the checkpoint's: whole for an imported DiffusionGemma (what its
+    generate denoises), fit for dlm's own usdm checkpoints (a last canvas of only the positions left)."""
+    if cfg.last_canvas is not None:
+        return cfg
+    imported = (ck.config.get("hf_config") or {}).get("model_type") == "diffusion_gemma"
+    return cfg.replace(last_canvas="whole" if imported else "fit")
 
 
 # the sampler ---------------------------------------------------------------------------------
@@ -170,6 +179,7 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg, step_events: bool
     """Events of usdm generation for each prompt (cfg: SampleConfig). Bad options raise here, before any work.
     step_events: a Step event after every denoising step (the live view, the server's step streaming, tests)."""
     L, steps = check_options(model, ck, cfg)
+    cfg = with_last_canvas(ck, cfg)
     tok = ck.tokenizer
     jobs = [row_prompt(ck, model, p, cfg) for p in prompts]
     return _generate(model, jobs, L, steps, ck.noise_vocab, tok.eos_ids, cfg, step_events)
@@ -244,6 +254,7 @@ def stream_rows(model: Transformer, ck, prompts: list[Prompt], cfgs: list, step_
     """Rows that each bring their own SampleConfig (row r seeded cfgs[r].seed) in one batch (dlm.sampling.stream_rows).
     Bad options raise here, before any work."""
     Ls, steps = zip(*(check_options(model, ck, c) for c in cfgs))
+    cfgs = [with_last_canvas(ck, c) for c in cfgs]
     jobs = [row_prompt(ck, model, p, c) for p, c in zip(prompts, cfgs)]
     return _rows(model, jobs, list(Ls), list(steps), ck.noise_vocab, ck.tokenizer.eos_ids, cfgs,
                  [c.seed for c in cfgs], step_events)
