@@ -96,7 +96,7 @@ ISSUE = dict(layers=[S, F, S, S, F], window=8, experts=4, top_k=2, canvas=16, sc
              bos=True, n=40, seed=0)
 
 
-@settings(max_examples=3, deadline=None, derandomize=True, database=None)
+@settings(max_examples=4, deadline=None, derandomize=True, database=None)
 @example(ISSUE)
 @given(cases())
 def test_generate_equals_transformers_generate_same_seed(tmp_path_factory, case):
