@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dlm.config import ModelConfig
@@ -69,35 +70,37 @@ class DynamicConv(nn.Module):
 
     segment = 0  # > 0: the positions are blocks of this many laid end to end (training), each convolved alone
 
-    def _conv(self, x: Tensor, coef: Tensor, residual: Tensor | None = None) -> Tensor:
-        """x (B, T, D) convolved with the per-position kernels coef (B, T, K, D), plus residual if given, in few
-        whole-tensor calls (at a draft block's size a call's dispatch is much of its cost): the residual enters the
-        first product's call, the shifted terms are added in place where they reach. With `segment` s, each run of
-        s positions is a block of its own: nothing reaches across a block's start, as at decoding."""
+    def _conv(self, x: Tensor, base: Tensor, dyn: Tensor, residual: Tensor | None = None) -> Tensor:
+        """x (B, T, D) convolved with the kernels base (K, D) + dyn (B, T, K, D / G), then residual added if given.
+
+        The arithmetic is the `dflash` package's, term for term: from zeros, per offset o, + base[o] * x_{t-o}, then
+        + d_t[o] * x_{t-o}, the residual last. (base + d) * x rounds differently, and a draft's argmax can turn on
+        that last bit: then a cycle accepts another length than the reference's. With `segment` s, each run of s
+        positions is a block of its own: nothing reaches across a block's start, as at decoding."""
         s, (B, T, D) = self.segment, x.shape
         if s and T > s:
             n = B * T // s
-            out = self._conv(x.reshape(n, s, D), coef.reshape(n, s, *coef.shape[2:]),
+            out = self._conv(x.reshape(n, s, D), base, dyn.reshape(n, s, *dyn.shape[2:]),
                              None if residual is None else residual.reshape(n, s, D))
             return out.view(B, T, D)
-        c0 = coef[:, :, 0]
-        out = x * c0 if residual is None else torch.addcmul(residual, x, c0)
-        for o in range(1, min(self.kernel, x.shape[1])):  # + coef_o * x_{t-o}; zeros before the first position
-            out[:, o:].addcmul_(x[:, :-o], coef[:, o:, o])
-        return out
+        g = D // self.group
+        xs = x.view(B, T, g, self.group)
+        out = torch.zeros_like(xs)
+        for o in range(min(self.kernel, T)):  # zeros before the first position
+            v = xs if o == 0 else F.pad(xs[:, :-o], (0, 0, 0, 0, o, 0))
+            out = torch.addcmul(out + base[o].view(1, 1, g, self.group).to(x.dtype) * v, dyn[:, :, o, :, None], v)
+        out = out.view(B, T, D)
+        return out if residual is None else residual + out
 
     def prepare(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """The sublayer's input convolved, and the kernels its output is convolved with (B, T, K, D): both
-        convolutions' kernels (base + dynamic) in one addition."""
+        """The sublayer's input convolved, and the dynamic kernels its output is convolved with (B, T, K, D / G)."""
         B, T, D = x.shape
-        g = D // self.group
-        dyn = self.kernel_projection(x).view(B, T, 2, self.kernel, g, 1)
-        coef = (self.base_kernel.to(x.dtype).view(2, self.kernel, g, self.group) + dyn).view(B, T, 2, self.kernel, D)
-        return self._conv(x, coef[:, :, 0]), coef[:, :, 1]
+        dyn = self.kernel_projection(x).view(B, T, 2, self.kernel, D // self.group)
+        return self._conv(x, self.base_kernel[0], dyn[:, :, 0]), dyn[:, :, 1]
 
-    def finish(self, h: Tensor, coef: Tensor, residual: Tensor) -> Tensor:
-        """residual + the sublayer's output h convolved with the kernels `prepare` gave."""
-        return self._conv(h, coef, residual)
+    def finish(self, h: Tensor, dyn: Tensor, residual: Tensor) -> Tensor:
+        """residual + the sublayer's output h convolved with base_kernel[1] and the dynamic kernels `prepare` gave."""
+        return self._conv(h, self.base_kernel[1], dyn, residual)
 
 
 class ConvBlock(Block):

@@ -107,7 +107,9 @@ class Attention(nn.Module):
         self.v_norm = RMSNorm(self.hd, cfg.norm_eps, scale=False)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, is_causal: bool,
-                cache, layer: int, write: bool) -> Tensor:
+                cache, layer: int, write: bool, lo: int = 0) -> Tensor:
+        """lo: the cache slots before it are seen by no query (a sliding layer's window) and are left out of the
+        keys; mask covers the keys from slot lo on."""
         B, T, _ = x.shape
         q = apply_rope(self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.hd)).transpose(1, 2), *rope)
         k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
@@ -120,9 +122,9 @@ class Attention(nn.Module):
             if write:
                 ck[:, :, start:start + T] = k
                 cv[:, :, start:start + T] = v
-                k, v = ck[:, :, :start + T], cv[:, :, :start + T]
+                k, v = ck[:, :, lo:start + T], cv[:, :, lo:start + T]
             else:
-                k, v = torch.cat((ck[:, :, :start], k), 2), torch.cat((cv[:, :, :start], v), 2)
+                k, v = torch.cat((ck[:, :, lo:start], k), 2), torch.cat((cv[:, :, lo:start], v), 2)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=1.0,
                                            enable_gqa=self.n_kv != self.n_heads)  # (B, H, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
@@ -229,9 +231,9 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm_2 = RMSNorm(D, eps)
         self.checkpointing = False
 
-    def forward(self, x, rope, mask, is_causal, cache, layer, write) -> Tensor:
+    def forward(self, x, rope, mask, is_causal, cache, layer, write, lo: int = 0) -> Tensor:
         x = x + self.post_attention_layernorm(
-            self.self_attn(self.input_layernorm(x), rope, mask, is_causal, cache, layer, write))
+            self.self_attn(self.input_layernorm(x), rope, mask, is_causal, cache, layer, write, lo))
         h = self.mlp(self.pre_feedforward_layernorm(x))
         if self.router is not None:
             flat = x.reshape(-1, x.shape[-1])  # the router and experts read the residual stream
@@ -308,12 +310,15 @@ def run_blocks(model, x: Tensor, *, pos: Tensor | None, cache, mask, write: bool
             raise DlmError("a gemma4 backbone with sliding-window layers needs its sliding layers' mask beside a "
                            "bool mask (dlm.masks.LayerMasks); this layout has none yet")
         else:
+            # the keys before the prefix's last window - 1 are seen by no query: left out (transformers' sliding
+            # cache keeps no more, and a longer row of keys rounds differently)
             full = isinstance(mask, str) and mask == "full"
-            masks["sliding"] = (sliding_mask(base, full, T, L0, window, x.device), False)
+            lo = max(0, L0 - (window - 1))
+            masks["sliding"] = (sliding_mask(base, full, T, L0, window, x.device)[..., lo:], False, lo)
     out_taps: dict[int, Tensor] = {}
     for i, block in enumerate(model.layers):
-        m, c = masks[block.kind]
-        x = block(x, ropes[block.kind], m, c, cache, i, write)
+        m, c, *lo = masks[block.kind]
+        x = block(x, ropes[block.kind], m, c, cache, i, write, *lo)
         if i in taps:
             out_taps[i] = x
     if cache is not None:

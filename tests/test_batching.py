@@ -352,7 +352,7 @@ def test_speculative_rows_equal_each_row_alone(target, kind, opts):
     if kind in ("ar", "dflash", "diffusion"):
         assert 0 < stats.draft_forwards < sum(st.draft_forwards for st in own)  # the drafter's passes shared too
     assert any(n > 0 for v in _verified(events, len(PROMPTS)) for _, n in v)  # drafts were accepted ...
-    assert any(n == 0 for v in _verified(events, len(PROMPTS)) for _, n in v)  # ... and rejected
+    assert any(n < len(d) for v in _verified(events, len(PROMPTS)) for d, n in v)  # ... and turned down
     if not cfg.temperature:
         assert tokens == [speculative.target_greedy(target, p, 20, EOS) for p in PROMPTS]
 

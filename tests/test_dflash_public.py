@@ -335,3 +335,73 @@ def test_the_selector_q_keeps_speculative_sampling_exact(top_k, monkeypatch):
     assert_follows(right, p[0], "selector q")
     stat, dof = chi_square(wrong, p[0])
     assert stat > 50  # the DFlash 1 q is not the selector's proposal distribution: the output drifts
+
+
+# DFlash 2 grown from a trained trunk ----------------------------------------------------------------------------
+
+THIRD_PARTY = PROMPTS + ["def fibonacci(n):\n    ", "import json\n\ndef load(path):\n",
+                         "class Node:\n    def __init__(self):\n", "for key, value in items.items():\n    ",
+                         "# sort the list in place\n", "while True:\n    line = "]
+
+
+@pytest.fixture(scope="module")
+def trunk(tmp_path_factory):
+    """ar-small and dflash-small exported to the public layouts (the target, and the DFlash 1 trunk a DFlash 2
+    drafter is grown from), the target imported back."""
+    d = tmp_path_factory.mktemp("trunk")
+    main(["export", "--model", str(CK / "ar-small"), "--format", "hf", "--out", str(d / "t")])
+    main(["export", "--model", str(CK / "dflash-small"), "--format", "hf", "--out", str(d / "d1")])
+    import_hf(d / "t", d / "t-dlm")
+    return d
+
+
+def grown_drafter2(trunk: Path, folder: Path, seed: int, conv: float, selector: float) -> None:
+    """A DFlash 2 drafter built by the package's DFlash2DraftModel from dflash-small's trained trunk: convolutions at
+    the identity plus noise of scale `conv`, a selector of random codebooks of scale `selector` (public layout)."""
+    from safetensors.torch import load_file, save_file
+
+    c = json.loads((trunk / "d1" / "config.json").read_text())
+    c["architectures"] = ["DFlash2DraftModel"]
+    c["dflash_config"].update(conv_kernel_size=2, conv_group_size=32, selector_rank=16, selector_top_k=8)
+    c.pop("model_type")
+    torch.manual_seed(seed)
+    m = dflash_model.DFlash2DraftModel(transformers.Qwen3Config(**c)).eval()
+    missing = m.load_state_dict(load_file(trunk / "d1" / "model.safetensors"), strict=False).missing_keys
+    assert missing and all("_conv." in k or "candidate_selector." in k for k in missing)
+    with torch.no_grad():
+        for layer in m.layers:
+            for cv in (layer.attention_conv, layer.mlp_conv):
+                cv.base_kernel.zero_()
+                cv.base_kernel[:, 0] = 1.0  # (the identity)
+                cv.base_kernel.add_(torch.randn_like(cv.base_kernel) * conv)
+                cv.kernel_projection.weight.normal_(0, conv / 4)
+        sel = m.candidate_selector
+        for p in (sel.predecessor_codebook.weight, sel.successor_codebook.weight, sel.hidden_projection.weight):
+            p.normal_(0, selector)
+    m.save_pretrained(folder)
+    w = {k.removesuffix(".weight") if "codebook" in k else k: v.contiguous()
+         for k, v in m.state_dict().items() if "rotary" not in k}
+    save_file(w, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=4, deadline=None, derandomize=True, database=None)
+@example(seed=2, conv=0.05, selector=0.3, prompt=0, n=48)  # found: its last block was drafted one slot short
+@example(seed=2, conv=0.05, selector=0.3, prompt=2, n=48)
+@given(seed=st.integers(0, 2 ** 16), conv=st.sampled_from([0.02, 0.05, 0.1]), selector=st.sampled_from([0.1, 0.3]),
+       prompt=st.integers(0, len(THIRD_PARTY) - 1), n=st.integers(9, 40))
+def test_a_grown_dflash2_drafter_accepts_as_dflash_generate(trunk, tmp_path_factory, seed, conv, selector, prompt, n):
+    """Imported with --target, a DFlash 2 drafter grown from dflash-small (convolutions and selector off their
+    identity) accepts, cycle for cycle, what the package's dflash_generate accepts, the last block (which ends
+    where --max-new-tokens does) included; the tokens are the target's."""
+    d = tmp_path_factory.mktemp("d2")
+    grown_drafter2(trunk, d / "hf", seed, conv, selector)
+    import_hf(d / "hf", d / "dlm", target=trunk / "t-dlm")
+    ids = load_model(trunk / "t-dlm")[1].tokenizer.encode(THIRD_PARTY[prompt])
+    got = ours(trunk / "t-dlm", d / "dlm", ids, n, 8)
+    want = reference(d / "hf", trunk / "t", ids, n, 2, 8, v2=True)
+    assert got == want and (len(got[0]) == n or got[0][-1] == 2)

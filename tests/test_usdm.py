@@ -228,20 +228,20 @@ def test_entropy_bound_acceptance_on_hand_made_logits():
     ent = us.entropy(torch.softmax(logits, -1))
     assert torch.allclose(ent, torch.tensor([math.log(V), 0, math.log(2), 0, 0]), atol=1e-4)
     # sorted: 0, 0, 0, log 2, log 16; cumsum - max: 0, 0, 0, 0, log 2 -> the first four pass
-    assert us.entropy_bound_accept(ent, 0.1).tolist() == [False, True, True, True, True]
+    assert us.accept_by_entropy(ent, 0.1).tolist() == [False, True, True, True, True]
     # with log 2 among the earlier terms the two-way position is the last accepted... unless excluded
     free = torch.tensor([True, True, True, False, True])
-    assert us.entropy_bound_accept(ent, 0.1, free).tolist() == [False, True, True, False, True]
+    assert us.accept_by_entropy(ent, 0.1, free).tolist() == [False, True, True, False, True]
     ent2 = torch.tensor([0.5, 0.01, 0.02, 0.3, 0.04])  # sorted .01 .02 .04 .3 .5: sums before 0 .01 .03 .07 .37
-    assert us.entropy_bound_accept(ent2, 0.1).tolist() == [False, True, True, True, True]
-    assert us.entropy_bound_accept(ent2, 0.05).tolist() == [False, True, True, False, True]
-    assert us.entropy_bound_accept(torch.tensor([3.0, 2.0, 4.0]), 0.1).tolist() == [False, True, False]  # >= 1
-    assert not us.entropy_bound_accept(ent2, 0.1, torch.zeros(5, dtype=torch.bool)).any()
+    assert us.accept_by_entropy(ent2, 0.1).tolist() == [False, True, True, True, True]
+    assert us.accept_by_entropy(ent2, 0.05).tolist() == [False, True, True, False, True]
+    assert us.accept_by_entropy(torch.tensor([3.0, 2.0, 4.0]), 0.1).tolist() == [False, True, False]  # >= 1
+    assert not us.accept_by_entropy(ent2, 0.1, torch.zeros(5, dtype=torch.bool)).any()
 
 
 def test_temperature_schedule_and_stopping_rule():
     S = 48
-    ts = [us.temperature(s, S, 0.8, 0.4) for s in range(1, S + 1)]
+    ts = [float(us.temperature(s, S, 0.8, 0.4)) for s in range(1, S + 1)]
     assert ts[0] == pytest.approx(0.8) and ts[-1] == pytest.approx(0.4 + 0.4 / S)
     assert all(a > b for a, b in zip(ts, ts[1:]))
     assert us.should_stop(1, 0.001, 1, 0.005) and not us.should_stop(0, 0.001, 1, 0.005)
@@ -288,11 +288,12 @@ def test_adaptive_stopping_and_canvas_extension(tiny_usdm, monkeypatch):
     P = len(ck.tokenizer.encode(prompt))
     fake = FakeDenoiser(V)
     monkeypatch.setattr(us, "denoise", fake)
-    cfg = SampleConfig(max_new_tokens=40, canvas_length=16)
+    cfg = SampleConfig(max_new_tokens=40, canvas_length=16, last_canvas="whole")
     res = generate(model, ck, prompt, cfg, keep_events=True)
     s = res.stats.as_dict()
-    # three canvases (16, 16, 8) at the positions their tokens will hold; each stops at step 2 (argmax stable, entropy ~0)
-    assert [(c[0], c[1]) for c in fake.calls if not c[2]] == [(P, 16), (P + 16, 16), (P + 32, 8)]
+    # three whole canvases (as DiffusionGemma's generate: the last one too, its 8 positions past max_new_tokens dropped)
+    # at the positions their tokens will hold; each stops at step 2 (argmax stable, entropy ~0)
+    assert [(c[0], c[1]) for c in fake.calls if not c[2]] == [(P, 16), (P + 16, 16), (P + 32, 16)]
     assert s["canvases"] == 3 and s["steps_per_canvas"] == [2, 2, 2]
     assert s["forwards"] == 1 + 6 + 2  # prompt prefill + steps + prefill of the two canvases more text followed
     assert res.tokens[0] == [(p % 20) + 10 for p in range(P, P + 40)]
@@ -310,6 +311,13 @@ def test_adaptive_stopping_and_canvas_extension(tiny_usdm, monkeypatch):
     # stability threshold 3: three unchanged argmax canvases after the first
     monkeypatch.setattr(us, "denoise", FakeDenoiser(V))
     assert generate(model, ck, prompt, cfg.replace(stability_threshold=3)).stats.extra["steps_per_canvas"] == [4, 4, 4]
+    # last_canvas fit (the default of dlm's own checkpoints): the last canvas holds only the 8 positions left, the
+    # same tokens here (the fake reads positions)
+    fake3 = FakeDenoiser(V)
+    monkeypatch.setattr(us, "denoise", fake3)
+    res3 = generate(model, ck, prompt, cfg.replace(last_canvas=None))
+    assert [(c[0], c[1]) for c in fake3.calls if not c[2]] == [(P, 16), (P + 16, 16), (P + 32, 8)]
+    assert res3.tokens == res.tokens
 
 
 def test_stop_waits_for_confidence(tiny_usdm, monkeypatch):

@@ -80,6 +80,7 @@ class SampleConfig:
         confidence_threshold: usdm adaptive stopping: mean entropy below which a canvas may stop
         adaptive: usdm: stop a canvas early (adaptive stopping); off = always the full number of steps
         self_cond_input: usdm: what the next step is self-conditioned on: tempered (the softmax of the temperature-scaled logits, as DiffusionGemma's reference sampler) or untempered (their T = 1 softmax, what training feeds)
+        last_canvas: usdm, when --max-new-tokens ends inside a canvas: whole (denoise a whole canvas, as DiffusionGemma's generate does; what lies past --max-new-tokens is dropped) or fit (a canvas of only the positions left); default: whole for an imported DiffusionGemma, fit for dlm's own usdm checkpoints
         suffix: infilling: text after the hole (pinned, comes out byte-exact)
         fill_length: template markers: positions per <fill> (<fill:N> asks for N)
         draft: speculative decoding: a drafter checkpoint folder, or 'lookup' (prompt lookup)
@@ -115,6 +116,7 @@ class SampleConfig:
     confidence_threshold: float = 0.005
     adaptive: bool = True
     self_cond_input: str = "tempered"
+    last_canvas: str | None = None
     suffix: str | None = None
     fill_length: int = 16
     # speculative decoding

@@ -573,7 +573,9 @@ def speculation(drafter: Drafter, prompt: Sequence[int], *, block_size: int, max
     stop = eos_set(eos_id)
     while new < max_new_tokens and tok not in stop:
         t0 = time.perf_counter()
-        draft, q = yield from drafter.draft(seq[:S], min(block_size - 1, max_new_tokens - new - 1))
+        # as many slots as tokens are still wanted (the bonus past them is dropped): the package's dflash_generate
+        # drafts that block, and a DFlash block one slot shorter drafts other tokens (its slots see each other)
+        draft, q = yield from drafter.draft(seq[:S], min(block_size - 1, max_new_tokens - new))
         t1 = time.perf_counter()
         stats.draft_seconds += t1 - t0
         k = draft.shape[0]

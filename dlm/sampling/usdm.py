@@ -15,7 +15,15 @@ Per canvas of L tokens at the positions they will hold once committed:
      steps and the mean entropy is below `confidence_threshold`, or after `--steps` (default 48);
   5. commit the argmax of the last step's processed logits; tokens after the first <eos> (any of the
      tokenizer's EOS ids) are dropped and generation ends; otherwise an incremental causal prefill appends the canvas to
-     the cache and the next canvas begins, until `max_new_tokens`.
+     the cache and the next canvas begins, until `max_new_tokens`. last_canvas "whole" (an imported DiffusionGemma's
+     default, what its generate does): every canvas is whole, the last one too, what lies past `max_new_tokens`
+     dropped; "fit" (dlm's own checkpoints' default): the last canvas holds only the positions left.
+
+The arithmetic is the reference sampler's (transformers' DiffusionGemma generate), draw for draw from a generator
+seeded as torch.manual_seed(seed) seeds the global one: the canvas's uniform draw, then per step the candidates
+(multinomial) and the re-noise draw; the temperature as an fp32 tensor, entropies by Categorical's formula, the
+acceptance and stopping comparisons in fp32. A self-conditioned model can amplify a difference of one float step
+from one step to the next, so "about equal" arithmetic gives different samples.
 
 A model trained with `--canvas-shift` (ModelConfig.canvas_shift) predicts canvas token j from the
 denoiser's output at j - 1, and token 0 from the encoder's next-token logits after the text before the
@@ -44,7 +52,7 @@ from torch import Tensor
 from dlm.errors import DlmError, check
 from dlm.model import Transformer, align_canvas_logits, canvas_embeds
 from dlm.sampling.common import (
-    Clock, Commit, Eos, Event, Prompt, Stats, Step, check_fits, check_sampling, entropy, entropy_bound_accept,
+    Clock, Commit, Eos, Event, Prompt, Stats, Step, check_fits, check_sampling, entropy,
     eos_set, make_generator, probs_from_logits, sample_from, through_eos,
 )
 from dlm.sampling.rows import Programs, Window, batch_stats, batchable, drive, head
@@ -53,16 +61,41 @@ DEFAULT_STEPS = 48  # DiffusionGemma's max_denoising_steps
 # the SampleConfig fields this sampler reads (see dlm.sampling.OPTIONS); --temperature is read to be refused with
 # its own message (the temperature follows the t_max -> t_min schedule)
 OPTIONS = frozenset({"temperature", "top_k", "top_p", "sampler", "steps", "entropy_bound", "canvas_length", "t_max",
-                     "t_min", "stability_threshold", "confidence_threshold", "adaptive", "self_cond_input", "suffix",
+                     "t_min", "stability_threshold", "confidence_threshold", "adaptive", "self_cond_input", "last_canvas", "suffix",
                      "fill_length"})
 
 
 # plain functions (each testable on hand-made inputs) -----------------------------------------
 
-def temperature(step: int, max_steps: int, t_max: float, t_min: float) -> float:
-    """Temperature of 1-based `step`: t_max on the first step, t_min + (t_max - t_min) / max_steps on the last."""
-    remaining = max_steps - step + 1
-    return t_min + (t_max - t_min) * remaining / max_steps
+def temperature(step: int, max_steps: int, t_max: float, t_min: float) -> Tensor:
+    """Temperature of 1-based `step`: t_max on the first step, t_min + (t_max - t_min) / max_steps on the last.
+    A 0-dim fp32 tensor, computed as DiffusionGemma's generate computes it (the remaining steps as an int32 tensor
+    over max_steps): a temperature one float32 step apart moves the samples of a model whose self-conditioning
+    amplifies small differences."""
+    remaining = torch.tensor(max_steps - step + 1, dtype=torch.int32)
+    return t_min + (t_max - t_min) * (remaining / max_steps)
+
+
+def logits_entropy(logits: Tensor) -> Tensor:
+    """Entropy in nats of the distributions softmax(logits) (..., V) -> (...), by torch.distributions.Categorical's
+    arithmetic (the reference sampler's): normalised log-probabilities, clamped at the dtype's smallest value."""
+    lp = logits - logits.logsumexp(-1, keepdim=True)
+    return -(lp.clamp(min=torch.finfo(lp.dtype).min) * torch.softmax(lp, -1)).sum(-1)
+
+
+def accept_by_entropy(ent: Tensor, bound: float, free: Tensor | None = None) -> Tensor:
+    """DiffusionGemma's entropy-bound acceptance among the free positions, by its arithmetic: their entropies
+    sorted ascending (in ent's dtype), a position kept where the cumulative entropy minus its own entropy (the
+    largest so far) is <= bound. The lowest always passes (0 <= bound). ent (n,), free (n,) bool (default: all)
+    -> (n,) bool."""
+    free = torch.ones(ent.shape, dtype=torch.bool, device=ent.device) if free is None else free
+    accept = torch.zeros_like(free)
+    idx = free.nonzero().squeeze(1)
+    if idx.numel() == 0:
+        return accept
+    e, order = torch.sort(ent[idx], dim=-1, descending=False)
+    accept[idx[order]] = e.cumsum(-1) - e <= bound
+    return accept
 
 
 def renoise(candidates: Tensor, accepted: Tensor, holes: Tensor, pins: Tensor, noise: Tensor) -> Tensor:
@@ -70,9 +103,24 @@ def renoise(candidates: Tensor, accepted: Tensor, holes: Tensor, pins: Tensor, n
     return torch.where(holes, torch.where(accepted, candidates, noise), pins)
 
 
-def should_stop(stable_steps: int, mean_entropy: float, stability_threshold: int, confidence_threshold: float) -> bool:
-    """Adaptive stopping: the argmax canvas unchanged for enough steps and the model confident enough."""
-    return stable_steps >= stability_threshold and mean_entropy < confidence_threshold
+def should_stop(stable_steps: int, mean_entropy: float | Tensor, stability_threshold: int,
+                confidence_threshold: float) -> bool:
+    """Adaptive stopping: the argmax canvas unchanged for enough steps and the model confident enough (a tensor
+    mean_entropy is compared in its own dtype, as the reference sampler compares it)."""
+    return stable_steps >= stability_threshold and bool(mean_entropy < confidence_threshold)
+
+
+def canvas_size(L: int, left: int, room: int, last_canvas: str) -> int:
+    """Positions of the next canvas: L (last_canvas whole: a canvas is always whole, as DiffusionGemma's generate
+    denoises it), or only the `left` tokens still wanted when fewer (fit); never more than the context's `room`."""
+    return min(L if last_canvas == "whole" else min(L, left), room)
+
+
+def span(p: Prompt, L: int, total: int, ctx: int, last_canvas: str) -> int:
+    """Positions a row occupies in its cache at most: its prompt and every canvas it may denoise."""
+    if p.canvas is not None or last_canvas != "whole":
+        return len(p.ids) + total
+    return min(ctx, len(p.ids) + -(-total // L) * L)
 
 
 def denoise(model: Transformer, cache, canvas: Tensor, pos: Tensor, prev_probs: Tensor | None) -> Tensor:
@@ -112,7 +160,17 @@ def check_options(model: Transformer, ck, cfg) -> tuple[int, int]:
     check(cfg.confidence_threshold >= 0, f"--confidence-threshold must be >= 0, got {cfg.confidence_threshold}")
     check(cfg.self_cond_input in ("tempered", "untempered"),
           f"--self-cond-input must be tempered or untempered, got {cfg.self_cond_input!r}")
+    check(cfg.last_canvas in (None, "whole", "fit"), f"--last-canvas must be whole or fit, got {cfg.last_canvas!r}")
     return L, steps
+
+
+def with_last_canvas(ck, cfg):
+    """cfg with last_canvas resolved: given, or the checkpoint's: whole for an imported DiffusionGemma (what its
+    generate denoises), fit for dlm's own usdm checkpoints (a last canvas of only the positions left)."""
+    if cfg.last_canvas is not None:
+        return cfg
+    imported = (ck.config.get("hf_config") or {}).get("model_type") == "diffusion_gemma"
+    return cfg.replace(last_canvas="whole" if imported else "fit")
 
 
 # the sampler ---------------------------------------------------------------------------------
@@ -121,6 +179,7 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg, step_events: bool
     """Events of usdm generation for each prompt (cfg: SampleConfig). Bad options raise here, before any work.
     step_events: a Step event after every denoising step (the live view, the server's step streaming, tests)."""
     L, steps = check_options(model, ck, cfg)
+    cfg = with_last_canvas(ck, cfg)
     tok = ck.tokenizer
     jobs = [row_prompt(ck, model, p, cfg) for p in prompts]
     return _generate(model, jobs, L, steps, ck.noise_vocab, tok.eos_ids, cfg, step_events)
@@ -171,7 +230,7 @@ def _generate_in_turn(model: Transformer, jobs: list[Prompt], L: int, steps: int
     for row, p in enumerate(jobs):
         gen = make_generator(row_seed(cfg.seed, row), model.device)
         total = len(p.canvas) if p.canvas is not None else cfg.max_new_tokens
-        cache = model.new_cache(1, len(p.ids) + total)
+        cache = model.new_cache(1, span(p, L, total, model.cfg.max_seq_len, cfg.last_canvas))
 
         def answer(req, cache=cache):
             if isinstance(req, Prefill):
@@ -179,7 +238,8 @@ def _generate_in_turn(model: Transformer, jobs: list[Prompt], L: int, steps: int
             pos = torch.arange(cache.length, cache.length + req.canvas.shape[0], device=model.device)
             return denoise(model, cache, req.canvas[None], pos, req.prev_probs)
 
-        yield from drive(_row(p, L, steps, N, eos_id, cfg, gen, row, clock, stats, step_events, model.device), answer)
+        yield from drive(_row(p, L, steps, N, eos_id, cfg, gen, row, clock, stats, step_events, model.device,
+                                  model.cfg.max_seq_len), answer)
     yield clock.finish(stats)
 
 
@@ -194,6 +254,7 @@ def stream_rows(model: Transformer, ck, prompts: list[Prompt], cfgs: list, step_
     """Rows that each bring their own SampleConfig (row r seeded cfgs[r].seed) in one batch (dlm.sampling.stream_rows).
     Bad options raise here, before any work."""
     Ls, steps = zip(*(check_options(model, ck, c) for c in cfgs))
+    cfgs = [with_last_canvas(ck, c) for c in cfgs]
     jobs = [row_prompt(ck, model, p, c) for p, c in zip(prompts, cfgs)]
     return _rows(model, jobs, list(Ls), list(steps), ck.noise_vocab, ck.tokenizer.eos_ids, cfgs,
                  [c.seed for c in cfgs], step_events)
@@ -203,8 +264,8 @@ def stream_rows(model: Transformer, ck, prompts: list[Prompt], cfgs: list, step_
 def _rows(model: Transformer, jobs: list[Prompt], Ls: list[int], steps: list[int], N: int, eos_id: Eos, cfgs: list,
           seeds: list, step_events: bool = False) -> Iterator[Event]:
     clock = Clock()
-    longest = max(len(p.ids) + (len(p.canvas) if p.canvas is not None else c.max_new_tokens)
-                  for p, c in zip(jobs, cfgs))
+    longest = max(span(p, L, len(p.canvas) if p.canvas is not None else c.max_new_tokens, model.cfg.max_seq_len,
+                       c.last_canvas) for p, c, L in zip(jobs, cfgs, Ls))
     batch = Batch(model, 2 * longest)
     per_row = []
     for row, (p, c) in enumerate(zip(jobs, cfgs)):
@@ -235,7 +296,8 @@ class Batch(Programs):
         generator, default seeded row_seed(cfg.seed, row)); returns its events before its first pass (none)."""
         model = self.model
         gen = gen if gen is not None else make_generator(row_seed(cfg.seed, row), model.device)
-        program = _row(p, L, steps, N, eos_id, cfg, gen, row, clock, stats, step_events, model.device)
+        program = _row(p, L, steps, N, eos_id, cfg, gen, row, clock, stats, step_events, model.device,
+                                  model.cfg.max_seq_len)
         shift = bool(model.cfg.canvas_shift)
 
         def window(req) -> Window:
@@ -256,7 +318,7 @@ class Batch(Programs):
 
 
 def _row(p: Prompt, L: int, steps: int, N: int, eos_id: Eos, cfg, gen: torch.Generator, row: int,
-         clock: Clock | None, stats: Stats, step_events: bool, dev: torch.device):
+         clock: Clock | None, stats: Stats, step_events: bool, dev: torch.device, ctx: int):
     """One row as a program: its events, and a Prefill or Denoise request whenever it needs the model (the answer
     is sent back in). The one-row driver and a batch run the same code."""
     total = len(p.canvas) if p.canvas is not None else cfg.max_new_tokens
@@ -269,7 +331,7 @@ def _row(p: Prompt, L: int, steps: int, N: int, eos_id: Eos, cfg, gen: torch.Gen
             holes = torch.tensor([c is None for c in p.canvas], device=dev)
             pins = torch.tensor([0 if c is None else c for c in p.canvas], device=dev)
         else:
-            n = min(L, total - done)
+            n = canvas_size(L, total - done, ctx - len(p.ids) - done, cfg.last_canvas)
             holes = torch.ones(n, dtype=torch.bool, device=dev)
             pins = torch.zeros(n, dtype=torch.long, device=dev)
         tokens, used = yield from _canvas_program(holes, pins, N, eos_id, p.canvas is not None, canvas_index, row,
@@ -279,8 +341,8 @@ def _row(p: Prompt, L: int, steps: int, N: int, eos_id: Eos, cfg, gen: torch.Gen
         stats.extra["steps_per_canvas"].append(used)
         stats.forwards += used
         ended = False
-        if p.canvas is None:
-            tokens, ended = through_eos(tokens, eos_id)
+        if p.canvas is None:  # what lies past max_new_tokens is dropped, then what follows the first EOS
+            tokens, ended = through_eos(tokens[:total - done], eos_id)
         if clock is not None:
             clock.mark_first()
         yield Commit(tokens, row=row)
@@ -324,9 +386,10 @@ def _canvas_program(holes: Tensor, pins: Tensor, N: int, eos_id: Eos, no_eos: bo
             raw[holes.nonzero(), torch.tensor(stop, dtype=torch.long, device=dev)] = float("-inf")  # (holes, EOS ids)
         logits = raw / T  # processed logits
         probs = probs_from_logits(logits, 1.0, cfg.top_k, cfg.top_p)  # (n, V) sampling distribution
-        ent = entropy(probs)  # (n,)
+        plain = cfg.top_k == 0 and cfg.top_p == 1.0
+        ent = logits_entropy(logits) if plain else entropy(probs)  # (n,) entropy of the sampling distribution
         candidates = sample_from(probs, gen)  # (n,)
-        accepted = entropy_bound_accept(ent, cfg.entropy_bound, holes)
+        accepted = accept_by_entropy(ent, cfg.entropy_bound, holes)
         noise = torch.randint(0, N, (n,), generator=gen, device=dev)
         canvas = renoise(candidates, accepted, holes, pins, noise)
         argmax = torch.where(holes, logits.argmax(-1), pins)
@@ -334,13 +397,13 @@ def _canvas_program(holes: Tensor, pins: Tensor, N: int, eos_id: Eos, no_eos: bo
         prev_argmax = argmax
         # self-conditioning of the next step: the tempered softmax (the reference sampler), or the T = 1 softmax
         # that training feeds (untempered)
-        if cfg.self_cond_input == "tempered" and cfg.top_k == 0 and cfg.top_p == 1.0:
+        if cfg.self_cond_input == "tempered" and plain:
             prev_probs = probs[None]  # (the same softmax of the same logits: probs_from_logits divides by 1.0)
         else:
             prev_probs = torch.softmax(logits if cfg.self_cond_input == "tempered" else raw, -1)[None]
-        mean_ent = float(ent[holes].mean())
+        mean_ent = ent[holes].mean()
         if step_events:
-            yield Step(canvas.tolist(), (accepted | ~holes).tolist(), step, canvas_index, mean_ent, row, offset)
+            yield Step(canvas.tolist(), (accepted | ~holes).tolist(), step, canvas_index, float(mean_ent), row, offset)
         if cfg.adaptive and should_stop(stable, mean_ent, cfg.stability_threshold, cfg.confidence_threshold):
             break
     if stats is not None:

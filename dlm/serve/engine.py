@@ -763,6 +763,7 @@ class RowsBatcher(_BatchThread):
             return self.batch.add(job, rule, cfg, r.index, r.stats, tag=r,
                                   gen=make_generator(cfg.seed, model.device), step_events=step_events)
         L, steps = usdm.check_options(model, ck, cfg)
+        cfg = usdm.with_last_canvas(ck, cfg)
         p = usdm.row_prompt(ck, model, prompt, cfg)
         return self.batch.add(p, L, steps, ck.noise_vocab, ck.tokenizer.eos_ids, cfg, r.index, r.stats, tag=r,
                               gen=make_generator(cfg.seed, model.device), step_events=step_events)

@@ -140,6 +140,7 @@ class DlmFields(_Strict):
     stability_threshold: int | None = None
     confidence_threshold: float | None = None
     adaptive: bool | None = None
+    last_canvas: str | None = None
     fill_length: int | None = None
     draft_passes: int | None = None
     draft_top_k: int | None = None
