@@ -370,8 +370,11 @@ def test_generation_stops_at_eos(mdlm64):
     new = res.tokens[0]
     assert new[-1] == tok.eos_id and len(new) == at - P + 1
     assert res.stats.canvases == 2  # no block after the one with <eos>
-    assert res.stats.extra["steps_per_canvas"][1] == 6  # <eos> first, then the 5 positions before it
+    assert res.stats.extra["steps_per_canvas"][1] == 16  # the block is denoised whole, as the public generates do
     assert res.text == tok.decode(new[:-1])
+    early = generate(EosAt(model, tok.eos_id, at), ck, PROMPT, SampleConfig(max_new_tokens=64, eos_early_stop=True))
+    assert early.tokens[0][-1] == tok.eos_id and len(early.tokens[0]) == at - P + 1
+    assert early.stats.extra["steps_per_canvas"][1] == 6  # <eos> first, then the 5 positions before it
 
 
 # infilling and templates -----------------------------------------------------------------------

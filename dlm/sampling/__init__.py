@@ -61,7 +61,7 @@ class SampleConfig:
         top_p: nucleus sampling mass in (0, 1]
         seed: makes sampling reproducible
         naive: AR, mdlm: recompute the whole sequence every step (no KV cache)
-        sampler: confidence | threshold | entropy_bound | entropy | margin (mdlm); entropy_bound (usdm); ar | self-spec-linear | self-spec-linear-ar | self-spec-quadratic | confidence | threshold | entropy_bound | entropy | margin (joint); auto = the paradigm's default
+        sampler: confidence | threshold | entropy_bound | entropy | margin | origin (mdlm); entropy_bound (usdm); ar | self-spec-linear | self-spec-linear-ar | self-spec-quadratic | confidence | threshold | entropy_bound | entropy | margin (joint); auto = the paradigm's default
         steps: denoising steps per block (mdlm; default: one token per step; threshold / entropy_bound: at most this many) or per canvas at most (usdm; default 48)
         threshold: mdlm threshold sampler: commit every position with confidence >= this
         entropy_bound: entropy-bound acceptance: cumulative entropy minus its largest entropy <= this
@@ -71,6 +71,9 @@ class SampleConfig:
         prefix_cache: mdlm, a full-attention checkpoint (LLaDA, Dream): Fast-dLLM's approximate prefix cache (a block's later passes read the K/V its first pass computed for the positions before it); off = exact, the whole sequence every step
         schedule: mdlm: positions committed per step: even (a block's holes spread evenly over --steps, LLaDA) or dream (Dream's time grid, linspace(1, 1e-3, steps + 1): int(holes x (1 - t[i+1] / t[i])), the rest at the last step)
         whole_blocks: mdlm: pad the last block with holes to its full size and denoise it whole, as training saw blocks (SDAR, Fast-dLLM v2); what lies past --max-new-tokens is dropped
+        eos_early_stop: mdlm: stop denoising the positions after a committed <eos> at once (fewer passes; the tokens before it may differ from the public models' own generate, which denoises the block whole and cuts after the <eos>: the default)
+        confidence: mdlm: the probability the commit rules read: model (the model's probability of the proposed token) or sampled (at temperature > 0, its probability under the distribution it was drawn from, temperature and top-k/top-p applied: SDAR's generate; the sdar preset's)
+        mask_proposals: mdlm: keep <mask> among the candidates a step proposes (a position whose proposal is <mask> stays masked), as LLaDA's, Dream's and SDAR's own generate functions do (their presets set it); off: <mask> is never proposed
         sub_block: mdlm: commit only in the first stretch of this many positions of the block that still has holes (Fast-dLLM v2: 8); default: the whole block
         revise: mdlm revision (ReMDM-style): a committed token whose probability under a later pass falls below this goes back to <mask> and is predicted again (at most 3 times per position); 0 = off
         canvas_length: usdm: tokens per canvas (default: the checkpoint's)
@@ -108,6 +111,9 @@ class SampleConfig:
     sub_block: int | None = None
     schedule: str = "even"
     whole_blocks: bool = False
+    eos_early_stop: bool = False
+    confidence: str = "model"
+    mask_proposals: bool = False
     revise: float = 0.0
     canvas_length: int | None = None
     t_max: float = 0.8

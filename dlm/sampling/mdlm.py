@@ -20,6 +20,10 @@ position and commits some of them by a rule:
                  least the k with the widest margin (k from the budget); `--threshold 1` is the pure order
                  (the k widest margins). A position torn between two tokens waits, however likely the
                  first of them
+  origin         Dream's `alg="origin"`: at step i of --steps every masked position is committed with
+                 probability 1 - t[i+1] / t[i] on Dream's time grid (all at the last step), one uniform draw
+                 per masked position in order from the row's generator (with --seed S, the draws of
+                 torch.manual_seed(S) on the CPU, as Dream's generate draws them)
 
 With `--steps` the adaptive rules commit at least the budget of the step too, so a block never takes
 more than `--steps` passes (without `--revise`).
@@ -34,6 +38,10 @@ committed <eos>, the prompt's tokens and pinned tokens are never revised. Off (0
 
 `--schedule dream`: how many positions a step commits follows Dream's time grid (dream_count) instead of
 spreading the block's holes evenly over `--steps` (LLaDA's).
+
+`--mask-proposals` (the llada, dream and sdar presets): <mask> stays among the tokens a step proposes, as in those
+families' own generate functions (a position whose proposal is <mask> stays a hole; a trained model rarely proposes
+it); past the planned --steps it is excluded, so a block always ends. Off: <mask> is never proposed.
 
 `--whole-blocks` (SDAR, Fast-dLLM v2): the last block is padded with holes to its full size and denoised whole,
 as in training; what lies past `--max-new-tokens` is dropped.
@@ -64,8 +72,11 @@ cache); an option given explicitly wins. A checkpoint may record its family's pr
 is named (`--preset none`: dlm's own defaults).
 
 Pinned tokens (the prompt's tail, a suffix, a template's text) are never masked and come out
-byte-exact. A continuation stops at its first committed <eos>: the rest of that block is not denoised
-and no block follows.
+byte-exact. A continuation ends at its first committed <eos>: the block that holds it is denoised whole
+(its positions after the <eos> too, as the public models' own generate functions do: they change how many
+positions each step commits and what the positions before the <eos> see), the output is cut after it and no
+block follows. `--eos-early-stop` stops denoising the positions after a committed <eos> at once (fewer
+passes; the tokens before it may then differ from the authors' code).
 
 A finished block is written to the cache with the block-causal mask of training (it sees itself and
 the blocks before). That write is folded into the next block's first denoising pass: one forward
@@ -92,30 +103,32 @@ from torch import Tensor
 from dlm.errors import DlmError, check
 from dlm.masks import mdlm_denoise_mask
 from dlm.sampling.common import (
-    Clock, Commit, Eos, Event, Prompt, Stats, Step, check_fits, check_sampling, entropy, entropy_bound_accept,
-    eos_index, eos_set, is_eos, make_generator, sample_token,
+    Clock, Commit, Eos, Event, Prompt, Stats, Step, check_fits, check_sampling, draw, entropy, entropy_bound_accept,
+    eos_index, eos_set, is_eos, make_generator,
 )
 from dlm.sampling.rows import Programs, Window, batch_stats, batchable, drive
 
-RULES = ("confidence", "threshold", "entropy_bound", "entropy", "margin")
+RULES = ("confidence", "threshold", "entropy_bound", "entropy", "margin", "origin")
 MAX_REVISIONS = 3  # --revise: times one position may be sent back to <mask> (so a block always ends)
 # the SampleConfig fields this sampler reads (see dlm.sampling.OPTIONS)
 OPTIONS = frozenset({"temperature", "top_k", "top_p", "naive", "sampler", "steps", "threshold", "entropy_bound",
                      "block_size", "remasking", "revise", "suffix", "fill_length", "preset", "prefix_cache",
-                     "sub_block", "schedule", "whole_blocks"})
+                     "sub_block", "schedule", "whole_blocks", "eos_early_stop", "confidence",
+                     "mask_proposals"})
 
 # The published decoding recipes of the public masked-diffusion families, as SampleConfig settings (docs/public-
 # models.md has a command for each). steps: per block; block_size None: the whole generation.
 PRESETS: dict[str, dict] = {
     # LLaDA: low-confidence remasking, semi-autoregressive blocks of 32, one token per step (steps = gen length)
-    "llada": {"sampler": "confidence", "block_size": 32, "steps": 32},
+    "llada": {"sampler": "confidence", "block_size": 32, "steps": 32, "mask_proposals": True},
     # Fast-dLLM (v1) on LLaDA / Dream: every position with confidence > 0.9 (at least one), blocks of 32 over the
     # prefix cache
     "fast-dllm": {"sampler": "threshold", "threshold": 0.9, "block_size": 32, "prefix_cache": True},
     # Dream: entropy-ordered unmasking over the whole generation on its time grid (steps default: one per token)
-    "dream": {"sampler": "entropy", "schedule": "dream"},
+    "dream": {"sampler": "entropy", "schedule": "dream", "mask_proposals": True},
     # SDAR: blocks of 4 over the KV cache, 4 steps per block, low_confidence_dynamic at 0.9
-    "sdar": {"sampler": "threshold", "threshold": 0.9, "block_size": 4, "steps": 4, "whole_blocks": True},
+    "sdar": {"sampler": "threshold", "threshold": 0.9, "block_size": 4, "steps": 4, "whole_blocks": True,
+             "confidence": "sampled", "mask_proposals": True},
     # Fast-dLLM v2: blocks of 32 over the KV cache, threshold 0.9 within sub-blocks of 8
     "fast-dllm-v2": {"sampler": "threshold", "threshold": 0.9, "block_size": 32, "sub_block": 8,
                      "whole_blocks": True},
@@ -170,9 +183,15 @@ def select_confidence(conf: Tensor, masked: Tensor, k: int) -> Tensor:
     return top_k_of(conf, masked, k)
 
 
-def select_random(masked: Tensor, k: int, gen: torch.Generator | None) -> Tensor:
-    """LLaDA random remasking: k masked positions chosen uniformly at random."""
-    score = torch.rand(masked.shape, generator=gen, device=masked.device)
+def select_random(masked: Tensor, k: int, gen: torch.Generator | None,
+                  span: tuple[int, int] | None = None) -> Tensor:
+    """LLaDA random remasking: k masked positions chosen uniformly at random. span (offset, total): one draw for
+    every position of a sequence of `total` (LLaDA's generate draws torch.rand over the whole sequence each step),
+    the block's N from `offset` on read."""
+    if span is None:
+        score = torch.rand(masked.shape, generator=gen, device=masked.device)
+    else:
+        score = torch.rand(span[1], generator=gen, device=masked.device)[span[0]:span[0] + len(masked)]
     return top_k_of(score, masked, k)
 
 
@@ -180,6 +199,24 @@ def select_threshold(conf: Tensor, masked: Tensor, threshold: float, k_min: int 
     """Fast-dLLM: every masked position with confidence >= threshold, at least the k_min most confident."""
     chosen = masked & (conf >= threshold)
     return chosen if int(chosen.sum()) >= k_min else top_k_of(conf, masked, k_min)
+
+
+def origin_transfer(step: int, steps: int, eps: float = 1e-3) -> float | Tensor:
+    """Dream's `alg="origin"`: the probability that a masked position is committed at step `step` of `steps`,
+    1 - t[step + 1] / t[step] on t = linspace(1, eps, steps + 1) (fp32, as Dream computes it); 1 at the last."""
+    if step >= steps - 1:
+        return 1
+    t = torch.linspace(1, eps, steps + 1)
+    return 1 - t[step + 1] / t[step]
+
+
+def select_origin(masked: Tensor, p: float | Tensor, gen: torch.Generator | None) -> Tensor:
+    """Dream's origin: each masked position independently with probability p, one uniform draw per masked position
+    in order (torch.rand(n) < p, as Dream draws them)."""
+    chosen = torch.zeros_like(masked)
+    at = masked.nonzero()[:, 0]
+    chosen[at] = torch.rand(len(at), generator=gen, device=masked.device) < p
+    return chosen
 
 
 def select_entropy_bound(ent: Tensor, masked: Tensor, bound: float, k_min: int = 1) -> Tensor:
@@ -191,13 +228,17 @@ def select_entropy_bound(ent: Tensor, masked: Tensor, bound: float, k_min: int =
 class Rule:
     """Which positions a denoising step commits."""
 
-    kind: str = "confidence"  # confidence | threshold | entropy_bound | entropy | margin
+    kind: str = "confidence"  # confidence | threshold | entropy_bound | entropy | margin | origin
     threshold: float = 0.9
     bound: float = 0.1
     random: bool = False  # confidence: random remasking instead of low-confidence
+    sampled: bool = False  # confidence read from the distribution the token was drawn from (SDAR), not the model's
 
-    def select(self, conf: Tensor, ent: Tensor, masked: Tensor, k: int, gen: torch.Generator | None,
-               margin: Tensor | None = None) -> Tensor:
+    def select(self, conf: Tensor, ent: Tensor, masked: Tensor, k: int | float | Tensor, gen: torch.Generator | None,
+               margin: Tensor | None = None, span: tuple[int, int] | None = None) -> Tensor:
+        """k: positions to commit at least (origin: the probability of each); span: see select_random."""
+        if self.kind == "origin":
+            return select_origin(masked, k, gen)
         if self.kind == "threshold":
             return select_threshold(conf, masked, self.threshold, k)
         if self.kind == "margin":  # (margin: top_margin of the step's logits)
@@ -206,7 +247,7 @@ class Rule:
             return select_entropy_bound(ent, masked, self.bound, k)
         if self.kind == "entropy":  # Dream: the k lowest-entropy positions
             return top_k_of(-ent, masked, k)
-        return select_random(masked, k, gen) if self.random else select_confidence(conf, masked, k)
+        return select_random(masked, k, gen, span) if self.random else select_confidence(conf, masked, k)
 
 
 def top_margin(logits: Tensor) -> Tensor:
@@ -216,18 +257,22 @@ def top_margin(logits: Tensor) -> Tensor:
 
 
 def propose(logits: Tensor, temperature: float, top_k: int, top_p: float,
-            gen: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor]:
-    """logits (N, V) -> proposed tokens (N,), their probability under the model (N,), entropy (N,) in nats."""
+            gen: torch.Generator | None, sampled: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """logits (N, V) -> proposed tokens (N,), their probability (N,), entropy (N,) in nats of the model's
+    distribution. The probability is the model's; sampled (at temperature > 0): the one of the distribution the token
+    was drawn from (temperature, top-k, top-p applied), as SDAR's generate reads its confidence."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     ent = entropy(logp.exp())
-    cand = sample_token(logits, temperature, top_k, top_p, gen)
+    cand, probs = draw(logits, temperature, top_k, top_p, gen)
+    if sampled and probs is not None:
+        return cand, probs.gather(-1, cand[:, None])[:, 0], ent
     conf = logp.gather(-1, cand[:, None])[:, 0].exp()
     return cand, conf, ent
 
 
 def denoise_step(logits: Tensor, x: Tensor, masked: Tensor, rule: Rule, k: int, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0,
-                 gen: torch.Generator | None = None) -> tuple[Tensor, Tensor, float]:
+                 top_k: int = 0, top_p: float = 1.0, gen: torch.Generator | None = None,
+                 span: tuple[int, int] | None = None) -> tuple[Tensor, Tensor, float]:
     """One step on a block: logits (N, V), tokens x (N,), masked (N,) bool.
 
     Returns (new tokens (N,), newly committed (N,) bool, mean entropy of the masked positions).
@@ -237,9 +282,9 @@ def denoise_step(logits: Tensor, x: Tensor, masked: Tensor, rule: Rule, k: int, 
         cand, conf, ent = (t.new_zeros(masked.shape).scatter(0, at, part)
                            for t, part in zip((x, x.float(), x.float()), propose(logits[at], 0.0, top_k, top_p, gen)))
     else:  # a draw for every position (what each row's generator consumes stays as it was)
-        cand, conf, ent = propose(logits, temperature, top_k, top_p, gen)
+        cand, conf, ent = propose(logits, temperature, top_k, top_p, gen, rule.sampled)
     margin = top_margin(logits) if rule.kind == "margin" else None
-    chosen = rule.select(conf, ent, masked, k, gen, margin)
+    chosen = rule.select(conf, ent, masked, k, gen, margin, span)
     return torch.where(chosen, cand, x), chosen, float(ent[masked].mean())
 
 
@@ -282,6 +327,8 @@ class Job:
     full_context: bool = False  # every position attends to every other, holes included (LLaDA, Dream)
     shift: bool = False  # position i's output predicts token i + 1 (Dream, Fast-dLLM v2)
     limit: int | None = None  # whole blocks: positions from here on are padding, denoised but never emitted
+    eos_early_stop: bool = False  # stop denoising a block's positions after a committed <eos> at once
+    mask_proposals: bool = False  # <mask> stays among the candidates (a position that draws it stays a hole)
 
 
 class Denoising:
@@ -419,10 +466,15 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
         while bool(masked.any()):
             logits = yield Need(s, e)  # (Lb, V)
             stats.forwards += 1
-            logits[:, mask_id] = float("-inf")
+            # (mask proposals: a position whose proposal is <mask> stays a hole, as in the public generate functions;
+            # past the planned steps <mask> is never proposed, so a block always ends)
+            if not (job.mask_proposals and step < (steps or n)):
+                logits[:, mask_id] = float("-inf")
             if job.forbid_eos:
                 logits[:, stop] = float("-inf")
-            if schedule == "dream":  # Dream: a count from the holes left and the time grid
+            if rule.kind == "origin":  # Dream's origin: a probability per position, not a count
+                k = origin_transfer(step, steps or n)
+            elif schedule == "dream":  # Dream: a count from the holes left and the time grid
                 k = dream_count(int(masked.sum()), step, steps or n)
             else:
                 k = budget[step] if step < len(budget) else 1
@@ -443,7 +495,9 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
                 part = torch.arange(len(free), device=free.device) // sub_block
                 free = free & (part == part[free][0])
             if bool(free.any()):
-                x, chosen, ent = denoise_step(logits, seq[s:e], free, rule, k, temperature, top_k, top_p, gen)
+                # (full context: random remasking draws over the whole sequence, as LLaDA's generate)
+                span = (s, len(seq)) if job.full_context else None
+                x, chosen, ent = denoise_step(logits, seq[s:e], free, rule, k, temperature, top_k, top_p, gen, span)
                 at = chosen.nonzero()[:, 0]  # the model's log-probability of what it commits (best-of-N reads it)
                 stats.extra["logprob"] = stats.extra.get("logprob", 0.0) + float(
                     torch.log_softmax(logits[at].float(), -1).gather(-1, x[at, None]).sum())
@@ -452,8 +506,8 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
             seq[s:e] = x
             if back is not None:
                 masked |= back
-            masked &= ~chosen
-            if job.stop_at_eos:  # what follows a committed <eos> is dropped: no need to denoise it
+            masked &= ~(chosen & (x != mask_id))
+            if job.stop_at_eos and job.eos_early_stop:  # what follows a committed <eos> will be dropped
                 ends = (chosen & is_eos(x, stop)).nonzero()
                 if len(ends):
                     masked[int(ends[0]) + 1:] = False
@@ -501,9 +555,10 @@ def check_options(cfg) -> Rule:
           f"--remasking random goes with --sampler confidence, got --sampler {sampler}")
     check(cfg.sub_block is None or cfg.sub_block > 0, f"--sub-block must be > 0, got {cfg.sub_block}")
     check(cfg.schedule in ("even", "dream"), f"--schedule must be even or dream, got {cfg.schedule!r}")
+    check(cfg.confidence in ("model", "sampled"), f"--confidence must be model or sampled, got {cfg.confidence!r}")
     revise = getattr(cfg, "revise", 0.0)
     check(0 <= revise < 1, f"--revise must be in [0, 1) (0 = off), got {revise}")
-    return Rule(sampler, cfg.threshold, cfg.entropy_bound, cfg.remasking == "random")
+    return Rule(sampler, cfg.threshold, cfg.entropy_bound, cfg.remasking == "random", cfg.confidence == "sampled")
 
 
 def make_job(prompt: Prompt, cfg, train_block: int, context: int, causal_context: bool = False,
@@ -532,7 +587,9 @@ def make_job(prompt: Prompt, cfg, train_block: int, context: int, causal_context
     else:
         blocks = plan_blocks(P, len(known), train_block or len(known), one_tail=not plain, origin=origin)
     return Job(known, P, blocks, stop_at_eos=plain, forbid_eos=not plain, causal_context=causal_context,
-               full_context=full_context, shift=shift, limit=limit)
+               full_context=full_context, shift=shift, limit=limit,
+               eos_early_stop=bool(getattr(cfg, "eos_early_stop", False)),
+               mask_proposals=bool(getattr(cfg, "mask_proposals", False)))
 
 
 def stream(model, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> Iterator[Event]:

@@ -134,6 +134,9 @@ class DlmFields(_Strict):
     sub_block: int | None = None
     schedule: str | None = None
     whole_blocks: bool | None = None
+    eos_early_stop: bool | None = None
+    confidence: str | None = None
+    mask_proposals: bool | None = None
     canvas_length: int | None = None
     t_max: float | None = None
     t_min: float | None = None

@@ -1,0 +1,425 @@
+"""Record what the authors' own code generates on tiny random models, as test fixtures for dlm.
+
+    python scripts/record_upstream.py dream --code PATH/TO/Fast-dLLM
+    python scripts/record_upstream.py llada --code PATH/TO/LLaDA --code PATH/TO/Fast-dLLM
+    python scripts/record_upstream.py sdar  --code PATH/TO/SDAR
+
+Each PATH is the user's own checkout of a public repository: Dream's modeling code and `diffusion_generate` come
+from Fast-dLLM's `dream/model/` (a copy of Dream's remote code), LLaDA's `generate` from ML-GSAI/LLaDA's
+`generate.py` with the modeling code of Fast-dLLM's `llada/model/`, SDAR's `block_diffusion_generate` and
+modeling code from JetAstra/SDAR (`generate.py`, `training/model/SDAR-4B-Chat/`). Nothing of them is copied: this
+script imports them from the checkout. The shims written here are to the environment (transformers 5.x dropped
+the default RoPE initialiser the older remote code looks up), never to a model's computation.
+
+The script builds a tiny random fp32 model with the family's own classes (hidden 32, 2 layers, a 96-token word
+vocabulary with the family's special tokens), runs the family's generate in every setting listed below, once
+with `<eos>` live (its LM-head row scaled up, so that it wins at some positions) and once suppressed (its row
+zero: a logit of 0, below the largest of the others), and writes into tests/fixtures/upstream/FAMILY/:
+
+    config.json, model.safetensors, tokenizer.json, tokenizer_config.json   the model in its public layout
+    recordings.json   the prompts, the prompt's logits, and per setting: the upstream arguments, the generated
+                      ids (every position the upstream returns) and, where cheap, the canvas after every step
+
+The `<mask>` row is zero too (the upstream samplers do not exclude `<mask>` from the candidates; a trained model
+never proposes it, and neither does this one). tests/test_upstream_fixtures.py holds dlm to every recording.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import importlib.util
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+ROOT = Path(__file__).resolve().parent.parent
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, WORDS = 32, 64, 2, 4, 2, 80
+PROMPTS = [[17, 42, 23, 61, 8], [30, 11, 75, 52, 19, 64, 27, 40, 13, 71, 36]]  # word ids (offset by the specials)
+
+
+# shims to transformers 5.x (the environment, not the models) ---------------------------------------------------
+
+def default_rope(config, device=None, seq_len=None, **_):
+    """The plain RoPE initialiser transformers 4.x registered as ROPE_INIT_FUNCTIONS["default"]: inverse
+    frequencies theta^(-2i/d) over the head dimension, attention scaling 1."""
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float().to(device) / dim))
+    return inv, 1.0
+
+
+def shim_transformers() -> None:
+    from transformers import modeling_rope_utils
+
+    modeling_rope_utils.ROPE_INIT_FUNCTIONS.setdefault("default", default_rope)
+
+
+def load_package(name: str, folder: Path) -> types.ModuleType:
+    """A folder of remote code (relative imports between its files) as a package named `name`."""
+    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py", submodule_search_locations=[str(folder)])
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules[name] = pkg
+    if (folder / "__init__.py").is_file():
+        spec.loader.exec_module(pkg)
+    return pkg
+
+
+def load_module(name: str, path: Path) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def commit_of(path: Path) -> str | None:
+    try:
+        return subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+# the tiny model's parts ---------------------------------------------------------------------------------------
+
+def word_tokenizer(specials: list[str]) -> Tokenizer:
+    """A word-level tokenizer: the family's special tokens first (ids 0..), then WORDS words w0, w1, ..."""
+    vocab = {t: i for i, t in enumerate(specials)}
+    vocab.update({f"w{i}": len(specials) + i for i in range(WORDS)})
+    tk = Tokenizer(models.WordLevel(vocab, unk_token=specials[0]))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tk.add_special_tokens(specials)
+    return tk
+
+
+def randomize(model: torch.nn.Module, head: torch.Tensor, eos: int, mask: int, eos_gain: float, head_std: float = 1.5,
+              seed: int = 0) -> None:
+    """Random weights with peaked predictions (choices far from ties); <mask>'s LM-head row zero, <eos>'s scaled
+    by eos_gain (chosen per family so that <eos> wins at some positions, not at most)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n or n.endswith("ln_f.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif n.endswith("bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_((head_std if p is head else 0.25) * torch.randn(p.shape, generator=g))
+        head[mask] = 0.0
+        head[eos] *= eos_gain
+
+
+def write_fixture(out: Path, model, tok: Tokenizer, config: dict, tok_config: dict, recordings: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()
+               if "rotary" not in k and "inv_freq" not in k}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    (out / "recordings.json").write_text(json.dumps(recordings, separators=(",", ":")) + "\n")
+    print(f"wrote {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1024:.0f} KiB)")
+
+
+def logits_summary(logits: torch.Tensor) -> dict:
+    """logits (T, V) of one forward -> what the test compares: every value, rounded to 1e-5."""
+    return {"shape": list(logits.shape), "values": [[round(float(v), 5) for v in row] for row in logits]}
+
+
+def with_eos(head: torch.Tensor, eos: int, live: bool):
+    """A context in which the <eos> row is as built (live) or zero (suppressed)."""
+    class Ctx:
+        def __enter__(self):
+            self.keep = head[eos].clone()
+            if not live:
+                with torch.no_grad():
+                    head[eos] = 0.0
+
+        def __exit__(self, *a):
+            with torch.no_grad():
+                head[eos] = self.keep
+    return Ctx()
+
+
+# Dream (Fast-dLLM's dream/model: modeling_dream.py, generation_utils.py) ---------------------------------------
+
+DREAM_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>", "<|beginoftext|>"]
+
+
+def record_dream(code: list[Path], out: Path) -> None:
+    (fast,) = code
+    shim_transformers()
+    pkg = load_package("dream_upstream", fast / "dream" / "model")
+    DreamConfig, DreamModel = pkg.DreamConfig, pkg.DreamModel
+    # transformers 5.x calls GenerationConfig.validate(user_set_attributes=...), which Dream's override does not take
+    Gen = sys.modules["dream_upstream.generation_utils"].DreamGenerationConfig
+    Gen.validate = lambda self, *a, **k: None
+    tok = word_tokenizer(DREAM_SPECIALS)
+    V = tok.get_vocab_size()
+    eos, mask, bos = 0, 3, 4
+    cfg = DreamConfig(vocab_size=V, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256,
+                      rms_norm_eps=1e-6, rope_theta=10000.0, mask_token_id=mask, pad_token_id=eos,
+                      eos_token_id=eos, bos_token_id=bos, tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    model = DreamModel(cfg).eval()
+    head = model.lm_head.weight
+    randomize(model, head, eos, mask, eos_gain=2.2)
+    prompts = [[len(DREAM_SPECIALS) + i for i in p] for p in PROMPTS]
+
+    cases = []
+    settings = []
+    for alg in ("maskgit_plus", "topk_margin", "entropy"):
+        for n, steps in ((16, 16), (16, 8), (24, 6)):
+            settings.append({"alg": alg, "max_new_tokens": n, "steps": steps, "temperature": 0.0})
+    for n, steps in ((16, 16), (16, 8)):
+        settings.append({"alg": "origin", "max_new_tokens": n, "steps": steps, "temperature": 0.0, "seed": 7})
+    for live in (True, False):
+        with with_eos(head, eos, live):
+            for s in settings:
+                for pi, p in enumerate(prompts):
+                    if "seed" in s:
+                        torch.manual_seed(s["seed"])
+                    kw = {k: v for k, v in s.items() if k != "seed"}
+                    # (an explicit generation config: transformers 5.x cannot derive Dream's from the model's)
+                    gc = Gen(output_history=True, return_dict_in_generate=True, mask_token_id=mask, eos_token_id=eos,
+                             pad_token_id=eos, bos_token_id=bos, **kw)
+                    res = model.diffusion_generate(torch.tensor([p]), generation_config=gc)
+                    ids = res.sequences[0, len(p):].tolist()
+                    hist = [h[0, len(p):].tolist() for h in res.history] if pi == 0 else None
+                    cases.append({"prompt": pi, "eos": "live" if live else "suppressed", "args": s, "ids": ids,
+                                  **({"steps": hist} if hist else {})})
+    with torch.no_grad():
+        logits = model(torch.tensor([prompts[1]])).logits[0]
+    generic = ("_attn_implementation_autoset", "transformers_version", "_name_or_path", "id2label", "label2id",
+               "chunk_size_feed_forward", "is_encoder_decoder", "output_attentions", "output_hidden_states",
+               "problem_type", "return_dict", "dtype")
+    config = {**{k: v for k, v in json.loads(cfg.to_json_string(use_diff=False)).items() if k not in generic},
+              "architectures": ["DreamModel"],
+              "auto_map": {"AutoConfig": "configuration_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel"},
+              "torch_dtype": "float32"}
+    live_eos = sum(c["eos"] == "live" and eos in c["ids"] for c in cases)
+    rec = {"family": "dream", "upstream": {"repo": "NVlabs/Fast-dLLM", "files": "dream/model/", "commit": commit_of(fast)},
+           "eos_id": eos, "mask_id": mask, "prompts": prompts, "logits": logits_summary(logits), "cases": cases}
+    print(f"dream: {len(cases)} cases, <eos> generated in {live_eos} of the live ones")
+    write_fixture(out, model, tok, config, {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+                                            "mask_token": "<|mask|>", "bos_token": "<|beginoftext|>"}, rec)
+
+
+class Called:
+    """model(...) with use_cache and return_dict given: LLaDA's remote code reads them from its config, where
+    transformers 5.x no longer puts them."""
+
+    def __init__(self, model):
+        self.model, self.device = model, model.device
+
+    def __call__(self, *a, **k):
+        return self.model(*a, use_cache=False, return_dict=True, **k)
+
+
+# LLaDA (ML-GSAI/LLaDA generate.py; Fast-dLLM's llada/model: modeling_llada.py, configuration_llada.py) ----------
+
+LLADA_SPECIALS = ["<|endoftext|>", "<|startoftext|>", "<|eot_id|>", "<|mdm_mask|>"]
+LLADA_KEYS = {"activation_type": "silu", "alibi": False, "attention_layer_norm": False, "block_group_size": 1,
+              "block_type": "llama", "include_bias": False, "include_qkv_bias": False, "input_emb_norm": False,
+              "layer_norm_type": "rms", "layer_norm_with_affine": True, "bias_for_layer_norm": False, "rope": True,
+              "rope_full_precision": True, "scale_logits": False, "weight_tying": False, "flash_attention": False,
+              "attention_dropout": 0.0, "residual_dropout": 0.0, "embedding_dropout": 0.0, "init_device": "cpu"}
+
+
+def record_llada(code: list[Path], out: Path) -> None:
+    llada, fast = code
+    gen = load_module("llada_generate", llada / "generate.py")
+    pkg = load_package("llada_upstream", fast / "llada" / "model")
+    cfg_mod = sys.modules.get("llada_upstream.configuration_llada") or load_module(
+        "llada_upstream.configuration_llada", fast / "llada" / "model" / "configuration_llada.py")
+    mod = load_module("llada_upstream.modeling_llada", fast / "llada" / "model" / "modeling_llada.py")
+    tok = word_tokenizer(LLADA_SPECIALS)
+    V = tok.get_vocab_size()
+    eos, bos, mask = 0, 1, 3
+    hf = {"architectures": ["LLaDAModelLM"], "model_type": "llada", **LLADA_KEYS, "d_model": HIDDEN,
+          "n_heads": HEADS, "n_kv_heads": KV_HEADS, "n_layers": LAYERS, "mlp_hidden_size": FFN, "mlp_ratio": 2,
+          "max_sequence_length": 256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "vocab_size": V,
+          "embedding_size": V, "eos_token_id": eos, "pad_token_id": eos, "mask_token_id": mask, "use_cache": False,
+          "auto_map": {"AutoConfig": "configuration_llada.LLaDAConfig", "AutoModel": "modeling_llada.LLaDAModelLM"},
+          "torch_dtype": "float32"}
+    cfg = cfg_mod.LLaDAConfig(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type")})
+    model = mod.LLaDAModelLM(cfg, init_params=True).eval()
+    head = model.model.transformer.ff_out.weight
+    randomize(model, head, eos, mask, eos_gain=-1.0)
+    prompts = [[len(LLADA_SPECIALS) + i for i in p] for p in PROMPTS]
+
+    settings = []
+    for n, block, steps in ((16, 16, 16), (16, 8, 8), (24, 8, 12), (16, 4, 16), (16, 16, 4)):
+        settings.append({"gen_length": n, "block_length": block, "steps": steps, "remasking": "low_confidence"})
+    for n, block, steps in ((16, 8, 8), (16, 16, 16)):
+        settings.append({"gen_length": n, "block_length": block, "steps": steps, "remasking": "random", "seed": 7})
+    cases = []
+    for live in (True, False):
+        with with_eos(head, eos, live):
+            for s in settings:
+                for pi, p in enumerate(prompts):
+                    if "seed" in s:
+                        torch.manual_seed(s["seed"])
+                    kw = {k: v for k, v in s.items() if k != "seed"}
+                    x = gen.generate(Called(model), torch.tensor([p]), temperature=0.0, cfg_scale=0.0, mask_id=mask,
+                                     **kw)
+                    cases.append({"prompt": pi, "eos": "live" if live else "suppressed", "args": s,
+                                  "ids": x[0, len(p):].tolist()})
+    with torch.no_grad():
+        logits = Called(model)(torch.tensor([prompts[1]])).logits[0]
+    live_eos = sum(c["eos"] == "live" and eos in c["ids"] for c in cases)
+    rec = {"family": "llada", "upstream": {"repo": "ML-GSAI/LLaDA", "files": "generate.py", "commit": commit_of(llada),
+                                           "modeling": {"repo": "NVlabs/Fast-dLLM", "files": "llada/model/",
+                                                        "commit": commit_of(fast)}},
+           "eos_id": eos, "mask_id": mask, "prompts": prompts, "logits": logits_summary(logits), "cases": cases}
+    print(f"llada: {len(cases)} cases, <eos> generated in {live_eos} of the live ones")
+    write_fixture(out, model, tok, hf, {"eos_token": "<|endoftext|>", "bos_token": "<|startoftext|>",
+                                        "mask_token": "<|mdm_mask|>"}, rec)
+
+
+# SDAR (JetAstra/SDAR: generate.py, training/model/SDAR-4B-Chat/modeling_sdar.py) -------------------------------
+
+SDAR_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"]
+
+
+def shim_sdar() -> None:
+    """SDAR's modeling code imports flash-attn's kernels (RMSNorm, attention) at the top, Liger's and a Triton loss
+    used in training, and transformers 4.x's LossKwargs. On a CPU: the two kernels as the plain computation they
+    implement (RMSNorm in fp32; attention softmax(q k^T * scale) v over all keys, GQA), the training-only modules
+    absent, LossKwargs an empty TypedDict."""
+    import typing
+
+    import transformers.utils as tu
+
+    def rms_norm_fn(x, weight, bias=None, eps=1e-6, **_):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return (weight * h).to(x.dtype) if bias is None else (weight * h + bias).to(x.dtype)
+
+    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, **_):  # (B, L, H, D)
+        o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                             is_causal=causal, scale=softmax_scale, enable_gqa=True)
+        return o.transpose(1, 2)
+
+    fa = types.ModuleType("flash_attn")
+    fa.flash_attn_func, fa.flash_attn_varlen_func = flash_attn_func, None
+    bp = types.ModuleType("flash_attn.bert_padding")
+    bp.index_first_axis = bp.pad_input = bp.unpad_input = None
+    ln = types.ModuleType("flash_attn.ops.triton.layer_norm")
+    ln.rms_norm_fn = rms_norm_fn
+    for name, m in (("flash_attn", fa), ("flash_attn.bert_padding", bp), ("flash_attn.ops", types.ModuleType("o")),
+                    ("flash_attn.ops.triton", types.ModuleType("t")), ("flash_attn.ops.triton.layer_norm", ln)):
+        m.__spec__ = importlib.machinery.ModuleSpec(name, None)  # (no distribution: transformers sees none installed)
+        sys.modules[name] = m
+    if not hasattr(tu, "LossKwargs"):
+        tu.LossKwargs = typing.TypedDict("LossKwargs", {}, total=False)
+    from transformers.cache_utils import Cache
+
+    if not hasattr(Cache, "__getitem__"):  # (4.x: cache[layer] is that layer's (keys, values))
+        Cache.__getitem__ = lambda self, i: (self.layers[i].keys, self.layers[i].values)
+    if "transformers.modeling_attn_mask_utils" not in sys.modules:  # (gone in 5.x; only its unused mask helper)
+        try:
+            import transformers.modeling_attn_mask_utils  # noqa: F401
+        except ImportError:
+            am = types.ModuleType("transformers.modeling_attn_mask_utils")
+            am.AttentionMaskConverter = None
+            sys.modules[am.__name__] = am
+    loss = types.ModuleType("sdar_upstream.fused_linear_diffusion_cross_entropy")
+    loss.FusedLinearDiffusionCrossEntropyLoss = None
+    sys.modules[loss.__name__] = loss
+
+
+def record_sdar(code: list[Path], out: Path) -> None:
+    (sdar,) = code
+    shim_transformers()
+    shim_sdar()
+    folder = sdar / "training" / "model" / "SDAR-4B-Chat"
+    load_package("sdar_upstream", folder)
+    cfg_mod = load_module("sdar_upstream.configuration_sdar", folder / "configuration_sdar.py")
+    mod = load_module("sdar_upstream.modeling_sdar", folder / "modeling_sdar.py")
+    gen = load_module("sdar_generate", sdar / "generate.py")
+    tok = word_tokenizer(SDAR_SPECIALS)
+    V = tok.get_vocab_size()
+    eos, im_end, mask = 0, 2, 3
+    cfg = cfg_mod.SDARConfig(vocab_size=V, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                             num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=16,
+                             max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                             tie_word_embeddings=False, attention_bias=False, bos_token_id=eos, eos_token_id=eos,
+                             pad_token_id=eos, fuse_cross_entropy=True, debug=False, micro_forward=False,
+                             skip_checkpoint=False, ep_size=1, use_deepep=False)  # (the published config's keys)
+    cfg._attn_implementation = "sdpa"
+    model = mod.SDARForCausalLM(cfg).eval()
+    head = model.lm_head.weight
+    randomize(model, head, im_end, mask, eos_gain=3.0, head_std=0.2)  # (flatter: the threshold and the draws matter)
+    with torch.no_grad():  # <|endoftext|> never wins; <|im_end|> (what the chat turns end with) is the live one
+        head[eos] = 0.0
+    prompts = [[len(SDAR_SPECIALS) + i for i in p] for p in PROMPTS]
+
+    settings = []
+    for strategy, thr in (("low_confidence_dynamic", 0.85), ("low_confidence_dynamic", 0.5),
+                          ("low_confidence_static", None)):
+        # (steps = block length: one position a step at least. With fewer steps, a step's quota can exceed the
+        # positions still masked, and generate.py's top-k then re-draws committed positions, prompt tokens included)
+        for n, block, steps, temp, top_k in ((16, 4, 4, 1.0, 0), (16, 8, 8, 1.0, 0), (12, 4, 4, 0.7, 20),
+                                             (16, 4, 4, 0.4, 0)):
+            settings.append({"gen_length": n, "block_length": block, "denoising_steps": steps,
+                             "temperature": temp, "top_k": top_k, "top_p": 1.0, "remasking_strategy": strategy,
+                             **({"confidence_threshold": thr} if thr is not None else {}), "seed": 11})
+    cases = []
+    for live in (True, False):
+        with with_eos(head, im_end, live):
+            for s in settings:
+                for stop in (None, [im_end, eos]):
+                    for pi, p in enumerate(prompts):
+                        torch.manual_seed(s["seed"])
+                        kw = {k: v for k, v in s.items() if k != "seed"}
+                        x = gen.block_diffusion_generate(model, {"input_ids": torch.tensor([p])}, mask_id=mask,
+                                                         stopping_criteria_idx=stop, **kw)
+                        cases.append({"prompt": pi, "eos": "live" if live else "suppressed",
+                                      "args": {**s, "stopping_criteria_idx": stop}, "ids": x[0, len(p):].tolist()})
+    with torch.no_grad():
+        ids = torch.tensor([prompts[1]])
+        full = torch.ones(1, len(prompts[1]), len(prompts[1]))
+        logits = model(ids, attention_mask=full.tril(), use_cache=False).logits[0]  # causal: the prompt alone
+    config = {**{k: v for k, v in json.loads(cfg.to_json_string(use_diff=False)).items()
+                 if k in json.loads((folder / "config.json").read_text()) and k != "transformers_version"},
+              "architectures": ["SDARForCausalLM"], "block_size": 4, "torch_dtype": "float32",
+              "auto_map": {"AutoConfig": "configuration_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARModel",
+                           "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"}}
+    config.pop("mask_token_id", None)  # (as some SDAR folders: the tokenizer's <|MASK|> is the one)
+    live_eos = sum(c["eos"] == "live" and im_end in c["ids"] for c in cases)
+    rec = {"family": "sdar", "upstream": {"repo": "JetAstra/SDAR", "files": "generate.py, training/model/SDAR-4B-Chat/",
+                                          "commit": commit_of(sdar)},
+           "eos_id": im_end, "eos_ids": [im_end, eos], "mask_id": mask, "prompts": prompts,
+           "logits": logits_summary(logits), "cases": cases}
+    print(f"sdar: {len(cases)} cases, <|im_end|> generated in {live_eos} of the live ones")
+    write_fixture(out, model, tok, config, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+                                            "mask_token": "<|MASK|>"}, rec)
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eos, "eos_token_id": [im_end, eos],
+                                                            "pad_token_id": eos}, indent=2) + "\n")
+
+
+FAMILIES = {"dream": record_dream, "llada": record_llada, "sdar": record_sdar}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("family", choices=sorted(FAMILIES))
+    ap.add_argument("--code", type=Path, action="append", required=True,
+                    help="a checkout of the family's public repository (see the module docstring for which)")
+    ap.add_argument("--out", type=Path, default=None, help="default: tests/fixtures/upstream/FAMILY")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    FAMILIES[a.family](a.code, a.out or ROOT / "tests" / "fixtures" / "upstream" / a.family)
+
+
+if __name__ == "__main__":
+    main()
