@@ -152,6 +152,42 @@ def model_config_from_hf(hf: dict[str, Any], source: Path, family: str | None = 
         raise DlmError(f"{source}: {e}") from None
 
 
+def remote_code(src: Path, hf: dict[str, Any]) -> list[str]:
+    """The remote code of a folder, in the order found: the modules the `auto_map` of config.json (`hf`) and of
+    tokenizer_config.json name, then every module beside them that those import, recursively (Dream's
+    modeling_dream.py imports generation_utils.py, which its folder must carry to load)."""
+    import ast
+
+    def named(cfg: Any) -> list[str]:
+        auto = cfg.get("auto_map") if isinstance(cfg, dict) else None
+        refs = []
+        for v in (auto.values() if isinstance(auto, dict) else []):
+            refs += v if isinstance(v, list) else [v]
+        return [str(r).split("--")[-1].split(".")[0] for r in refs if isinstance(r, str)]
+
+    tok_cfg = read_json(src / "tokenizer_config.json") if (src / "tokenizer_config.json").is_file() else {}
+    todo, out = named(hf) + named(tok_cfg), []
+    while todo:
+        mod = todo.pop(0)
+        f = f"{mod}.py"
+        if Path(f).name != f or f in out or not (src / f).is_file():
+            continue
+        out.append(f)
+        try:
+            tree = ast.parse((src / f).read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue  # (not Python dlm can read: kept, its imports unknown)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                if node.module:
+                    todo.append(node.module.split(".")[0])
+                if node.level and not node.module:  # from . import a, b
+                    todo += [n.name for n in node.names]
+            elif isinstance(node, ast.Import):
+                todo += [n.name.split(".")[0] for n in node.names]
+    return out
+
+
 def weight_files(folder: Path) -> list[str]:
     """The safetensors files of a transformers folder: model.safetensors, or the shards its index names
     (plain file names inside the folder: an index cannot point outside it)."""

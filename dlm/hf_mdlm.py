@@ -24,8 +24,8 @@ LLaDA 2 (LLaDA2.0-mini 16B-A1.4B, LLaDA2.0-flash 100B-A6.1B; remote code modelin
 (`ModelConfig.moe`, dlm.moe); its experts, stored one by one, are stacked into dlm's fused expert tensors.
 
 The source config.json is kept in the checkpoint (`hf_config`), with the files beside the weights that carry the
-tokenizer's settings, chat template and the remote code the config names; export writes them back, so an imported
-folder exports to the same config and the same tensors.
+tokenizer's settings, chat template and the remote code (what the auto_maps name and what it imports); export
+writes them back, so an imported folder exports to the same config and the same tensors.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from dlm.checkpoint import import_tokenizer, save_checkpoint, state_tensors
 from dlm.config import ModelConfig
 from dlm.errors import DlmError
 from dlm.files import write_folder, write_json, write_tensors
-from dlm.hf_layout import assemble, dlm_name, hf_config, model_config_from_hf
+from dlm.hf_layout import assemble, dlm_name, hf_config, model_config_from_hf, remote_code
 
 
 @dataclass(frozen=True)
@@ -311,13 +311,14 @@ def model_config(hf: dict[str, Any], source: Path) -> ModelConfig:
     return cfg
 
 
-def conventions(hf: dict[str, Any], cfg: ModelConfig, source: Path) -> dict[str, Any]:
-    """What the mdlm sampler needs, from the config (the family's defaults where it is silent)."""
+def conventions(hf: dict[str, Any], cfg: ModelConfig, source: Path, tok_mask: int | None = None) -> dict[str, Any]:
+    """What the mdlm sampler needs, from the config (the family's defaults where it is silent). <mask>: the config's
+    mask_token_id, else the tokenizer's mask token (tok_mask: `<|MASK|>`, `<|mask|>`, ...), else the family's id."""
     fam = family_of(hf)
     block = _number(hf, fam.block_key, source, fam.block) if fam.block_key else fam.block
     if block < 0:
         raise DlmError(f"{source}: {fam.block_key} must be >= 0, got {block}")
-    mask = _number(hf, "mask_token_id", source, fam.mask_id)
+    mask = _number(hf, "mask_token_id", source, fam.mask_id if tok_mask is None else tok_mask)
     if not 0 <= mask < cfg.vocab_size:
         raise DlmError(f"{source}: mask_token_id {mask} is outside the vocabulary [0, {cfg.vocab_size})")
     return {"family": fam.name, "block_size": block, "mask_id": mask, "shift": fam.shift, "context": fam.context,
@@ -340,14 +341,10 @@ def dlm_state(raw: dict[str, torch.Tensor], cfg: ModelConfig, fam: Family, sourc
 
 
 def side_files(src: Path, hf: dict[str, Any]) -> list[str]:
-    """The files kept beside the weights: tokenizer settings, chat template, and the remote code auto_map names."""
+    """The files kept beside the weights: tokenizer settings, chat template, and the remote code (what the auto_maps
+    name and every module of the folder those files import: hf_layout.remote_code)."""
     names = [f for f in SIDE_FILES if (src / f).is_file()]
-    auto = hf.get("auto_map") if isinstance(hf.get("auto_map"), dict) else {}
-    for ref in auto.values():
-        mod = str(ref).split("--")[-1].split(".")[0] + ".py"  # "configuration_llada.LLaDAConfig" -> its file
-        if Path(mod).name == mod and (src / mod).is_file() and mod not in names:
-            names.append(mod)
-    return names
+    return names + [f for f in remote_code(src, hf) if f not in names]
 
 
 def import_folder(src: Path, out: Path, overwrite: bool, hf: dict[str, Any], read_weights) -> Path:
@@ -355,11 +352,11 @@ def import_folder(src: Path, out: Path, overwrite: bool, hf: dict[str, Any], rea
     in."""
     fam = family_of(hf)
     cfg = model_config(hf, src / "config.json")
-    conv = conventions(hf, cfg, src / "config.json")
     if not (src / "tokenizer.json").is_file():
         raise DlmError(f"{src}: no tokenizer.json (dlm reads the fast tokenizer's file; transformers writes one: "
                        "AutoTokenizer.from_pretrained(FOLDER, trust_remote_code=True).save_pretrained(FOLDER))")
     tok = import_tokenizer(src, hf)
+    conv = conventions(hf, cfg, src / "config.json", tok.mask_id)
     raw = read_weights(src)
     state = dlm_state(raw, cfg, fam, src)
     model = assemble(cfg, state, src)
@@ -420,7 +417,9 @@ def export_config(cfg: ModelConfig, meta: dict[str, Any], tok, dtype: str) -> di
     if not same:
         out.update(layout_keys(cfg, fam, tok, dtype, src))
     try:
-        conv = conventions(out, cfg, Path("config.json"))
+        # (the tokenizer's <mask> counts where the imported config relied on it; a config written from the backbone
+        # names its mask_token_id unless it is the family's)
+        conv = conventions(out, cfg, Path("config.json"), tok.mask_id if src else None)
     except DlmError:
         conv = {}
     if conv.get("mask_id") != meta["mask_id"]:
