@@ -3,16 +3,19 @@
     python scripts/record_upstream.py dream --code PATH/TO/Fast-dLLM
     python scripts/record_upstream.py llada --code PATH/TO/LLaDA --code PATH/TO/Fast-dLLM
     python scripts/record_upstream.py sdar  --code PATH/TO/SDAR
+    python scripts/record_upstream.py fast-dllm-v2 --code PATH/TO/FOLDER   # configuration.py + modeling.py
 
 Each PATH is the user's own checkout of a public repository: Dream's modeling code and `diffusion_generate` come
 from Fast-dLLM's `dream/model/` (a copy of Dream's remote code), LLaDA's `generate` from ML-GSAI/LLaDA's
 `generate.py` with the modeling code of Fast-dLLM's `llada/model/`, SDAR's `block_diffusion_generate` and
-modeling code from JetAstra/SDAR (`generate.py`, `training/model/SDAR-4B-Chat/`). Nothing of them is copied: this
-script imports them from the checkout. The shims written here are to the environment (transformers 5.x dropped
-the default RoPE initialiser the older remote code looks up), never to a model's computation.
+modeling code from JetAstra/SDAR (`generate.py`, `training/model/SDAR-4B-Chat/`), Fast-dLLM v2's `generate` from
+the remote code its model folder ships (`configuration.py`, `modeling.py`: Fast_dLLM_QwenForCausalLM). Nothing of
+them is copied: this script imports them from the checkout. The shims written here are to the environment
+(transformers 5.x dropped the default RoPE initialiser and APIs the older remote code uses; SDAR's flash-attn
+kernels, on a CPU, as the computation they implement), never a change to a model's computation.
 
-The script builds a tiny random fp32 model with the family's own classes (hidden 32, 2 layers, a 96-token word
-vocabulary with the family's special tokens), runs the family's generate in every setting listed below, once
+The script builds a tiny random fp32 model with the family's own classes (hidden 32, 2 layers, an 80-word
+vocabulary after the family's special tokens), runs the family's generate in every setting its record function lists, once
 with `<eos>` live (its LM-head row scaled up, so that it wins at some positions) and once suppressed (its row
 zero: a logit of 0, below the largest of the others), and writes into tests/fixtures/upstream/FAMILY/:
 
@@ -20,8 +23,9 @@ zero: a logit of 0, below the largest of the others), and writes into tests/fixt
     recordings.json   the prompts, the prompt's logits, and per setting: the upstream arguments, the generated
                       ids (every position the upstream returns) and, where cheap, the canvas after every step
 
-The `<mask>` row is zero too (the upstream samplers do not exclude `<mask>` from the candidates; a trained model
-never proposes it, and neither does this one). tests/test_upstream_fixtures.py holds dlm to every recording.
+The `<mask>` row is zero too: greedy decoding never proposes `<mask>`; sampling may draw it, and the upstream
+samplers keep it among the candidates (dlm's `--mask-proposals`). tests/test_upstream_fixtures.py holds dlm to
+every recording.
 """
 
 from __future__ import annotations
@@ -56,13 +60,17 @@ def default_rope(config, device=None, seq_len=None, **_):
 
 def shim_transformers() -> None:
     from transformers import modeling_rope_utils
+    from transformers.cache_utils import Cache
 
     modeling_rope_utils.ROPE_INIT_FUNCTIONS.setdefault("default", default_rope)
+    if not hasattr(Cache, "__getitem__"):  # (4.x: cache[layer] is that layer's (keys, values))
+        Cache.__getitem__ = lambda self, i: (self.layers[i].keys, self.layers[i].values)
 
 
 def load_package(name: str, folder: Path) -> types.ModuleType:
     """A folder of remote code (relative imports between its files) as a package named `name`."""
-    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py", submodule_search_locations=[str(folder)])
+    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
     pkg = importlib.util.module_from_spec(spec)
     sys.modules[name] = pkg
     if (folder / "__init__.py").is_file():
@@ -206,7 +214,8 @@ def record_dream(code: list[Path], out: Path) -> None:
               "auto_map": {"AutoConfig": "configuration_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel"},
               "torch_dtype": "float32"}
     live_eos = sum(c["eos"] == "live" and eos in c["ids"] for c in cases)
-    rec = {"family": "dream", "upstream": {"repo": "NVlabs/Fast-dLLM", "files": "dream/model/", "commit": commit_of(fast)},
+    rec = {"family": "dream",
+           "upstream": {"repo": "NVlabs/Fast-dLLM", "files": "dream/model/", "commit": commit_of(fast)},
            "eos_id": eos, "mask_id": mask, "prompts": prompts, "logits": logits_summary(logits), "cases": cases}
     print(f"dream: {len(cases)} cases, <eos> generated in {live_eos} of the live ones")
     write_fixture(out, model, tok, config, {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
@@ -321,10 +330,6 @@ def shim_sdar() -> None:
         sys.modules[name] = m
     if not hasattr(tu, "LossKwargs"):
         tu.LossKwargs = typing.TypedDict("LossKwargs", {}, total=False)
-    from transformers.cache_utils import Cache
-
-    if not hasattr(Cache, "__getitem__"):  # (4.x: cache[layer] is that layer's (keys, values))
-        Cache.__getitem__ = lambda self, i: (self.layers[i].keys, self.layers[i].values)
     if "transformers.modeling_attn_mask_utils" not in sys.modules:  # (gone in 5.x; only its unused mask helper)
         try:
             import transformers.modeling_attn_mask_utils  # noqa: F401
@@ -407,7 +412,62 @@ def record_sdar(code: list[Path], out: Path) -> None:
                                                             "pad_token_id": eos}, indent=2) + "\n")
 
 
-FAMILIES = {"dream": record_dream, "llada": record_llada, "sdar": record_sdar}
+# Fast-dLLM v2 (its remote code: configuration.py, modeling.py with Fast_dLLM_QwenForCausalLM.generate) ----------
+
+FDLLM2_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+
+
+def record_fast_dllm_v2(code: list[Path], out: Path) -> None:
+    """code: a folder holding Fast-dLLM v2's remote code as its model folder ships it: configuration.py and
+    modeling.py (which imports `configuration` as a top-level module)."""
+    (folder,) = code
+    shim_transformers()
+    sys.path.insert(0, str(folder))
+    cfg_mod = load_module("configuration", folder / "configuration.py")
+    mod = load_module("fdllm2_modeling", folder / "modeling.py")
+    tok = word_tokenizer(FDLLM2_SPECIALS)
+    V = tok.get_vocab_size()
+    eos, im_end, mask = 0, 2, 3
+    block = 8
+    cfg = cfg_mod.Fast_dLLM_QwenConfig(vocab_size=V, hidden_size=HIDDEN, intermediate_size=FFN,
+                                       num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                       num_key_value_heads=KV_HEADS, max_position_embeddings=256, rms_norm_eps=1e-6,
+                                       rope_theta=1000000.0, tie_word_embeddings=False, bd_size=block,
+                                       bos_token_id=eos, eos_token_id=im_end, pad_token_id=eos)
+    cfg._attn_implementation = "sdpa"
+    model = mod.Fast_dLLM_QwenForCausalLM(cfg).eval()
+    head = model.lm_head.weight
+    randomize(model, head, im_end, mask, eos_gain=4.0)
+    prompts = [[len(FDLLM2_SPECIALS) + i for i in p] for p in PROMPTS]
+    settings = [{"max_new_tokens": n, "block_size": block, "small_block_size": sb, "threshold": thr,
+                 "temperature": 0.0} for n in (16, 24) for sb in (4, 8) for thr in (0.9, 0.5, 1.0)]
+    cases = []
+    for live in (True, False):
+        with with_eos(head, im_end, live):
+            for s in settings:
+                for pi, p in enumerate(prompts):
+                    x = model.generate(torch.tensor([p]), mask_id=mask, stop_token=im_end, **s)
+                    cases.append({"prompt": pi, "eos": "live" if live else "suppressed", "args": s,
+                                  "ids": x[0, len(p):].tolist()})
+    with torch.no_grad():
+        logits = model(torch.tensor([prompts[1]]), use_cache=False, block_size=1).logits[0]  # causal: blocks of 1
+    generic = ("_attn_implementation_autoset", "transformers_version", "_name_or_path", "id2label", "label2id",
+               "chunk_size_feed_forward", "is_encoder_decoder", "output_attentions", "output_hidden_states",
+               "problem_type", "return_dict", "dtype")
+    config = {**{k: v for k, v in json.loads(cfg.to_json_string(use_diff=False)).items() if k not in generic},
+              "architectures": ["Fast_dLLM_QwenForCausalLM"], "torch_dtype": "float32",
+              "auto_map": {"AutoConfig": "configuration.Fast_dLLM_QwenConfig",
+                           "AutoModelForCausalLM": "modeling.Fast_dLLM_QwenForCausalLM"}}
+    live_eos = sum(c["eos"] == "live" and im_end in c["ids"] for c in cases)
+    rec = {"family": "fast-dllm-v2", "upstream": {"files": "the model folder's configuration.py and modeling.py",
+                                                  "commit": commit_of(folder)},
+           "eos_id": im_end, "mask_id": mask, "prompts": prompts, "logits": logits_summary(logits), "cases": cases}
+    print(f"fast-dllm-v2: {len(cases)} cases, <|im_end|> generated in {live_eos} of the live ones")
+    write_fixture(out, model, tok, config, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+                                            "mask_token": "<|mask|>"}, rec)
+
+
+FAMILIES = {"dream": record_dream, "llada": record_llada, "sdar": record_sdar, "fast-dllm-v2": record_fast_dllm_v2}
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from dlm.sampling.common import Commit, Prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FIXTURES = Path(__file__).parent / "fixtures" / "upstream"
-FAMILIES = ("dream", "llada", "sdar")
+FAMILIES = ("dream", "llada", "sdar", "fast-dllm-v2")
 
 
 def recordings(family: str) -> dict:
@@ -64,8 +64,18 @@ def sdar_options(a: dict) -> SampleConfig:
                         seed=a["seed"], **rule)
 
 
-OPTIONS = {"dream": dream_options, "llada": llada_options, "sdar": sdar_options}
-CONTEXT = {"dream": "full", "llada": "full", "sdar": "causal"}  # how the recorder ran the prompt's one forward
+def fast_dllm_v2_options(a: dict) -> SampleConfig:
+    """Fast-dLLM v2's generate(max_new_tokens, block_size, small_block_size, threshold, temperature 0): the preset
+    (block-causal over the cache, shifted, whole blocks) with its block, sub-block and threshold. Its output (the
+    prompt's partial block first, each block's first token appended by the block before) is as long as the
+    recording: dlm is asked for that many tokens."""
+    return SampleConfig(preset="fast-dllm-v2", max_new_tokens=a["n"], block_size=a["block_size"],
+                        sub_block=a["small_block_size"], threshold=a["threshold"])
+
+
+OPTIONS = {"dream": dream_options, "llada": llada_options, "sdar": sdar_options, "fast-dllm-v2": fast_dllm_v2_options}
+# how the recorder ran the prompt's one forward
+CONTEXT = {"dream": "full", "llada": "full", "sdar": "causal", "fast-dllm-v2": "causal"}
 
 
 # the imported fixtures ----------------------------------------------------------------------------------------
@@ -143,7 +153,8 @@ def test_generation_equals_the_recording(family, index, imported):
     case = rec["cases"][index]
     model, ck = imported[family]
     with eos_row(model, rec["eos_id"], case["eos"] == "live"):
-        got = dlm_ids(model, ck, rec["prompts"][case["prompt"]], OPTIONS[family](case["args"]))
+        cfg = OPTIONS[family]({**case["args"], "n": len(case["ids"])})
+        got = dlm_ids(model, ck, rec["prompts"][case["prompt"]], cfg)
     n = case["args"].get("max_new_tokens", case["args"].get("gen_length"))  # (SDAR returns whole blocks)
     assert got == until_eos(case["ids"][:n], eos_ids(rec)), case["args"]
 
