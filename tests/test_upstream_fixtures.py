@@ -20,7 +20,7 @@ import torch
 from dlm.checkpoint import load_model
 from dlm.hf import import_hf
 from dlm.sampling import SampleConfig, stream
-from dlm.sampling.common import Commit, Prompt
+from dlm.sampling.common import Commit, Prompt, Step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FIXTURES = Path(__file__).parent / "fixtures" / "upstream"
@@ -273,3 +273,25 @@ def test_export_is_the_fixture_folder_again(family, tmp_path):
     assert json.loads((out / "config.json").read_text()) == json.loads((FIXTURES / family / "config.json").read_text())
     want, got = load_file(FIXTURES / family / "model.safetensors"), load_file(out / "model.safetensors")
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+DREAM_STEPS = [i for i, c in enumerate(recordings("dream")["cases"]) if "steps" in c]
+
+
+@pytest.mark.parametrize("index", DREAM_STEPS)
+def test_dream_canvas_after_every_step_equals_the_recording(index, imported):
+    """Dream's canvas after each of its steps (`output_history`), `<mask>` where nothing is committed yet: dlm's Step
+    events hold the same canvases, step by step (dlm ends when no hole is left; Dream's remaining steps then change
+    nothing)."""
+    rec = recordings("dream")
+    case = rec["cases"][index]
+    model, ck = imported["dream"]
+    canvases = []
+    with eos_row(model, rec["eos_id"], case["eos"] == "live"):
+        for ev in stream(model, ck, [Prompt(rec["prompts"][case["prompt"]])], dream_options(case["args"]),
+                         step_events=True):
+            if isinstance(ev, Step):
+                canvases.append(ev.canvas)
+    history = case["steps"]
+    assert canvases == history[:len(canvases)]
+    assert all(h == history[-1] for h in history[len(canvases) - 1:])
