@@ -72,7 +72,7 @@ def sudoku(con, n: int = 10, threshold: float = 0.999) -> None:
         model, ck = load_model(shipped(name))
         cfg = SampleConfig(max_new_tokens=81, sampler=sampler, threshold=threshold)
         r = run_task("sudoku", model, ck, cfg, cases=cases)
-        how = f"parallel, confidence >= {threshold:g}" if sampler == "threshold" else "left to right"
+        how = f"parallel, confidence > {threshold:g}" if sampler == "threshold" else "left to right"
         table.add_row(name, how, f"{round(r['accuracy'] * n)}/{n}", f"{r['cell_accuracy']:.3f}",
                       f"{r['tokens_per_forward']:.2f}")
     con.print(table)

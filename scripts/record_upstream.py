@@ -189,6 +189,10 @@ def record_dream(code: list[Path], out: Path) -> None:
             settings.append({"alg": alg, "max_new_tokens": n, "steps": steps, "temperature": 0.0})
     for n, steps in ((16, 16), (16, 8)):
         settings.append({"alg": "origin", "max_new_tokens": n, "steps": steps, "temperature": 0.0, "seed": 7})
+    for alg in ("maskgit_plus", "topk_margin", "entropy"):  # sampled: Dream's README (0.2, top-p 0.95), and plain
+        for temp, top_p in ((0.2, 0.95), (1.0, None)):
+            settings.append({"alg": alg, "max_new_tokens": 16, "steps": 16, "temperature": temp, "top_p": top_p,
+                             "seed": 5})
     for live in (True, False):
         with with_eos(head, eos, live):
             for s in settings:

@@ -245,7 +245,9 @@ def test_denoise_step_commits_greedy_tokens_at_the_chosen_positions():
     assert new.tolist() == [5, 3, 7, 3]
     assert ent == pytest.approx((0 + math.log(3) + 0 + math.log(2)) / 4, abs=1e-3)
     new, chosen, _ = denoise_step(logits, x, masked, Rule("threshold", threshold=0.5), 1)
-    assert chosen.tolist() == [True, False, True, True]  # probability 1, 1 and 0.5 (token 0 at position 3)
+    assert chosen.tolist() == [True, False, True, False]  # probability 1, 1; 0.5 (position 3) is not above 0.5
+    new, chosen, _ = denoise_step(logits, x, masked, Rule("threshold", threshold=0.49), 1)
+    assert chosen.tolist() == [True, False, True, True]  # (token 0 at position 3, probability 0.5)
 
 
 def test_plan_blocks_follows_the_training_grid():

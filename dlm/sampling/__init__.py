@@ -63,7 +63,7 @@ class SampleConfig:
         naive: AR, mdlm: recompute the whole sequence every step (no KV cache)
         sampler: confidence | threshold | entropy_bound | entropy | margin | origin (mdlm); entropy_bound (usdm); ar | self-spec-linear | self-spec-linear-ar | self-spec-quadratic | confidence | threshold | entropy_bound | entropy | margin (joint); auto = the paradigm's default
         steps: denoising steps per block (mdlm; default: one token per step; threshold / entropy_bound: at most this many) or per canvas at most (usdm; default 48)
-        threshold: mdlm threshold sampler: commit every position with confidence >= this
+        threshold: mdlm threshold sampler: commit every position with confidence above this
         entropy_bound: entropy-bound acceptance: cumulative entropy minus its largest entropy <= this
         block_size: a block of positions: mdlm's semi-autoregressive block (default: the checkpoint's training block, else the whole generation); speculative: the block of one verify cycle, the last committed token + block_size-1 proposals (default: the drafter's: its block size for DFlash, 5 for an AR draft, 8 for lookup)
         remasking: mdlm: low_confidence | random
@@ -74,6 +74,7 @@ class SampleConfig:
         eos_early_stop: mdlm: stop denoising the positions after a committed <eos> at once (fewer passes; the tokens before it may differ from the public models' own generate, which denoises the block whole and cuts after the <eos>: the default)
         confidence: mdlm: the probability the commit rules read: model (the model's probability of the proposed token) or sampled (at temperature > 0, its probability under the distribution it was drawn from, temperature and top-k/top-p applied: SDAR's generate; the sdar preset's)
         mask_proposals: mdlm: keep <mask> among the candidates a step proposes (a position whose proposal is <mask> stays masked), as LLaDA's, Dream's and SDAR's own generate functions do (their presets set it); off: <mask> is never proposed
+        draw_holes: mdlm at temperature > 0: a draw only for the positions still masked, one each in order (torch's categorical draw), the confidence, entropy and margin read from the distribution drawn from (Dream's sample_tokens; the dream preset's); default: a draw for every position of the block, the scores from the model's own distribution
         sub_block: mdlm: commit only in the first stretch of this many positions of the block that still has holes (Fast-dLLM v2: 8); default: the whole block
         revise: mdlm revision (ReMDM-style): a committed token whose probability under a later pass falls below this goes back to <mask> and is predicted again (at most 3 times per position); 0 = off
         canvas_length: usdm: tokens per canvas (default: the checkpoint's)
@@ -114,6 +115,7 @@ class SampleConfig:
     eos_early_stop: bool = False
     confidence: str = "model"
     mask_proposals: bool = False
+    draw_holes: bool = False
     revise: float = 0.0
     canvas_length: int | None = None
     t_max: float = 0.8

@@ -10,13 +10,14 @@ position and commits some of them by a rule:
   confidence     LLaDA: the k most confident positions (probability of the proposed token), k from a
                  budget that spreads the block's holes over `--steps` (low-confidence remasking);
                  `--remasking random` picks the k positions at random instead
-  threshold      Fast-dLLM: every position whose confidence >= `--threshold` (at least one)
+  threshold      Fast-dLLM: every position whose confidence is above `--threshold` (at least one; strictly above,
+                 as Fast-dLLM, SDAR and Fast-dLLM v2 compare: `--threshold 1` commits the budget's most confident)
   entropy_bound  sort positions by entropy ascending; accept the longest prefix whose cumulative
                  entropy minus its largest entropy <= `--entropy-bound` (at least one)
   entropy        Dream's entropy order: the k positions whose predictive distribution has the lowest
                  entropy, k from the same budget as confidence
   margin         top-probability margin (Kim et al. 2025, "Train for the worst, plan for the best"): every
-                 position whose two most likely tokens are at least `--threshold` apart in probability, at
+                 position whose two most likely tokens are more than `--threshold` apart in probability, at
                  least the k with the widest margin (k from the budget); `--threshold 1` is the pure order
                  (the k widest margins). A position torn between two tokens waits, however likely the
                  first of them
@@ -104,7 +105,7 @@ from dlm.errors import DlmError, check
 from dlm.masks import mdlm_denoise_mask
 from dlm.sampling.common import (
     Clock, Commit, Eos, Event, Prompt, Stats, Step, check_fits, check_sampling, draw, entropy, entropy_bound_accept,
-    eos_index, eos_set, is_eos, make_generator,
+    eos_index, eos_set, is_eos, make_generator, probs_from_logits,
 )
 from dlm.sampling.rows import Programs, Window, batch_stats, batchable, drive
 
@@ -114,7 +115,7 @@ MAX_REVISIONS = 3  # --revise: times one position may be sent back to <mask> (so
 OPTIONS = frozenset({"temperature", "top_k", "top_p", "naive", "sampler", "steps", "threshold", "entropy_bound",
                      "block_size", "remasking", "revise", "suffix", "fill_length", "preset", "prefix_cache",
                      "sub_block", "schedule", "whole_blocks", "eos_early_stop", "confidence",
-                     "mask_proposals"})
+                     "mask_proposals", "draw_holes"})
 
 # The published decoding recipes of the public masked-diffusion families, as SampleConfig settings (docs/public-
 # models.md has a command for each). steps: per block; block_size None: the whole generation.
@@ -125,7 +126,7 @@ PRESETS: dict[str, dict] = {
     # prefix cache
     "fast-dllm": {"sampler": "threshold", "threshold": 0.9, "block_size": 32, "prefix_cache": True},
     # Dream: entropy-ordered unmasking over the whole generation on its time grid (steps default: one per token)
-    "dream": {"sampler": "entropy", "schedule": "dream", "mask_proposals": True},
+    "dream": {"sampler": "entropy", "schedule": "dream", "mask_proposals": True, "draw_holes": True},
     # SDAR: blocks of 4 over the KV cache, 4 steps per block, low_confidence_dynamic at 0.9
     "sdar": {"sampler": "threshold", "threshold": 0.9, "block_size": 4, "steps": 4, "whole_blocks": True,
              "confidence": "sampled", "mask_proposals": True},
@@ -168,19 +169,26 @@ def dream_count(holes: int, step: int, steps: int, eps: float = 1e-3) -> int:
     return int(torch.tensor(float(holes)) * (1 - t[step + 1] / t[step]))
 
 
-def top_k_of(score: Tensor, masked: Tensor, k: int) -> Tensor:
-    """Bool (N,): the k masked positions with the highest score (all of them if fewer)."""
+def top_k_of(score: Tensor, masked: Tensor, k: int, span: tuple[int, int] | None = None) -> Tensor:
+    """Bool (N,): the k masked positions with the highest score (all of them if fewer). span (offset, total): the
+    scores are ranked inside a row of `total` positions, -inf outside the block, as LLaDA's and Dream's generate rank
+    them (torch.topk then breaks exact ties, such as confidences of 1, as theirs does)."""
     k = min(k, int(masked.sum()))
     chosen = torch.zeros_like(masked)
     if k > 0:
         score = torch.where(masked, score.float().nan_to_num(neginf=-1e30), float("-inf"))  # masked ones first
-        chosen[score.topk(k).indices] = True
+        if span is None:
+            chosen[score.topk(k).indices] = True
+        else:
+            row = score.new_full((span[1],), float("-inf"))
+            row[span[0]:span[0] + len(score)] = score
+            chosen[row.topk(k).indices - span[0]] = True
     return chosen
 
 
-def select_confidence(conf: Tensor, masked: Tensor, k: int) -> Tensor:
+def select_confidence(conf: Tensor, masked: Tensor, k: int, span: tuple[int, int] | None = None) -> Tensor:
     """LLaDA low-confidence remasking: keep the k most confident proposals, re-mask the rest."""
-    return top_k_of(conf, masked, k)
+    return top_k_of(conf, masked, k, span)
 
 
 def select_random(masked: Tensor, k: int, gen: torch.Generator | None,
@@ -195,10 +203,11 @@ def select_random(masked: Tensor, k: int, gen: torch.Generator | None,
     return top_k_of(score, masked, k)
 
 
-def select_threshold(conf: Tensor, masked: Tensor, threshold: float, k_min: int = 1) -> Tensor:
-    """Fast-dLLM: every masked position with confidence >= threshold, at least the k_min most confident."""
-    chosen = masked & (conf >= threshold)
-    return chosen if int(chosen.sum()) >= k_min else top_k_of(conf, masked, k_min)
+def select_threshold(conf: Tensor, masked: Tensor, threshold: float, k_min: int = 1,
+                     span: tuple[int, int] | None = None) -> Tensor:
+    """Fast-dLLM: every masked position with confidence above threshold, at least the k_min most confident."""
+    chosen = masked & (conf > threshold)
+    return chosen if int(chosen.sum()) >= k_min else top_k_of(conf, masked, k_min, span)
 
 
 def origin_transfer(step: int, steps: int, eps: float = 1e-3) -> float | Tensor:
@@ -233,6 +242,8 @@ class Rule:
     bound: float = 0.1
     random: bool = False  # confidence: random remasking instead of low-confidence
     sampled: bool = False  # confidence read from the distribution the token was drawn from (SDAR), not the model's
+    holes: bool = False  # at temperature > 0: draw for the masked positions only, every score from the drawn
+    # distribution (Dream's sample_tokens)
 
     def select(self, conf: Tensor, ent: Tensor, masked: Tensor, k: int | float | Tensor, gen: torch.Generator | None,
                margin: Tensor | None = None, span: tuple[int, int] | None = None) -> Tensor:
@@ -240,14 +251,14 @@ class Rule:
         if self.kind == "origin":
             return select_origin(masked, k, gen)
         if self.kind == "threshold":
-            return select_threshold(conf, masked, self.threshold, k)
+            return select_threshold(conf, masked, self.threshold, k, span)
         if self.kind == "margin":  # (margin: top_margin of the step's logits)
-            return select_threshold(margin, masked, self.threshold, k)
+            return select_threshold(margin, masked, self.threshold, k, span)
         if self.kind == "entropy_bound":
             return select_entropy_bound(ent, masked, self.bound, k)
         if self.kind == "entropy":  # Dream: the k lowest-entropy positions
-            return top_k_of(-ent, masked, k)
-        return select_random(masked, k, gen, span) if self.random else select_confidence(conf, masked, k)
+            return top_k_of(-ent, masked, k, span)
+        return select_random(masked, k, gen, span) if self.random else select_confidence(conf, masked, k, span)
 
 
 def top_margin(logits: Tensor) -> Tensor:
@@ -281,9 +292,26 @@ def denoise_step(logits: Tensor, x: Tensor, masked: Tensor, rule: Rule, k: int, 
         at = masked.nonzero()[:, 0]
         cand, conf, ent = (t.new_zeros(masked.shape).scatter(0, at, part)
                            for t, part in zip((x, x.float(), x.float()), propose(logits[at], 0.0, top_k, top_p, gen)))
+    elif rule.holes:  # Dream: one draw per masked position, in order, and every score from the drawn distribution
+        at = masked.nonzero()[:, 0]
+        probs = probs_from_logits(logits[at], temperature, top_k, top_p)  # (n, V)
+        tok = torch.multinomial(probs, 1, replacement=True, generator=gen)[:, 0]  # (torch's Categorical draw)
+        parts = (tok, probs.gather(-1, tok[:, None])[:, 0], -(probs * torch.log(probs + 1e-10)).sum(-1))
+        cand, conf, ent = (t.new_zeros(masked.shape).scatter(0, at, part)
+                           for t, part in zip((x, x.float(), x.float()), parts))
+        if rule.kind == "margin":
+            top2 = probs.topk(2, dim=-1).values
+            return _commit(rule, x, masked, k, gen, span, cand, conf, ent,
+                           x.float().new_zeros(masked.shape).scatter(0, at, top2[:, 0] - top2[:, 1]))
     else:  # a draw for every position (what each row's generator consumes stays as it was)
         cand, conf, ent = propose(logits, temperature, top_k, top_p, gen, rule.sampled)
     margin = top_margin(logits) if rule.kind == "margin" else None
+    return _commit(rule, x, masked, k, gen, span, cand, conf, ent, margin)
+
+
+def _commit(rule: Rule, x: Tensor, masked: Tensor, k, gen, span, cand: Tensor, conf: Tensor, ent: Tensor,
+            margin: Tensor | None) -> tuple[Tensor, Tensor, float]:
+    """The rule's choice among the proposals: (new tokens (N,), newly committed (N,), mean entropy of the holes)."""
     chosen = rule.select(conf, ent, masked, k, gen, margin, span)
     return torch.where(chosen, cand, x), chosen, float(ent[masked].mean())
 
@@ -558,7 +586,8 @@ def check_options(cfg) -> Rule:
     check(cfg.confidence in ("model", "sampled"), f"--confidence must be model or sampled, got {cfg.confidence!r}")
     revise = getattr(cfg, "revise", 0.0)
     check(0 <= revise < 1, f"--revise must be in [0, 1) (0 = off), got {revise}")
-    return Rule(sampler, cfg.threshold, cfg.entropy_bound, cfg.remasking == "random", cfg.confidence == "sampled")
+    return Rule(sampler, cfg.threshold, cfg.entropy_bound, cfg.remasking == "random", cfg.confidence == "sampled",
+                cfg.draw_holes)
 
 
 def make_job(prompt: Prompt, cfg, train_block: int, context: int, causal_context: bool = False,

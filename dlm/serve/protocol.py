@@ -137,6 +137,7 @@ class DlmFields(_Strict):
     eos_early_stop: bool | None = None
     confidence: str | None = None
     mask_proposals: bool | None = None
+    draw_holes: bool | None = None
     canvas_length: int | None = None
     t_max: float | None = None
     t_min: float | None = None
