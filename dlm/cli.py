@@ -368,7 +368,8 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
               mdlm: str | None = None, usdm: str | None = None, sweep: bool = False,
               draft: list[str] | None = None, temperature: list[float] | None = None,
               block_size: int | None = None, repeat: int = 3, task: str | None = None, span: str = "line",
-              joint: str | None = None, joint_blocks: list[int] | None = None) -> None:
+              joint: str | None = None, joint_blocks: list[int] | None = None, shape: str | None = None,
+              context: int = 256, points: list[int] | None = None, layers: int = 0, device: str = "auto") -> None:
     """Benchmark the paradigms side by side on held-out task cases: task metrics, tok/forward, tok/s, TTFT, ratios
     against AR in the same round (methods interleaved case by case, repeated; medians and min-max).
 
@@ -397,7 +398,27 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
             against its own AR mode (tau, lossless, speedup) and against --model
         joint_blocks: block sizes of the self-speculation rows (default: 16); several also plot tau and tokens
             per forward against block size (.blocks.png beside --out)
+        shape: the cost curve instead (dlm.bench.cost): a named shape with random weights (ar-small, ar-mid, 25m,
+            100m, qwen3-0.6b, qwen3-1.7b, llada-8b) or a checkpoint folder: the cost of a forward of T new tokens
+            and of B rows x 1 token relative to one, the machine's bandwidth and matmul throughput, decode against
+            the bandwidth limit, the break-even tau of a drafter (table, JSON at --out, plot beside it)
+        context: --shape: tokens already in the cache
+        points: --shape: the values of T and B (default: 1 2 4 8 16 32 64)
+        layers: --shape NAME: measure at this depth (0 = the shape's own; llada-8b: 4 of its 32 layers)
+        device: --shape: auto, cpu or cuda[:N]
     """
+    if shape is not None:
+        from dlm.bench.cost import POINTS, run_cost
+
+        if model is not None or draft or joint or task:
+            raise DlmError("--shape measures one model's cost curve; it does not combine with --model, --draft, "
+                           "--joint or --task")
+        if layers < 0:
+            raise DlmError(f"--layers must be >= 0 (0 = the shape's own depth), got {layers}")
+        run_cost(shape, context, tuple(points or POINTS), repeat, layers=layers, out=out or None, device=device)
+        if out:
+            print(f"report: {out}")
+        return
     from dlm.bench import run_bench
     from dlm.checkpoint import shipped
 
