@@ -16,11 +16,11 @@ def test_cost_curve_of_a_named_shape_through_the_cli(tmp_path):
     r = json.loads(out.read_text())
     assert r["shape"] == "ar-small" and r["context"] == 32 and r["params"] == 3_803_904
     for kind in ("tokens", "rows"):
-        assert [row["n"] for row in r[kind]] == [1, 2, 4]  # T = 1 is always measured: every ratio is against it
+        assert [row["n"] for row in r[kind]] == [1, 2, 4]  # n = 1 is always measured: the ratios are against it
         assert all(row["seconds"] > 0 and row["ratio"] > 0 and row["tokens_per_second"] > 0 for row in r[kind])
         assert all(len(row["range"]) == 2 and row["range"][0] <= row["seconds"] <= row["range"][1] for row in r[kind])
-    assert r["tokens"][0]["ratio"] == 1.0
-    assert r["rows"][0]["seconds"] > 0
+    assert r["tokens"][0]["ratio"] == 1.0 and r["rows"][0]["ratio"] == 1.0  # each curve against its own n = 1
+    assert r["decode"]["tokens_per_second"] == pytest.approx(1 / r["tokens"][0]["seconds"])
     m, d = r["machine"], r["decode"]
     assert m["read_gb_s"] > 0 and m["copy_gb_s"] > 0 and m["matmul_gflop_s"] > 0
     # bytes per token: the float32 weights (tied head: counted once) and the K/V of 32 cached tokens
