@@ -26,6 +26,7 @@ def test_cost_curve_of_a_named_shape_through_the_cli(tmp_path):
     # bytes per token: the float32 weights (tied head: counted once) and the K/V of 32 cached tokens
     assert d["weight_bytes"] == 3_803_904 * 4 and d["kv_bytes"] == 2 * 4 * 2 * 32 * 64 * 4
     assert d["fraction_of_limit"] == pytest.approx(d["tokens_per_second"] / d["limit_tokens_per_second"])
+    assert d["fits_in_cache"] == bool(m["last_cache_bytes"] and d["bytes_per_token"] <= m["last_cache_bytes"])
     for b in r["break_even"]:
         assert b["tau"]["0"] == b["cost"] and b["tau_for_2x"]["1"] == pytest.approx(2 * (b["cost"] + 1))
     assert [b["block"] for b in r["break_even"]] == [2, 4]

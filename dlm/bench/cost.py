@@ -16,8 +16,9 @@ not assumed:
 
 The model is random weights at a named shape (SHAPES), or any dlm checkpoint folder as stored. Each point is timed in
 `repeat` rounds, the points' order rotated each round (as the side-by-side harness interleaves its methods) so a
-burst of machine load falls on all of them; a point's figure is the median over rounds of the median of `inner`
-forwards.
+burst of machine load falls on all of them; a point's figure is its fastest forward over all rounds (other work on the
+machine only ever slows a forward down, so the fastest is the closest to the machine's own cost; `range` is the
+spread of the rounds' fastest, the noise).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def sync(device: torch.device) -> None:
 
 
 def timed(fn, inner: int, device: torch.device) -> float:
-    """Median seconds of `inner` calls (after the caller's warm-up)."""
+    """Seconds of the fastest of `inner` calls (after the caller's warm-up)."""
     ts = []
     for _ in range(inner):
         sync(device)
@@ -104,7 +105,7 @@ def timed(fn, inner: int, device: torch.device) -> float:
         fn()
         sync(device)
         ts.append(time.perf_counter() - t)
-    return sorted(ts)[len(ts) // 2]
+    return min(ts)
 
 
 def machine(device: torch.device, mb: int = 256, n: int = 2048, inner: int = 3) -> dict[str, float]:
@@ -120,7 +121,7 @@ def machine(device: torch.device, mb: int = 256, n: int = 2048, inner: int = 3) 
     mm = timed(lambda: a @ b, inner, device)
     nbytes = x.numel() * 4
     return {"read_gb_s": nbytes / read / 1e9, "copy_gb_s": 2 * nbytes / copy / 1e9, "matmul_gflop_s": 2 * n**3 / mm / 1e9,
-            "array_mb": mb, "matmul_n": n}
+            "array_mb": mb, "matmul_n": n, "last_cache_bytes": last_cache_bytes() if device.type == "cpu" else None}
 
 
 def kv_bytes(cfg: ModelConfig, rows: int, tokens: int, itemsize: int) -> int:
@@ -135,6 +136,22 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
         w = model.embed_tokens.weight
         total -= (w.shape[0] - 1) * w.shape[1] * w.element_size()
     return total
+
+
+def last_cache_bytes() -> int | None:
+    """The CPU's last-level cache (Linux sysfs), or None where it cannot be read."""
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    best = None
+    for idx in sorted(base.glob("index*")) if base.is_dir() else []:
+        try:
+            size = (idx / "size").read_text().strip()
+            level = int((idx / "level").read_text())
+        except (OSError, ValueError):
+            continue
+        mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:], 1)
+        if size.rstrip("KMG").isdigit() and (best is None or level >= best[0]):
+            best = (level, int(size.rstrip("KMG")) * mult)
+    return best[1] if best else None
 
 
 def available_bytes() -> int | None:
@@ -216,7 +233,7 @@ def run_cost(shape: str, context: int = 256, points: tuple[int, ...] = POINTS, r
         for j in range(len(todo)):
             k, n = todo[(r + j) % len(todo)]
             rounds[(k, n)].append(timed(lambda: forward(k, n), inner, dev))
-    secs = {p: sorted(v)[len(v) // 2] for p, v in rounds.items()}
+    secs = {p: min(v) for p, v in rounds.items()}
     spread = {p: (min(v), max(v)) for p, v in rounds.items()}
     del caches
     mach = machine(dev, machine_mb)
@@ -231,7 +248,9 @@ def run_cost(shape: str, context: int = 256, points: tuple[int, ...] = POINTS, r
     limit = mach["read_gb_s"] * 1e9 / per_token
     decode = {"tokens_per_second": 1 / one, "bytes_per_token": per_token, "weight_bytes": weight_bytes_per_token(model),
               "kv_bytes": kv_bytes(cfg, 1, context, itemsize), "limit_tokens_per_second": limit,
-              "fraction_of_limit": (1 / one) / limit}
+              "fraction_of_limit": (1 / one) / limit,
+              # weights and K/V that fit the last-level cache are not read from memory each token: no DRAM bound
+              "fits_in_cache": bool(mach["last_cache_bytes"] and per_token <= mach["last_cache_bytes"])}
     break_even = [{"block": row["n"], "cost": row["ratio"],
                    "tau": {f"{c:.3g}": row["ratio"] + c for c in DRAFT_COSTS},
                    "tau_for_2x": {f"{c:.3g}": 2 * (row["ratio"] + c) for c in DRAFT_COSTS}}
@@ -261,7 +280,7 @@ def print_cost(r: dict[str, Any]) -> None:
     con.print(f"[bold]{r['shape']}[/]: {r['params'] / 1e6:.1f}M parameters, {r['dtype']}, {r['device']}, "
               f"{r['environment']['threads']} threads; cache of {r['context']} tokens; load average "
               f"{r['load_average']['before'][0]:.2f} before, {r['load_average']['after'][0]:.2f} after")
-    t = Table(title="cost of one forward relative to one token of one row (median over "
+    t = Table(title="cost of one forward relative to one token of one row (the fastest of "
                     f"{r['repeat']} interleaved rounds of {r['inner']} forwards)")
     for col in ("n", "T new tokens", "ms", "B rows x 1 token", "ms", "rows: tok/s"):
         t.add_column(col, justify="right")
@@ -278,7 +297,8 @@ def print_cost(r: dict[str, Any]) -> None:
               f"{m['matmul_gflop_s']:.0f} GFLOP/s (float32 {m['matmul_n']}^2)")
     con.print(f"decode: {d['tokens_per_second']:.1f} tok/s = {d['fraction_of_limit']:.0%} of the bandwidth limit "
               f"({d['limit_tokens_per_second']:.1f} tok/s: {d['bytes_per_token'] / 1e6:.1f} MB of weights and K/V "
-              "per token)")
+              "per token)" + (f"; they fit the {r['machine']['last_cache_bytes'] / 2**20:.0f} MiB last-level cache, "
+                               "so memory bandwidth does not bound it" if d["fits_in_cache"] else ""))
     if r["break_even"]:
         b = Table(title="break-even tau (tokens per cycle) for a block of T tokens after a draft pass of c target "
                         "steps: cost(T) + c; 2x needs twice that")
