@@ -369,7 +369,8 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
               draft: list[str] | None = None, temperature: list[float] | None = None,
               block_size: int | None = None, repeat: int = 3, task: str | None = None, span: str = "line",
               joint: str | None = None, joint_blocks: list[int] | None = None, shape: str | None = None,
-              context: int = 256, points: list[int] | None = None, layers: int = 0, device: str = "auto") -> None:
+              context: int = 256, points: list[int] | None = None, layers: int = 0, device: str = "auto",
+              clock: str = "wall") -> None:
     """Benchmark the paradigms side by side on held-out task cases: task metrics, tok/forward, tok/s, TTFT, ratios
     against AR in the same round (methods interleaved case by case, repeated; medians and min-max).
 
@@ -406,6 +407,8 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
         points: --shape: the values of T and B (default: 1 2 4 8 16 32 64)
         layers: --shape NAME: measure at this depth (0 = the shape's own; llada-8b: 4 of its 32 layers)
         device: --shape: auto, cpu or cuda[:N]
+        clock: --shape: wall, or cpu (the process's CPU time: on a busy machine at one thread, the forward's own cost
+            without the time it waited for a core)
     """
     if shape is not None:
         from dlm.bench.cost import POINTS, run_cost
@@ -415,7 +418,8 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
                            "--joint or --task")
         if layers < 0:
             raise DlmError(f"--layers must be >= 0 (0 = the shape's own depth), got {layers}")
-        run_cost(shape, context, tuple(points or POINTS), repeat, layers=layers, out=out or None, device=device)
+        run_cost(shape, context, tuple(points or POINTS), repeat, layers=layers, out=out or None, device=device,
+                 clock=clock)
         if out:
             print(f"report: {out}")
         return

@@ -40,7 +40,8 @@ def test_cost_curve_of_a_checkpoint_folder_as_stored(tiny_ar):
     from dlm.bench.cost import run_cost
     from dlm.checkpoint import load_model
 
-    r = run_cost(str(tiny_ar), context=16, points=(3,), repeat=2, inner=2, machine_mb=8, quiet=True)
+    r = run_cost(str(tiny_ar), context=16, points=(3,), repeat=2, inner=2, machine_mb=8, clock="cpu", quiet=True)
+    assert r["clock"] == "cpu" and r["tokens"][1]["seconds"] > 0
     model, _ = load_model(tiny_ar)
     assert r["params"] == sum(p.numel() for p in model.parameters()) and r["dtype"] == "float32"
     assert [row["n"] for row in r["tokens"]] == [1, 3] and r["tokens"][0]["ratio"] == 1.0
@@ -68,3 +69,4 @@ def test_bad_shape_options_get_one_line_and_exit_2(tiny_ar, tmp_path):
     _one_line_error(cli("bench", "--shape", str(tiny_ar), "--layers", "2"), "--layers")
     _one_line_error(cli("bench", "--shape", "ar-small", "--context", "5000"), "max_seq_len")
     _one_line_error(cli("bench", "--shape", "ar-small", "--out", str(tmp_path)), "--out")
+    _one_line_error(cli("bench", "--shape", "ar-small", "--clock", "sundial"), "--clock")

@@ -18,7 +18,9 @@ The model is random weights at a named shape (SHAPES), or any dlm checkpoint fol
 `repeat` rounds, the points' order rotated each round (as the side-by-side harness interleaves its methods) so a
 burst of machine load falls on all of them; a point's figure is its fastest forward over all rounds (other work on the
 machine only ever slows a forward down, so the fastest is the closest to the machine's own cost; `range` is the
-spread of the rounds' fastest, the noise).
+spread of the rounds' fastest, the noise). On a machine that other work keeps busy, `clock="cpu"` times the process's
+CPU time instead of the wall clock: at one thread that is the forward's own cost without the time it waited for a
+core (a long forward is interrupted more often than a short one, so wall-clock ratios come out too high there).
 """
 
 from __future__ import annotations
@@ -96,19 +98,22 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn, inner: int, device: torch.device) -> float:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def timed(fn, inner: int, device: torch.device, clock: str = "wall") -> float:
     """Seconds of the fastest of `inner` calls (after the caller's warm-up)."""
-    ts = []
+    now, ts = CLOCKS[clock], []
     for _ in range(inner):
         sync(device)
-        t = time.perf_counter()
+        t = now()
         fn()
         sync(device)
-        ts.append(time.perf_counter() - t)
+        ts.append(now() - t)
     return min(ts)
 
 
-def machine(device: torch.device, mb: int = 256, n: int = 2048, inner: int = 3) -> dict[str, float]:
+def machine(device: torch.device, mb: int = 256, n: int = 2048, inner: int = 3, clock: str = "wall") -> dict[str, Any]:
     """Memory bandwidth (GB/s: reading an array of `mb` MB, copying it) and matmul throughput (GFLOP/s: n x n
     float32)."""
     x = torch.rand(mb * 2**20 // 4, device=device)
@@ -116,9 +121,9 @@ def machine(device: torch.device, mb: int = 256, n: int = 2048, inner: int = 3) 
     a, b = torch.rand(n, n, device=device), torch.rand(n, n, device=device)
     for f in (lambda: x.sum(), lambda: y.copy_(x), lambda: a @ b):
         f()  # warm-up: page the arrays in, pick the kernels
-    read = timed(lambda: x.sum(), inner, device)
-    copy = timed(lambda: y.copy_(x), inner, device)
-    mm = timed(lambda: a @ b, inner, device)
+    read = timed(lambda: x.sum(), inner, device, clock)
+    copy = timed(lambda: y.copy_(x), inner, device, clock)
+    mm = timed(lambda: a @ b, inner, device, clock)
     nbytes = x.numel() * 4
     return {"read_gb_s": nbytes / read / 1e9, "copy_gb_s": 2 * nbytes / copy / 1e9, "matmul_gflop_s": 2 * n**3 / mm / 1e9,
             "array_mb": mb, "matmul_n": n, "last_cache_bytes": last_cache_bytes() if device.type == "cpu" else None}
@@ -168,7 +173,7 @@ def available_bytes() -> int | None:
 @torch.inference_mode()
 def run_cost(shape: str, context: int = 256, points: tuple[int, ...] = POINTS, repeat: int = 3, inner: int = 5,
              layers: int = 0, out: str | None = None, device: str = "auto", machine_mb: int = 256,
-             quiet: bool = False) -> dict[str, Any]:
+             clock: str = "wall", quiet: bool = False) -> dict[str, Any]:
     """Measure the cost curve of one shape; print the tables, write the JSON report (and the PNG beside it)."""
     from dlm.bench.harness import environment, write_json
     from dlm.device import resolve_device
@@ -176,12 +181,14 @@ def run_cost(shape: str, context: int = 256, points: tuple[int, ...] = POINTS, r
     check(context >= 1, f"--context must be >= 1, got {context}")
     check(repeat >= 1, f"--repeat must be > 0, got {repeat}")
     check(bool(points) and all(p >= 1 for p in points), f"--points must be integers >= 1, got {list(points)}")
+    check(clock in CLOCKS, f"--clock must be wall or cpu, got {clock!r}")
     points = tuple(sorted(set(points) | {1}))
     if out:
         from dlm.files import check_out_file
 
         check_out_file(out, "--out")
     dev = resolve_device(device)
+    check(clock == "wall" or dev.type == "cpu", "--clock cpu times a CPU run; a GPU's forward is timed by the wall clock")
     load_before = os.getloadavg()
     model, label = shape_model(shape, layers, dev)
     cfg = model.cfg
@@ -232,11 +239,11 @@ def run_cost(shape: str, context: int = 256, points: tuple[int, ...] = POINTS, r
     for r in range(repeat):
         for j in range(len(todo)):
             k, n = todo[(r + j) % len(todo)]
-            rounds[(k, n)].append(timed(lambda: forward(k, n), inner, dev))
+            rounds[(k, n)].append(timed(lambda: forward(k, n), inner, dev, clock))
     secs = {p: min(v) for p, v in rounds.items()}
     spread = {p: (min(v), max(v)) for p, v in rounds.items()}
     del caches
-    mach = machine(dev, machine_mb)
+    mach = machine(dev, machine_mb, clock=clock)
     load_after = os.getloadavg()
 
     one = secs[("tokens", 1)]  # each curve against its own n = 1 (the same forward, timed in its own slots)
@@ -257,7 +264,7 @@ def run_cost(shape: str, context: int = 256, points: tuple[int, ...] = POINTS, r
                   for row in curve["tokens"] if row["n"] > 1]
     report = {"shape": label, "config": cfg.to_dict(), "params": sum(p.numel() for p in model.parameters()),
               "dtype": str(dtype).removeprefix("torch."), "device": str(dev), "context": context, "repeat": repeat,
-              "inner": inner, "tokens": curve["tokens"], "rows": curve["rows"], "skipped": skipped, "machine": mach,
+              "inner": inner, "clock": clock, "tokens": curve["tokens"], "rows": curve["rows"], "skipped": skipped, "machine": mach,
               "decode": decode, "break_even": break_even,
               "load_average": {"before": list(load_before), "after": list(load_after)}, "environment": environment()}
     if not quiet:
@@ -278,7 +285,7 @@ def print_cost(r: dict[str, Any]) -> None:
     con = Console(width=max(120, Console().width))
     m, d = r["machine"], r["decode"]
     con.print(f"[bold]{r['shape']}[/]: {r['params'] / 1e6:.1f}M parameters, {r['dtype']}, {r['device']}, "
-              f"{r['environment']['threads']} threads; cache of {r['context']} tokens; load average "
+              f"{r['environment']['threads']} threads, {r['clock']} clock; cache of {r['context']} tokens; load average "
               f"{r['load_average']['before'][0]:.2f} before, {r['load_average']['after'][0]:.2f} after")
     t = Table(title="cost of one forward relative to one token of one row (the fastest of "
                     f"{r['repeat']} interleaved rounds of {r['inner']} forwards)")
@@ -333,7 +340,7 @@ def plot_cost(r: dict[str, Any], path: Path) -> str | None:
     ax.set_xlabel("new tokens T / rows B")
     ax.set_ylabel("cost relative to one token")
     ax.set_title(f"{r['shape']} ({r['params'] / 1e6:.1f}M, {r['dtype']}), cache {r['context']}, {r['device']}, "
-                 f"{r['environment']['threads']} threads", fontsize=9)
+                 f"{r['environment']['threads']} threads, {r['clock']} clock", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     save_figure(plt, fig, path)
