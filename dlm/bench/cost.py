@@ -126,7 +126,8 @@ def machine(device: torch.device, mb: int = 256, n: int = 2048, inner: int = 3, 
     copy = timed(lambda: y.copy_(x), inner, device, clock)
     mm = timed(lambda: a @ b, inner, device, clock)
     nbytes = x.numel() * 4
-    return {"read_gb_s": nbytes / read / 1e9, "copy_gb_s": 2 * nbytes / copy / 1e9, "matmul_gflop_s": 2 * n**3 / mm / 1e9,
+    return {"read_gb_s": nbytes / read / 1e9, "copy_gb_s": 2 * nbytes / copy / 1e9,
+            "matmul_gflop_s": 2 * n**3 / mm / 1e9,
             "array_mb": mb, "matmul_n": n, "last_cache_bytes": last_cache_bytes() if device.type == "cpu" else None}
 
 
@@ -189,7 +190,8 @@ def run_cost(shape: str, context: int = 256, points: tuple[int, ...] = POINTS, r
 
         check_out_file(out, "--out")
     dev = resolve_device(device)
-    check(clock == "wall" or dev.type == "cpu", "--clock cpu times a CPU run; a GPU's forward is timed by the wall clock")
+    check(clock == "wall" or dev.type == "cpu",
+          "--clock cpu times a CPU run; a GPU's forward is timed by the wall clock")
     load_before = os.getloadavg()
     model, label = shape_model(shape, layers, dev)
     cfg = model.cfg
@@ -270,7 +272,8 @@ def run_cost(shape: str, context: int = 256, points: tuple[int, ...] = POINTS, r
                   for row in curve["tokens"] if row["n"] > 1]
     report = {"shape": label, "config": cfg.to_dict(), "params": sum(p.numel() for p in model.parameters()),
               "dtype": str(dtype).removeprefix("torch."), "device": str(dev), "context": context, "repeat": repeat,
-              "inner": inner, "clock": clock, "tokens": curve["tokens"], "rows": curve["rows"], "skipped": skipped, "machine": mach,
+              "inner": inner, "clock": clock, "tokens": curve["tokens"], "rows": curve["rows"], "skipped": skipped,
+              "machine": mach,
               "decode": decode, "break_even": break_even,
               "load_average": {"before": list(load_before), "after": list(load_after)}, "environment": environment()}
     if not quiet:
@@ -291,7 +294,8 @@ def print_cost(r: dict[str, Any]) -> None:
     con = Console(width=max(120, Console().width))
     m, d = r["machine"], r["decode"]
     con.print(f"[bold]{r['shape']}[/]: {r['params'] / 1e6:.1f}M parameters, {r['dtype']}, {r['device']}, "
-              f"{r['environment']['threads']} threads, {r['clock']} clock; cache of {r['context']} tokens; load average "
+              f"{r['environment']['threads']} threads, {r['clock']} clock; cache of {r['context']} tokens; "
+              "load average "
               f"{r['load_average']['before'][0]:.2f} before, {r['load_average']['after'][0]:.2f} after")
     t = Table(title="cost of one forward relative to one token of one row (the fastest of "
                     f"{r['repeat']} interleaved rounds of {r['inner']} forwards)")
