@@ -71,3 +71,5 @@ def test_bad_shape_options_get_one_line_and_exit_2(tiny_ar, tmp_path):
     _one_line_error(cli("bench", "--shape", "ar-small", "--context", "5000"), "max_seq_len")
     _one_line_error(cli("bench", "--shape", "ar-small", "--out", str(tmp_path)), "--out")
     _one_line_error(cli("bench", "--shape", "ar-small", "--clock", "sundial"), "--clock")
+    _one_line_error(cli("bench", "--shape", ""), "--shape")
+    _one_line_error(cli("bench", "--shape", "llada-8b", "--layers", "1000"), "GiB", "--layers")  # never allocated

@@ -61,12 +61,17 @@ def shape_model(shape: str, layers: int = 0, device: str | torch.device = "cpu")
     as stored."""
     from dlm.model import Transformer, rope_inv_freq
 
+    check(bool(shape.strip()), "--shape needs a named shape or a checkpoint folder, got ''")
     key = shape.lower()
     if key in SHAPES:
         fields = dict(SHAPES[key])
         depth = layers or REDUCED_DEPTH.get(key, fields["n_layers"])
         label = key if depth == fields["n_layers"] else f"{key} ({depth} of {fields['n_layers']} layers)"
         cfg = ModelConfig(**{**fields, "n_layers": depth})
+        need, free = cfg.num_params() * 4, available_bytes()
+        if free is not None and torch.device(device).type == "cpu" and need > free:
+            raise DlmError(f"--shape {key}: {need / 2**30:.1f} GiB of float32 weights, {free / 2**30:.1f} GiB of memory "
+                           "available (--layers N measures it at a smaller depth)")
         with torch.device("meta"):
             model = Transformer(cfg)
         model = model.to_empty(device=device)
