@@ -70,8 +70,8 @@ def shape_model(shape: str, layers: int = 0, device: str | torch.device = "cpu")
         cfg = ModelConfig(**{**fields, "n_layers": depth})
         need, free = cfg.num_params() * 4, available_bytes()
         if free is not None and torch.device(device).type == "cpu" and need > free:
-            raise DlmError(f"--shape {key}: {need / 2**30:.1f} GiB of float32 weights, {free / 2**30:.1f} GiB of memory "
-                           "available (--layers N measures it at a smaller depth)")
+            raise DlmError(f"--shape {key}: {need / 2**30:.1f} GiB of float32 weights, {free / 2**30:.1f} GiB of "
+                           "memory available (--layers N measures it at a smaller depth)")
         with torch.device("meta"):
             model = Transformer(cfg)
         model = model.to_empty(device=device)
