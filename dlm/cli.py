@@ -104,6 +104,9 @@ def train_cmd(cfg, out: str, resume: bool = False, quiet: bool = False) -> None:
     import dataclasses
 
     from dlm.config import TrainConfig
+
+    if not resume:  # a bad option is refused before torch is imported (resumed: checked against the saved run)
+        cfg.validate()
     from dlm.train import train
 
     defaults = TrainConfig()
@@ -130,16 +133,19 @@ def generate_cmd(
             imported model; fp32 for what dlm trains), fp32 or bf16; auto = stored, but float16 weights
             (the shipped checkpoints) run in fp32 on a CPU, as eval and bench run them
     """
-    import torch
+    from dlm.device import check_device_name
 
-    from dlm.checkpoint import load_model
-    from dlm.sampling import encode, generate, stream
-
+    scfg.check()  # a bad option is refused before torch and the samplers are imported
+    check_device_name(device)
     if prompt_file:
         prompt = _read_text(prompt_file)
     prompt = _text(prompt, "--prompt-file" if prompt_file else "--prompt")
     if scfg.suffix is not None:
         _text(scfg.suffix, "--suffix")
+    import torch
+
+    from dlm.checkpoint import load_model
+    from dlm.sampling import encode, generate, stream
     if dtype == "auto":
         from dlm.checkpoint import open_checkpoint
 
@@ -216,12 +222,12 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
         allow_code_execution: --task code, code-infill: run the programs the model wrote (contained: namespaces or
             a fresh uid, limits; docs/reliability.md); also DLM_ALLOW_CODE_EXECUTION=1
     """
-    from dlm.checkpoint import load_model
-    from dlm.config import check_seed
-    from dlm.sampling import SampleConfig
+    from dlm.config import SampleConfig, check_seed
+    from dlm.device import check_device_name
 
     scfg = scfg or SampleConfig()
     check_seed(scfg.seed)
+    check_device_name(device)
     if clues is not None and task != "sudoku":
         raise DlmError("--clues goes with --task sudoku")
     if task is not None:
@@ -245,6 +251,8 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
         raise DlmError(f"--seq-len must be >= 0 (0 = the training sequence length), got {seq_len}")
     if not 1 <= samples <= 1024:
         raise DlmError(f"--samples must be in [1, 1024], got {samples}")
+    from dlm.checkpoint import load_model
+
     net, ck = load_model(model, device=_device(device))
     from dlm.data.corpus import Corpus
     from dlm.evaluate import evaluate
@@ -261,13 +269,9 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
 def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: int, span: str, context: int,
                json: bool, split: str = "test", samples: int = 1, clues: str | None = None, batch: int = 1,
                tries: int = 1, best_of: int = 1, pick: str = "score") -> None:
-    from dlm.checkpoint import load_model
-    from dlm.sampling import SampleConfig
-    from dlm.tasks import run_task, task_module
+    from dlm.config import SampleConfig
 
-    mod = task_module(task)
-    if scfg.max_new_tokens == SampleConfig.max_new_tokens:  # not given: the task's own budget
-        scfg = scfg.replace(max_new_tokens=mod.default_new_tokens(span))
+    scfg.check()  # bad options are refused before torch and the samplers are imported
     if context < 0:
         raise DlmError(f"--context must be >= 0 (0 = the training window), got {context}")
     if not 1 <= samples <= 1024:
@@ -276,8 +280,15 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
         raise DlmError(f"--batch must be > 0 (1 = one case at a time), got {batch}")
     if data is None and task != "sudoku" and split not in ("val", "test"):
         raise DlmError(f"--split with --task: val (to tune on) or test, got {split!r}")
+    from dlm.tasks import run_task, task_module
+
+    mod = task_module(task)
+    if scfg.max_new_tokens == SampleConfig.max_new_tokens:  # not given: the task's own budget
+        scfg = scfg.replace(max_new_tokens=mod.default_new_tokens(span))
     extra = {"clues": clues} if clues is not None else {}
     cases = mod.cases(data, n, scfg.seed, span, split, **extra)  # bad --data is refused before the model is loaded
+    from dlm.checkpoint import load_model
+
     net, ck = load_model(model, device=_device(device))
     drafter = None
     if scfg.draft:
@@ -321,16 +332,16 @@ def export_cmd(model: str, out: str, format: str = "hf", dtype: str = "float32",
         dtype: float32, float16 or bfloat16
         overwrite: --out may hold files: the files this export writes replace theirs; nothing else is deleted
     """
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise DlmError(f"--dtype must be one of ['bfloat16', 'float16', 'float32'], got {dtype!r}")
+    if format not in ("hf", "dlm"):
+        raise DlmError(f"--format must be hf or dlm, got {format!r}")
     import torch
 
     from dlm.checkpoint import export_dlm, load_model
     from dlm.hf import export_drafter, export_hf, prenorm_warning
 
     dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    if dtype not in dtypes:
-        raise DlmError(f"--dtype must be one of {sorted(dtypes)}, got {dtype!r}")
-    if format not in ("hf", "dlm"):
-        raise DlmError(f"--format must be hf or dlm, got {format!r}")
     net, ck = load_model(model, dtype=None)  # as stored: each tensor is cast as it is written
     if format == "dlm":
         path = export_dlm(net, ck, out, dtypes[dtype], overwrite)
@@ -423,6 +434,12 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
         if out:
             print(f"report: {out}")
         return
+    temps = tuple(temperature) if temperature else (0.0, 1.0)
+    for t in temps:
+        if t < 0:
+            raise DlmError(f"--temperature must be >= 0, got {t}")
+    if max_new_tokens < 0:
+        raise DlmError(f"--max-new-tokens must be > 0 (0 = the default), got {max_new_tokens}")
     from dlm.bench import run_bench
     from dlm.checkpoint import shipped
 
@@ -437,12 +454,6 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
     model = default(model, "ar-small")
     if model is None:
         raise DlmError("--model: no AR checkpoint given and the shipped ar-small is missing")
-    temps = tuple(temperature) if temperature else (0.0, 1.0)
-    for t in temps:
-        if t < 0:
-            raise DlmError(f"--temperature must be >= 0, got {t}")
-    if max_new_tokens < 0:
-        raise DlmError(f"--max-new-tokens must be > 0 (0 = the default), got {max_new_tokens}")
     if not max_new_tokens:
         from dlm.tasks import task_module
 
@@ -461,11 +472,11 @@ def demo_cmd(prompts: int = 3, max_new_tokens: int = 48) -> None:
         prompts: held-out snippets to complete
         max_new_tokens: tokens per completion
     """
-    from dlm.demo import run_demo
-
     for name, v in (("--prompts", prompts), ("--max-new-tokens", max_new_tokens)):
         if v <= 0:
             raise DlmError(f"{name} must be > 0, got {v}")
+    from dlm.demo import run_demo
+
     run_demo(prompts, max_new_tokens)
 
 
@@ -524,6 +535,9 @@ def serve_cmd(model: list[str], draft: str | None = None, host: str = "127.0.0.1
         raise DlmError(f"--max-body must be >= 1024 bytes, got {max_body}")
     if threads < 0:
         raise DlmError(f"--threads must be >= 0, got {threads}")
+    from dlm.device import check_device_name
+
+    check_device_name(device)
     try:
         from dlm.serve.app import serve
     except ImportError as e:
@@ -627,7 +641,7 @@ def _train_config() -> type:
 
 
 def _sample_config() -> type:
-    from dlm.sampling import SampleConfig  # imports torch: only when `generate` runs
+    from dlm.config import SampleConfig
 
     return SampleConfig
 

@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from dlm.errors import DlmError, check
+
+if TYPE_CHECKING:
+    import torch
+
+
+def check_device_name(name: str) -> None:
+    """--device's spelling, checked before torch is imported."""
+    index = name.partition(":")[2]
+    check(name in ("auto", "cpu", "cuda") or (name.startswith("cuda:") and index.isdigit() and index.isascii()),
+          f"--device must be auto, cpu, cuda or cuda:N, got {name!r}")
 
 
 def resolve_device(name: str) -> torch.device:
     """--device: auto (CUDA when there is one), cpu, cuda or cuda:N."""
+    import torch
+
+    check_device_name(name)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     index = name.partition(":")[2]
-    check(name in ("cpu", "cuda") or (name.startswith("cuda:") and index.isdigit() and index.isascii()),
-          f"--device must be auto, cpu, cuda or cuda:N, got {name!r}")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise DlmError(f"--device {name}: no CUDA device is available")
     if index and int(index) >= torch.cuda.device_count():

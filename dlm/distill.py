@@ -67,14 +67,8 @@ def distill(target: str, out: str, data: str = "stdlib", prompts: int = 4096, ma
             batch_size: int = 32, temperature: float = 0.0, min_chars: int = 64, max_chars: int = 400, seed: int = 0,
             device: str = "cpu", quiet: bool = False) -> dict:
     """Generate the target's continuations of train-split prompts into a .jsonl file; returns a summary."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from dlm.checkpoint import load_model
-    from dlm.files import check_out_file
-    from dlm.device import resolve_device
     from dlm.config import check_seed
-    from dlm.sampling import SampleConfig, stream
-    from dlm.sampling.common import Commit, before_eos
+    from dlm.device import check_device_name
 
     check(0 < prompts <= MAX_PROMPTS, f"--prompts must be in [1, {MAX_PROMPTS}] (DFlash's drafters learned from "
                                       f"~800k; run several distills for more), got {prompts}")
@@ -83,6 +77,15 @@ def distill(target: str, out: str, data: str = "stdlib", prompts: int = 4096, ma
     check(temperature >= 0, f"--temperature must be >= 0, got {temperature}")
     check(0 < min_chars <= max_chars, f"--min-chars must be in (0, --max-chars], got {min_chars} and {max_chars}")
     check_seed(seed)
+    check_device_name(device)  # the options are checked before torch is imported
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from dlm.checkpoint import load_model
+    from dlm.device import resolve_device
+    from dlm.files import check_out_file
+    from dlm.sampling import SampleConfig, stream
+    from dlm.sampling.common import Commit, before_eos
+
     dst = check_out_file(out)
     check(dst.suffix == ".jsonl", f"--out must be a .jsonl file, got {out!r}")
     model, ck = load_model(target, device=resolve_device(device), option="--target")

@@ -178,6 +178,43 @@ def test_help_is_fast_and_shows_the_docstrings():
     assert g.returncode == 0 and "nucleus sampling mass" in g.stdout and "--check-lossless" in g.stdout
 
 
+# every subcommand's --help, and options refused by their values: answered before torch, transformers or the
+# samplers are imported (what makes them take a fraction of a second instead of several)
+_LIGHT = [[c, "--help"] for c in ("train", "generate", "eval", "export", "import", "bench", "demo", "distill", "serve",
+                                  "task")] + [
+    ["generate", "--model", "checkpoints/ar-small", "--top-p", "1.5"],
+    ["generate", "--model", "checkpoints/ar-small", "--temperature", "-1"],
+    ["generate", "--model", "checkpoints/ar-small", "--max-new-tokens", "0"],
+    ["generate", "--model", "checkpoints/ar-small", "--device", "gpu"],
+    ["eval", "--model", "checkpoints/ar-small", "--task", "sudoku", "--top-k", "-3"],
+    ["eval", "--model", "checkpoints/ar-small", "--batch-size", "0"],
+    ["train", "--out", "never", "--preset", "nope"],
+    ["train", "--out", "never", "--lr", "-1"],
+    ["bench", "--temperature", "-1"],
+    ["demo", "--prompts", "0"],
+    ["distill", "--target", "checkpoints/ar-small", "--out", "x.jsonl", "--device", "tpu"],
+    ["serve", "--model", "checkpoints/ar-small", "--port", "70000"],
+    ["export", "--model", "checkpoints/ar-small", "--out", "never", "--dtype", "int8"],
+]
+
+
+def test_help_and_refused_options_do_not_import_torch(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import json, sys\nfrom dlm.cli import main\nout = []\n"
+            "for argv in json.loads(sys.argv[1]):\n"
+            "    try:\n        code = main(argv)\n    except SystemExit as e:\n        code = e.code\n"
+            "    out.append([code, [m for m in ('torch', 'transformers', 'dlm.sampling') if m in sys.modules]])\n"
+            "print(json.dumps(out), file=sys.stderr)")
+    p = subprocess.run([sys.executable, "-c", code, json.dumps(_LIGHT)], capture_output=True, text=True, cwd=tmp_path,
+                       timeout=120)
+    got = json.loads(p.stderr.strip().splitlines()[-1])
+    for argv, (code, heavy) in zip(_LIGHT, got, strict=True):
+        assert code == (0 if "--help" in argv else 2), (argv, code, p.stderr)
+        assert heavy == [], (argv, heavy)  # imported by this command line (or an earlier one)
+
+
 def test_flags_lists_optionals_and_underscores(parsed):
     a = parsed("generate", "--model", "m", "--json", "--max_new_tokens", "7", "--no-adaptive", "--temperature", "-0.5")
     assert a["json"] is True and a["show"] is False and a["model"] == "m" and a["prompt_file"] is None
