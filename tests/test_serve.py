@@ -88,12 +88,13 @@ def test_health_and_models(url, client):
 def test_ar_completion_is_dlm_generate_and_streams_the_same_text(engine, client):
     prompt = PROMPTS[0]
     want = reference(engine, "ar-small", prompt, max_new_tokens=24)
-    r = client.completions.create(model="ar-small", prompt=prompt, max_tokens=24)
+    r = client.completions.create(model="ar-small", prompt=prompt, max_tokens=24, temperature=0)
     assert r.choices[0].text == want and r.object == "text_completion"
     assert r.usage.completion_tokens == 24 and r.usage.prompt_tokens == len(engine.get("ar-small").ck.tokenizer.encode(prompt))
     dlm = r.model_extra["dlm"]
     assert dlm["paradigm"] == "ar" and dlm["forwards"] == 24 and dlm["tokens_per_forward"] == 1.0
-    chunks = list(client.completions.create(model="ar-small", prompt=prompt, max_tokens=24, stream=True))
+    chunks = list(client.completions.create(model="ar-small", prompt=prompt, max_tokens=24, temperature=0,
+                                            stream=True))
     assert "".join(c.choices[0].text for c in chunks) == want
     assert chunks[-1].choices[0].finish_reason == "length"
     assert chunks[-1].model_extra["dlm"]["event"] == "stats"
@@ -102,13 +103,14 @@ def test_ar_completion_is_dlm_generate_and_streams_the_same_text(engine, client)
 def test_every_paradigm_answers_with_its_counters(engine, client):
     prompt = PROMPTS[2]
     ar_text = reference(engine, "ar-small", prompt, max_new_tokens=20)
-    spec = client.completions.create(model="ar-small+dflash-small", prompt=prompt, max_tokens=20)
+    spec = client.completions.create(model="ar-small+dflash-small", prompt=prompt, max_tokens=20, temperature=0)
     assert spec.choices[0].text == ar_text  # lossless: the target's own greedy output
     d = spec.model_extra["dlm"]
     assert d["paradigm"] == "speculative" and 1 <= d["tau"] <= 9 and d["draft_forwards"] > 0
     assert d["forwards"] < 20 + 1 and d["tokens_per_forward"] == pytest.approx(20 / d["forwards"])
     for model, steps in (("mdlm-small", None), ("usdm-small", 12)):
-        r = client.completions.create(model=model, prompt=prompt, max_tokens=16, extra_body={"steps": steps})
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0,
+                                      extra_body={"steps": steps})
         assert r.choices[0].text == reference(engine, model, prompt, max_new_tokens=16, steps=steps)
         d = r.model_extra["dlm"]
         assert d["paradigm"] == model.split("-")[0] and d["steps"] >= 1 and d["canvases"] >= 1 and d["forwards"] >= 1
@@ -132,7 +134,7 @@ def test_chat_template_streaming_and_not(client):
 def test_infilling_returns_the_middle(engine, client):
     prefix, suffix = "def add(a, b):\n    ", "\n\ndef sub(a, b):\n    return a - b\n"
     for model, steps in (("mdlm-small", None), ("usdm-small", 16)):
-        r = client.completions.create(model=model, prompt=prefix, suffix=suffix, max_tokens=12,
+        r = client.completions.create(model=model, prompt=prefix, suffix=suffix, max_tokens=12, temperature=0,
                                       extra_body={"steps": steps})
         full = reference(engine, model, prefix, max_new_tokens=12, suffix=suffix, steps=steps)
         assert full == r.choices[0].text + suffix  # the suffix comes back byte-exact after the middle
@@ -141,7 +143,7 @@ def test_infilling_returns_the_middle(engine, client):
 
 def test_logprobs_are_the_models_own(engine, client):
     prompt = PROMPTS[1]
-    r = client.completions.create(model="ar-small", prompt=prompt, max_tokens=6, logprobs=3)
+    r = client.completions.create(model="ar-small", prompt=prompt, max_tokens=6, logprobs=3, temperature=0)
     lp = r.choices[0].logprobs
     s = engine.get("ar-small")
     tok = s.ck.tokenizer
@@ -156,7 +158,8 @@ def test_logprobs_are_the_models_own(engine, client):
         assert len(lp.top_logprobs[i]) == 3 and max(lp.top_logprobs[i].values()) == pytest.approx(lp.token_logprobs[i])
     assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
     # the speculative id answers logprobs too (without speculation: the output is the same)
-    spec = client.completions.create(model="ar-small+dflash-small", prompt=prompt, max_tokens=6, logprobs=1)
+    spec = client.completions.create(model="ar-small+dflash-small", prompt=prompt, max_tokens=6, logprobs=1,
+                                     temperature=0)
     assert spec.choices[0].text == r.choices[0].text
     chat = client.chat.completions.create(model="ar-small", messages=[{"role": "user", "content": "x"}], max_tokens=4,
                                           logprobs=True, top_logprobs=2)
@@ -167,9 +170,10 @@ def test_stop_sequences_cut_the_text(engine, client):
     prompt = PROMPTS[0]
     full = reference(engine, "ar-small", prompt, max_new_tokens=40)
     assert "\n" in full
-    r = client.completions.create(model="ar-small", prompt=prompt, max_tokens=40, stop=["\n"])
+    r = client.completions.create(model="ar-small", prompt=prompt, max_tokens=40, stop=["\n"], temperature=0)
     assert r.choices[0].text == full[:full.index("\n")] and r.choices[0].finish_reason == "stop"
-    chunks = list(client.completions.create(model="ar-small", prompt=prompt, max_tokens=40, stop="\n", stream=True))
+    chunks = list(client.completions.create(model="ar-small", prompt=prompt, max_tokens=40, stop="\n", stream=True,
+                                            temperature=0))
     assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
 
 
@@ -190,7 +194,7 @@ def test_n_choices_seeds_and_prompt_lists(client):
 def test_diffusion_steps_and_drafts_stream_as_extra_fields(engine, url):
     prompt = PROMPTS[0]
     for model in ("mdlm-small", "usdm-small"):
-        events = sse(url, {"model": model, "prompt": prompt, "max_tokens": 12, "stream": True,
+        events = sse(url, {"model": model, "prompt": prompt, "max_tokens": 12, "stream": True, "temperature": 0,
                            "dlm_stream_steps": True})
         assert events[-1] == "[DONE]"
         steps = [e["dlm"] for e in events[:-1] if e.get("dlm", {}).get("event") == "step"]
@@ -209,13 +213,14 @@ def test_diffusion_steps_and_drafts_stream_as_extra_fields(engine, url):
 # load --------------------------------------------------------------------------------------------------
 
 def test_16_concurrent_streams_are_batched_and_uncorrupted(engine, url, client):
-    want = [client.completions.create(model="ar-small", prompt=p, max_tokens=24).choices[0].text for p in PROMPTS]
+    want = [client.completions.create(model="ar-small", prompt=p, max_tokens=24, temperature=0).choices[0].text
+            for p in PROMPTS]
     before = httpx.get(url + "/health").json()["batching"]["ar-small"]
     start = threading.Barrier(len(PROMPTS))
 
     def one(p: str) -> str:
         start.wait()
-        stream = client.completions.create(model="ar-small", prompt=p, max_tokens=24, stream=True)
+        stream = client.completions.create(model="ar-small", prompt=p, max_tokens=24, temperature=0, stream=True)
         return "".join(c.choices[0].text for c in stream)
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -399,7 +404,6 @@ BAD = [  # (path, body (dict, or raw bytes), status, param)
     ("/v1/completions", {**OK, "stop": [""]}, 400, "stop"),
     ("/v1/completions", {**OK, "logprobs": 10}, 400, "logprobs"),
     ("/v1/completions", {**OK, "stream": "yes"}, 400, "stream"),
-    ("/v1/completions", {**OK, "foo": 1}, 400, "foo"),
     ("/v1/completions", {**OK, "presence_penalty": 1.0}, 400, "presence_penalty"),
     ("/v1/completions", {**OK, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/completions", {**OK, "suffix": "pass"}, 400, "suffix"),  # AR cannot infill
@@ -412,7 +416,7 @@ BAD = [  # (path, body (dict, or raw bytes), status, param)
     ("/v1/completions", {**OK, "model": "mdlm-small", "prompt": "a <fill:99999999999> b"}, 400, "prompt"),
     ("/v1/completions", {**OK, "model": "mdlm-small", "fill_length": 10**9, "prompt": "a <fill> b"}, 400,
      "fill_length"),
-    ("/v1/completions", {**OK, "model": "usdm-small", "temperature": 0.7}, 400, "temperature"),
+    ("/v1/completions", {**OK, "model": "usdm-small", "temperature": 1e-5}, 400, "temperature"),  # scales t_min
     ("/v1/completions", {**OK, "model": "usdm-small", "canvas_length": 0}, 400, "canvas_length"),
     ("/v1/completions", {**OK, "model": "usdm-small", "t_min": 2.0}, 400, "t_min"),
     ("/v1/completions", {**OK, "model": "usdm-small", "t_min": 1e-300, "t_max": 1e-300}, 400, "t_min"),
@@ -461,7 +465,8 @@ def test_transport_level_mistakes(url):
     # a top_p below float32's range used to leave no token to sample from (a 500): it keeps the most likely one
     r = httpx.post(url + "/v1/completions", json={"model": "ar-small", "prompt": "x", "max_tokens": 4, "temperature": 1.0,
                                                    "top_p": 1e-300})
-    greedy = httpx.post(url + "/v1/completions", json={"model": "ar-small", "prompt": "x", "max_tokens": 4})
+    greedy = httpx.post(url + "/v1/completions", json={"model": "ar-small", "prompt": "x", "max_tokens": 4,
+                                                        "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
 
 
@@ -540,6 +545,13 @@ def test_playground_races_every_paradigm_in_chromium(url):
             assert not p["error"] and p["text"].strip(), p
             assert "tok/s" in p["meta"] and "tok/fwd" in p["meta"], p
         assert "tau" in panels[3]["meta"] and "steps" in panels[1]["meta"]
+        # a temperature goes to every chosen model: usdm's panel scales its schedule by it, as the others sample
+        b.goto(url + "/?race=1&max_tokens=8&temperature=0.7&models=usdm-small,ar-small,mdlm-small")
+        b.wait_for("document.body.dataset.state === 'done'", timeout=90)
+        warm = b.eval("[...document.querySelectorAll('.panel')].map(p => [p.querySelector('h2 span').textContent, "
+                      "p.classList.contains('error'), p.querySelector('.text').textContent])")
+        assert [w[0] for w in warm] == ["ar-small", "mdlm-small", "usdm-small"], warm
+        assert all(not err and text.strip() for _, err, text in warm), warm
         # an infilling race: the diffusion panels fill the middle; the AR panels say why they cannot
         b.goto(url + "/?race=1&max_tokens=8&models=mdlm-small,ar-small&suffix=%0Areturn%20x%0A")
         b.wait_for("document.body.dataset.state === 'done'", timeout=60)

@@ -313,7 +313,7 @@ def create_app(engine: Engine, *, max_concurrency: int = 8, max_queue: int = 32,
                     state["job"].cancel()
                 ticket.release()
 
-            return EventStream(_stream(plan, ticket, state), close)
+            return _named_ignored(EventStream(_stream(plan, ticket, state), close), plan)
         job: Job | None = None
 
         async def work() -> dict:
@@ -337,7 +337,7 @@ def create_app(engine: Engine, *, max_concurrency: int = 8, max_queue: int = 32,
             if not task.done():  # the client left: stop its generation
                 task.cancel()
                 return Response(status_code=499)
-            return JSONResponse(task.result())
+            return _named_ignored(JSONResponse(task.result()), plan)
         finally:
             gone.cancel()
             if job is not None:
@@ -380,6 +380,13 @@ def create_app(engine: Engine, *, max_concurrency: int = 8, max_queue: int = 32,
         yield "data: [DONE]\n\n"
 
     return app
+
+
+def _named_ignored(response: Response, plan: Plan) -> Response:
+    """The request's fields the API does not know (ignored, as vLLM does) named in a header."""
+    if plan.ignored:
+        response.headers["X-Dlm-Ignored-Fields"] = ", ".join(plan.ignored)
+    return response
 
 
 async def _disconnected(request: Request) -> None:
@@ -430,7 +437,7 @@ def running(app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str
 
 def serve(models: list[str], draft: str | None = None, host: str = "127.0.0.1", port: int = 8000,
           max_concurrency: int = 8, max_queue: int = 32, api_key: str | None = None, max_body: int = MAX_BODY,
-          device: str = "cpu", log_level: str = "info") -> None:
+          device: str = "auto", log_level: str = "info") -> None:
     """Load the models and serve until interrupted (what `dlm serve` runs)."""
     from dlm.device import resolve_device
 

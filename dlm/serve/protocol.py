@@ -1,7 +1,8 @@
 """The OpenAI side of the server: request schemas, their validation, errors, and the response bodies.
 
-Requests are parsed strictly (a string where a number belongs is a 400, unknown fields are a 400
-naming them), then turned into a `Plan`: the encoded prompts, one `Row` per prompt and choice, and
+Requests are parsed strictly (a string where a number belongs is a 400); a top-level field the API does
+not know is ignored, named in the `X-Dlm-Ignored-Fields` response header and a warning in the log (as
+vLLM does: clients send fields of newer API versions), then the request is turned into a `Plan`: the encoded prompts, one `Row` per prompt and choice, and
 one SampleConfig built from the OpenAI fields and dlm's extra fields. The sampler's own checks run
 on that SampleConfig before anything starts (`Engine.validate`); their DlmError becomes a 400 whose
 message names the request's fields instead of the CLI's options.
@@ -14,6 +15,7 @@ counters of the `dlm` object.
 
 from __future__ import annotations
 
+import logging
 import re
 import secrets
 import time
@@ -39,6 +41,9 @@ MAX_TOP_LOGPROBS = 20  # chat
 MAX_SEED = 2**63 - 1
 MAX_TEMPERATURE = 100.0  # (OpenAI allows 2; far above, float32 logits / T underflow or overflow)
 TEMPERATURE_RANGE = (1e-4, 100.0)  # usdm's t_min, t_max
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's: a request without temperature samples (temperature 0 is greedy)
+
+log = logging.getLogger("dlm.serve")
 
 # dlm's sampler options accepted as extra body fields, and the paradigms each applies to
 def served_options(paradigm: str) -> frozenset[str]:
@@ -177,6 +182,8 @@ class _Common(DlmFields):
 
 
 class CompletionRequest(_Common):
+    model_config = ConfigDict(extra="allow")  # unknown top-level fields: kept aside, ignored, named (Plan.ignored)
+
     prompt: str | list[str] | list[int] | list[list[int]]
     suffix: str | None = None
     max_tokens: int | None = 16
@@ -197,6 +204,8 @@ class ChatMessage(_Strict):
 
 
 class ChatRequest(_Common):
+    model_config = ConfigDict(extra="allow")
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -210,9 +219,17 @@ class ChatRequest(_Common):
 
 def parse(kind: type[BaseModel], body: dict) -> Any:
     try:
-        return kind.model_validate(body)
+        req = kind.model_validate(body)
     except ValidationError as e:
         raise from_validation_error(e) from None
+    if req.model_extra:
+        log.warning("fields present in the request but ignored: %s", ", ".join(sorted(req.model_extra)))
+    return req
+
+
+def ignored(req: BaseModel) -> list[str]:
+    """The request's top-level fields the API does not know (ignored; the X-Dlm-Ignored-Fields header names them)."""
+    return sorted(req.model_extra or {})
 
 
 # the chat template -------------------------------------------------------------------------------------
@@ -247,6 +264,7 @@ class Plan:
     middle: list[int | None] = field(default_factory=list)  # per row: suffix infilling returns this many tokens
     id: str = ""
     created: int = 0
+    ignored: list[str] = field(default_factory=list)  # the request's fields the API does not know
 
 
 def _sample_config(served: Served, req: _Common, max_tokens: int) -> SampleConfig:
@@ -278,12 +296,29 @@ def _sample_config(served: Served, req: _Common, max_tokens: int) -> SampleConfi
             raise ApiError(400, f"{name} must be <= {served.context} (the model's context), got {given[name]}",
                            name, "invalid_value")
     cfg = SampleConfig(max_new_tokens=max_tokens, **given)
-    if req.temperature is not None:
-        cfg.temperature = req.temperature
+    temperature = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
+    if served.paradigm == "usdm":
+        cfg = _usdm_schedule(cfg, temperature)
+    else:
+        cfg.temperature = temperature
     if req.top_p is not None:
         cfg.top_p = req.top_p
     if req.seed is not None:
         cfg.seed = req.seed
+    return cfg
+
+
+def _usdm_schedule(cfg: SampleConfig, temperature: float) -> SampleConfig:
+    """usdm samples every step on its t_max -> t_min schedule: `temperature` scales that schedule (given or the
+    default), T x t_max -> T x t_min. 1 (OpenAI's default) is the schedule itself; 0, greedy elsewhere, leaves it
+    as it is too (a usdm canvas is denoised by sampling; its tokens are the last step's argmax either way)."""
+    if temperature in (0.0, 1.0):
+        return cfg
+    cfg = cfg.replace(t_max=cfg.t_max * temperature, t_min=cfg.t_min * temperature)
+    lo, hi = TEMPERATURE_RANGE
+    if not (lo <= cfg.t_min and cfg.t_max <= hi):
+        raise ApiError(400, f"temperature {temperature} scales usdm's schedule (t_max -> t_min) to {cfg.t_max:g} -> "
+                            f"{cfg.t_min:g}, outside [{lo}, {hi}]", "temperature", "invalid_value")
     return cfg
 
 
@@ -394,7 +429,7 @@ def plan_completion(engine: Engine, served: Served, req: CompletionRequest) -> P
             middle.append(None if req.suffix is None else _middle(served, pr, max_tokens))
     return Plan(served, "completion", rows, sum(len(pr.ids) for pr in prompts), stops, req.stream,
                 bool(req.stream_options and req.stream_options.include_usage), req.dlm_stream_steps,
-                req.logprobs, echo, middle, f"cmpl-{secrets.token_hex(12)}", int(time.time()))
+                req.logprobs, echo, middle, f"cmpl-{secrets.token_hex(12)}", int(time.time()), ignored(req))
 
 
 def _middle(served: Served, prompt: Prompt, max_tokens: int) -> int:
@@ -432,7 +467,7 @@ def plan_chat(engine: Engine, served: Served, req: ChatRequest) -> Plan:
     rows = [Row(prompts[0], cfg.replace(seed=cfg.seed + j), top) for j in range(req.n)]
     return Plan(served, "chat", rows, len(prompts[0].ids), stops, req.stream,
                 bool(req.stream_options and req.stream_options.include_usage), req.dlm_stream_steps, top,
-                [""] * req.n, [None] * req.n, f"chatcmpl-{secrets.token_hex(12)}", int(time.time()))
+                [""] * req.n, [None] * req.n, f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), ignored(req))
 
 
 def _encode(served: Served, texts: list[str], cfg: SampleConfig) -> list[Prompt]:

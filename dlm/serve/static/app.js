@@ -235,9 +235,10 @@ async function race() {
   const runs = models.map((m) => {
     const panel = new Panel(m, prompt, suffix);
     box.append(panel.root);
-    const body = { model: m.id, prompt, max_tokens: maxTokens, stream: true, dlm_stream_steps: true, seed };
+    // temperature is always sent (the API's default is OpenAI's 1); a usdm model scales its t_max -> t_min
+    // schedule by it (0 and 1: the schedule as it is)
+    const body = { model: m.id, prompt, max_tokens: maxTokens, stream: true, dlm_stream_steps: true, seed, temperature };
     if (suffix) body.suffix = suffix;
-    if (temperature > 0) body.temperature = temperature;  // usdm refuses temperature (its schedule is t_max/t_min)
     return runPanel(panel, body, maxTokens).then(() => {
       if (!panel.root.classList.contains("error")) finished.push(panel);
       const place = finished.indexOf(panel);
