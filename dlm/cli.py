@@ -118,7 +118,7 @@ def train_cmd(cfg, out: str, resume: bool = False, quiet: bool = False) -> None:
 
 def generate_cmd(
     scfg, model: str, prompt: str = "", prompt_file: str | None = None, json: bool = False, show: bool = False,
-    device: str = "cpu", dtype: Literal["auto", "stored", "fp32", "bf16"] = "auto",
+    device: str = "auto", dtype: Literal["auto", "stored", "fp32", "bf16"] = "auto",
 ) -> None:
     """Generate text with a checkpoint (its paradigm's sampler).
 
@@ -128,10 +128,11 @@ def generate_cmd(
         prompt_file: read the prompt from this file instead ('-' for standard input)
         json: print one JSON object with the text and the statistics
         show: live view: redraw the canvas at every denoising step (or stream tokens as they commit)
-        device: cpu, cuda or auto
+        device: auto (a CUDA GPU when there is one, else the CPU), cpu, cuda or cuda:N
         dtype: the weights' precision: stored (as the checkpoint holds them, memory-mapped: no copy of a large
             imported model; fp32 for what dlm trains), fp32 or bf16; auto = stored, but float16 weights
-            (the shipped checkpoints) run in fp32 on a CPU, as eval and bench run them
+            (the shipped checkpoints) run in fp32 on a CPU, as eval and bench run them, and fp32 weights in bf16
+            on a GPU that supports it
     """
     from dlm.device import check_device_name
 
@@ -150,8 +151,11 @@ def generate_cmd(
         from dlm.checkpoint import open_checkpoint
 
         dev = _device(device)
-        half_on_cpu = open_checkpoint(model).config.get("dtype") == "float16" and dev.type == "cpu"
-        dtype = "fp32" if half_on_cpu else "stored"
+        stored = open_checkpoint(model).config.get("dtype")
+        if dev.type == "cpu":
+            dtype = "fp32" if stored == "float16" else "stored"
+        else:
+            dtype = "bf16" if stored in (None, "float32") and torch.cuda.is_bf16_supported() else "stored"
     net, ck = load_model(model, device=_device(device),
                          dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "stored": None}[dtype])
     for warning in unused_options(scfg, ck.objective, prompt):
@@ -178,9 +182,9 @@ def generate_cmd(
 
 def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None, seq_len: int = 0, batch_size: int = 8,
              max_batches: int = 0, samples: int | None = None, reference: str | None = None, json: bool = False,
-             device: str = "cpu", task: str | None = None, n: int = 100, span: str = "line",
-             context: int = 0, clues: str | None = None, batch: int = 1, tries: int = 1, best_of: int = 1,
-             pick: str = "score", allow_code_execution: bool = False) -> None:
+             device: str = "auto", task: str | None = None, n: int = 100, span: str = "line",
+             context: int = 0, clues: str | None = None, cases_per_batch: int = 1, tries: int = 1,
+             best_of: int = 1, pick: str = "score", allow_code_execution: bool = False) -> None:
     """Held-out loss and perplexity of a checkpoint; or, with --task, what it gets right on a task.
 
     --task complete|infill|sudoku runs the task's cases through the checkpoint's sampler with the generation
@@ -193,7 +197,7 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
         data: corpus (default: the one the checkpoint was trained on); with --task: a source file or folder
             (complete, infill; default: the stdlib's held-out test split) or a sudoku CSV (default: fresh puzzles)
         seq_len: window length (default: the training sequence length)
-        batch_size: windows per forward
+        batch_size: the likelihood eval (no --task): windows per forward (--task batches cases: --cases-per-batch)
         max_batches: stop after this many batches (0 = the whole split)
         samples: Monte-Carlo samples per window of a diffusion checkpoint's likelihood bound (default 4; LLaDA uses
             128; averaged over a whole split, 4 already give a standard error of ~0.01 nats, reported); with --task:
@@ -201,7 +205,7 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
         reference: AR checkpoint scored on the same windows beside a diffusion bound (default: the
             checkpoint's --init-from, else checkpoints/ar-small)
         json: print one JSON object
-        device: cpu, cuda or auto
+        device: auto (a CUDA GPU when there is one, else the CPU), cpu, cuda or cuda:N
         task: complete (next line of code), infill (a removed middle), sudoku (solve puzzles), code (HumanEval /
             MBPP jsonl: programs run against their tests, pass@k) or code-infill (HumanEval solutions with a hole)
         n: --task: number of cases, picked reproducibly by --seed
@@ -209,8 +213,8 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
         context: --task: tokens of prompt + generation at most (0 = the checkpoint's training window)
         clues: --task sudoku: givens per puzzle, A-B: fresh held-out puzzles of that difficulty (default 40-50;
             easy 40-50, medium 30-40, hard 22-27, extreme 17-21); with --data, only its puzzles in A-B
-        batch: --task, mdlm and usdm checkpoints and --draft: cases generated together as rows of one batch (the
-            same answers and tokens per forward, less wall time; 1 = one case at a time)
+        cases_per_batch: --task, mdlm and usdm checkpoints and --draft: cases generated together as rows of one batch
+            (the same answers and tokens per forward, less wall time; 1 = one case at a time; older spelling --batch)
         tries: --task sudoku: a decoder that consults the rules: a grid that breaks them is sampled again with the
             next seed, up to this many tries (needs --temperature > 0 but for usdm); reported as rule-checked, with
             the work of every try counted, never as the model's own figure (1 = off)
@@ -236,7 +240,7 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
 
             allowed(allow_code_execution, task)  # refused in one line unless asked for
         _eval_task(model, device, scfg, task, data, n, span, context, json, split, 1 if samples is None else samples,
-                   clues, batch, tries, best_of, pick)
+                   clues, cases_per_batch, tries, best_of, pick)
         return
     if tries != 1:
         raise DlmError("--tries goes with --task sudoku")
@@ -244,7 +248,7 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
         raise DlmError("--best-of goes with --task")
     samples = 4 if samples is None else samples
     if batch_size <= 0:
-        raise DlmError(f"--batch-size must be > 0, got {batch_size}")
+        raise DlmError(f"--batch-size must be > 0 (windows per forward), got {batch_size}")
     if max_batches < 0:
         raise DlmError(f"--max-batches must be >= 0 (0 = the whole split), got {max_batches}")
     if seq_len < 0:
@@ -277,7 +281,7 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
     if not 1 <= samples <= 1024:
         raise DlmError(f"--samples must be in [1, 1024], got {samples}")
     if batch <= 0:
-        raise DlmError(f"--batch must be > 0 (1 = one case at a time), got {batch}")
+        raise DlmError(f"--cases-per-batch must be > 0 (1 = one case at a time), got {batch}")
     if data is None and task != "sudoku" and split not in ("val", "test"):
         raise DlmError(f"--split with --task: val (to tune on) or test, got {split!r}")
     from dlm.tasks import run_task, task_module
@@ -310,7 +314,9 @@ def _eval_task(model: str, device: str, scfg, task: str, data: str | None, n: in
     if json:
         print(_dumps(res))
         return
-    print(f"{task} ({res['n']} cases, {ck.path}): " + "  ".join(
+    unit = "problems" if "problems" in res else "cases"  # (res["n"]: the runs, cases x --samples)
+    count = f"{res['n'] // samples} {unit}" + (f" x {samples} samples" if samples > 1 else "")
+    print(f"{task} ({count}, {ck.path}): " + "  ".join(
         f"{k} {res[k]:.3f}" for k in [*mod.METRICS, *(k for k in res if k.startswith("pass_at_") and k not in
                                                        mod.METRICS), "tokens_per_forward"]
         + (["tau"] if "tau" in res else []))
@@ -389,7 +395,7 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
         model: the AR checkpoint: baseline rows, speculation target, judge of the gen PPL column
             (default: the shipped ar-small)
         prompts: number of held-out cases (line completion; as many infill cases alongside)
-        max_new_tokens: tokens to generate per case (0 = 64; with --task, the task's budget)
+        max_new_tokens: tokens to generate per case (default 64; with --task, the task's budget)
         out: JSON report path ('' for none); the quality-vs-tokens-per-forward/wall-time plot goes beside it (.png)
         data: source files for the cases (default: the stdlib's held-out split); with --task sudoku, a CSV
         warmup: untimed runs of each method on its own before the interleaved, timed runs
@@ -482,7 +488,7 @@ def demo_cmd(prompts: int = 3, max_new_tokens: int = 48) -> None:
 
 def distill_cmd(target: str, out: str, data: str = "stdlib", prompts: int = 4096, max_new_tokens: int = 128,
                 batch_size: int = 32, temperature: float = 0.0, min_chars: int = 64, max_chars: int = 400,
-                seed: int = 0, device: str = "cpu", quiet: bool = False) -> None:
+                seed: int = 0, device: str = "auto", quiet: bool = False) -> None:
     """Generate a drafter's training data: the target's own continuations of train-split prompts (.jsonl).
 
     Args:
@@ -496,7 +502,7 @@ def distill_cmd(target: str, out: str, data: str = "stdlib", prompts: int = 4096
         min_chars: shortest prompt, in characters (whole lines)
         max_chars: longest prompt, in characters
         seed: prompt choice and sampling seed
-        device: cpu, cuda or auto
+        device: auto (a CUDA GPU when there is one, else the CPU), cpu, cuda or cuda:N
         quiet: no progress bar
     """
     from dlm.distill import distill
@@ -509,7 +515,7 @@ def distill_cmd(target: str, out: str, data: str = "stdlib", prompts: int = 4096
 
 def serve_cmd(model: list[str], draft: str | None = None, host: str = "127.0.0.1", port: int = 8000,
               max_concurrency: int = 8, max_queue: int = 32, api_key: str | None = None,
-              max_body: int = 1 << 20, device: str = "cpu", threads: int = 0, log_level: str = "info") -> None:
+              max_body: int = 1 << 20, device: str = "auto", threads: int = 0, log_level: str = "info") -> None:
     """Serve checkpoints over an OpenAI-compatible HTTP API, with the playground page at / (docs/serve.md).
 
     Args:
@@ -521,7 +527,7 @@ def serve_cmd(model: list[str], draft: str | None = None, host: str = "127.0.0.1
         max_queue: requests waiting for a slot beyond those; more get 429 with Retry-After
         api_key: require `Authorization: Bearer KEY` on /v1/ (default: the DLM_API_KEY environment variable, else none)
         max_body: largest request body in bytes (larger: 413)
-        device: cpu, cuda or auto
+        device: auto (a CUDA GPU when there is one, else the CPU), cpu, cuda or cuda:N
         threads: torch CPU threads (0: torch's default)
         log_level: uvicorn's log level (debug logs every request)
     """
@@ -674,7 +680,12 @@ def main(argv: list[str] | None = None) -> int:
             "task": Command(task_cmd, positional=("name",)),
         }
         argv = merge_repeated(canonical_argv(list(sys.argv[1:] if argv is None else argv)), "serve", "--model")
-        run("dlm", "dlm: diffusion language models on one backbone", commands, argv)
+        if argv[:1] in (["--version"], ["-V"]):
+            from dlm import __version__
+
+            print(f"dlm {__version__}")
+            return 0
+        run("dlm", "dlm: diffusion language models on one backbone (dlm --version: its version)", commands, argv)
         if interrupts:
             raise KeyboardInterrupt
         sys.stdout.flush()  # a reader that left (`| head`) is found here, not at exit

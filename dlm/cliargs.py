@@ -7,6 +7,8 @@ tyro turns each subcommand function (and the one dataclass of options it may tak
 - `--config FILE` (YAML or JSON): its values become the defaults tyro shows and the command line
   overrides; an option required on the command line may come from the file instead.
 - one-line usage errors (`dlm train: error: ...`, exit code 2) instead of tyro's boxes.
+- one default per option in --help: an option whose help already says its default (`default: the
+  shipped ar-small`) does not get tyro's `(default: None)` after it.
 
 Start-up: a command's dataclass is given as a function that imports and returns it, called only
 when that command runs, so `dlm --help` does not import torch.
@@ -145,7 +147,10 @@ def _entry(cmd: Command, full: bool, argv: list[str], where: str) -> Callable[..
     import tyro
 
     hints = typing.get_type_hints(cmd.fn, include_extras=True)
-    cls = cmd.config() if cmd.config and full else None
+    said = _says_default(cmd.fn.__doc__, "Args:")
+    hints = {k: Annotated[v, tyro.conf.arg(help_behavior_hint="")] if k in said else v for k, v in hints.items()}
+    base = cmd.config() if cmd.config and full else None
+    cls = _one_default(base) if base is not None else None
     path = _config_path(argv) if full else None
     from_file = _load_config(path) if path else {}
     options: dict[str, Any] = {p: hints[p] for p in inspect.signature(cmd.fn).parameters if p != cmd.config_param}
@@ -172,8 +177,9 @@ def _entry(cmd: Command, full: bool, argv: list[str], where: str) -> Callable[..
         params.insert(0, param) if positional else params.append(param)  # `dlm task sudoku ...`
 
     def entry(config: str | None = None, **kw: Any) -> Callable[[], Any]:
-        if cls is not None:
-            kw[cmd.config_param] = kw.pop(cmd.group)
+        if cls is not None:  # back to the command's own dataclass
+            got = kw.pop(cmd.group)
+            kw[cmd.config_param] = base(**{f.name: getattr(got, f.name) for f in dataclasses.fields(base)})
         return functools.partial(cmd.fn, **kw)
 
     entry.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
@@ -181,6 +187,44 @@ def _entry(cmd: Command, full: bool, argv: list[str], where: str) -> Callable[..
     entry.__doc__ = cmd.fn.__doc__
     entry.__name__ = entry.__qualname__ = cmd.fn.__name__
     return entry
+
+
+def _says_default(doc: str | None, section: str) -> set[str]:
+    """The names in a docstring's `Args:` / `Attributes:` section whose help text mentions their default."""
+    names, name, lines = set(), None, (doc or "").splitlines()
+    inside = False
+    for line in lines:
+        s = line.strip()
+        if s == section:
+            inside, indent = True, None
+            continue
+        if not inside or not s:
+            continue
+        depth = len(line) - len(line.lstrip())
+        if indent is None:
+            indent = depth
+        if depth < indent:
+            break
+        if depth == indent:
+            name = s.partition(":")[0]
+        if name and "default" in s.lower():
+            names.add(name)
+    return names
+
+
+def _one_default(cls: type) -> type:
+    """`cls` as tyro should show it: the fields whose help says their default without tyro's `(default: X)` (a
+    subclass: tyro reads the fields' help from `cls`'s docstring through it)."""
+    import tyro
+
+    said = _says_default(cls.__doc__, "Attributes:")
+    if not said:
+        return cls
+    hints = typing.get_type_hints(cls, include_extras=True)
+    fields = [(f.name, Annotated[hints[f.name], tyro.conf.arg(help_behavior_hint="")],
+               dataclasses.field(default=f.default, default_factory=f.default_factory))
+              for f in dataclasses.fields(cls) if f.name in said]
+    return dataclasses.make_dataclass(cls.__name__, fields, bases=(cls,))
 
 
 # --- --config FILE ------------------------------------------------------------------------------------------------

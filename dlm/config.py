@@ -161,7 +161,8 @@ def check_seed(seed: int, option: str = "--seed") -> None:
 
 
 # older spellings of options that now share one name (accepted on the command line and in --config files)
-ALIASES = {"block_length": "block_size", "gamma": "block_size", "max_denoising_steps": "steps"}
+ALIASES = {"block_length": "block_size", "gamma": "block_size", "max_denoising_steps": "steps",
+           "batch": "cases_per_batch"}  # (eval: --batch named no more what it batches)
 # The block of block diffusion (mdlm, joint) and of a DFlash draft when none is given: one default, one place.
 # (The public recipes: DFlash trains with 16; Nemotron-Labs-Diffusion decodes with 32 or 16; small models use 16.)
 DEFAULT_BLOCK_SIZE = 16
@@ -206,7 +207,8 @@ class TrainConfig:
 
     Attributes:
         objective: ar | mdlm | usdm | dflash | joint
-        preset: model size when training from scratch: tiny | small | draft | base | puzzle
+        preset: model size when training from scratch: tiny | small | draft | base | puzzle | sudoku (puzzle with the
+            grid's row, column and box positions)
         data: corpus: stdlib, a folder, a text file, or a .jsonl file with a "text" field
         tokenizer: a tokenizer.json or a checkpoint folder, or 'char' (train one token per character on the corpus: tasks such as sudoku) (default: train a byte-level BPE on the corpus)
         vocab_size: vocabulary of a tokenizer trained on the corpus

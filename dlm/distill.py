@@ -65,7 +65,7 @@ def train_prompts(corpus: Corpus, n: int, min_chars: int = 64, max_chars: int = 
 
 def distill(target: str, out: str, data: str = "stdlib", prompts: int = 4096, max_new_tokens: int = 128,
             batch_size: int = 32, temperature: float = 0.0, min_chars: int = 64, max_chars: int = 400, seed: int = 0,
-            device: str = "cpu", quiet: bool = False) -> dict:
+            device: str = "auto", quiet: bool = False) -> dict:
     """Generate the target's continuations of train-split prompts into a .jsonl file; returns a summary."""
     from dlm.config import check_seed
     from dlm.device import check_device_name

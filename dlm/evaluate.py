@@ -29,7 +29,8 @@ from dlm.tokenizer import Tokenizer
 def ar_loss(model: Transformer, tok: Tokenizer, corpus: Corpus, split: str, seq_len: int, batch_size: int = 8,
             max_batches: int | None = None) -> dict[str, Any]:
     """Mean next-token cross-entropy over every non-overlapping window of the split."""
-    batches = Batches(load_tokens(corpus, tok, split), min(seq_len, model.cfg.max_seq_len), batch_size)
+    batches = Batches(load_tokens(corpus, tok, split), min(seq_len, model.cfg.max_seq_len), batch_size,
+                      where=f"{corpus.spec}, its {split} split")
     total, count = 0.0, 0
     for batch in batches.sequential(max_batches):
         batch = batch.to(model.device)

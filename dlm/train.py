@@ -278,8 +278,9 @@ def prepare(cfg: TrainConfig, out: Path, resume: bool, explicit: set[str] | None
         return None if cfg.prompt_loss else load_flags(corpus, tok, split, fim, cfg.seed)
 
     train_batches = Batches(load_tokens(corpus, tok, "train", fim, cfg.seed), cfg.seq_len, cfg.batch_size, cfg.seed,
-                            flags("train", fim))
-    val_batches = Batches(load_tokens(corpus, tok, "val"), cfg.seq_len, cfg.batch_size, cfg.seed, flags("val"))
+                            flags("train", fim), f"--data {cfg.data}, its train split")
+    val_batches = Batches(load_tokens(corpus, tok, "val"), cfg.seq_len, cfg.batch_size, cfg.seed, flags("val"),
+                          f"--data {cfg.data}, its val split")
     if cfg.dlm_data is not None:  # joint: the diffusion loss reads a corpus of its own, side by side
         second = Corpus(cfg.dlm_data)
 

@@ -239,7 +239,7 @@ def check_usdm_rows_join(model, vocab: int, eos: int, run) -> None:
 @pytest.mark.parametrize("name,opts", [("mdlm-small", dict(max_new_tokens=8)),
                                        ("usdm-small", dict(max_new_tokens=8, steps=6))])
 def test_eval_task_in_batches_gives_the_same_answers_and_counters(name, opts):
-    """`dlm eval --task complete --batch B`: cases as rows of one batch, the same answers, scores and per-case
+    """`dlm eval --task complete --cases-per-batch B`: cases as rows of one batch, the same answers, scores and per-case
     counters as case by case (samples > 1: each sample its own seed, as case by case)."""
     from dlm.tasks import run_task
 
@@ -258,7 +258,7 @@ def test_eval_batch_must_be_positive(capsys):
 
     assert main(["eval", "--model", str(CK / "mdlm-small"), "--task", "complete", "--n", "2", "--batch", "0"]) == 2
     err = capsys.readouterr().err
-    assert "--batch must be > 0" in err and len(err.strip().splitlines()) == 1
+    assert "--cases-per-batch must be > 0" in err and len(err.strip().splitlines()) == 1
 
 
 # speculative decoding and joint self-speculation -------------------------------------------------------
@@ -389,7 +389,7 @@ def test_speculative_rows_join_and_leave_a_running_batch(target):
 
 
 def test_eval_task_with_a_drafter_in_batches_gives_the_same_answers_and_counters():
-    """`dlm eval --draft D --batch B`: speculative cases as rows of one batch, the same answers, scores, per-case
+    """`dlm eval --draft D --cases-per-batch B`: speculative cases as rows of one batch, the same answers, scores, per-case
     counters and acceptance statistics as case by case (samples > 1: each sample its own seed)."""
     from dlm.drafters import load_drafter
     from dlm.tasks import run_task

@@ -215,6 +215,51 @@ def test_help_and_refused_options_do_not_import_torch(tmp_path):
         assert heavy == [], (argv, heavy)  # imported by this command line (or an earlier one)
 
 
+def _options_help(command: str) -> dict[str, str]:
+    """`dlm COMMAND --help` as {option: its help text on one line} (tyro's boxes taken apart)."""
+    import re
+
+    out, name = {}, None
+    for line in cli(command, "--help").stdout.splitlines():
+        body = line.replace("│", " ")
+        row = body.strip()
+        m = re.match(r" {1,3}(--[a-z0-9-]+)", body)  # (an option's first row; its help goes on indented)
+        if m:
+            name = m.group(1)
+            out[name] = row
+        elif name and row and not set(row) <= set("─╭╮╰╯- "):
+            out[name] += " " + row
+        else:
+            name = None
+    return out
+
+
+def test_help_says_each_default_once_and_lists_every_preset():
+    import re
+
+    from dlm.config import PRESETS
+
+    for command in ("train", "generate", "eval", "bench", "serve", "distill", "demo", "task", "export", "import"):
+        for option, text in _options_help(command).items():
+            # tyro's own "(default: X)" comes last, and only when the help does not already say the default
+            assert not re.search(r"default.*\(default: [^()]*\)$", text, re.I) or not re.search(
+                r"\(default: (None|0|False|True|\d+)\)$", text), (command, option, text)
+    assert "(default: the shipped ar-small)" in _options_help("bench")["--model"]
+    assert "(default: None)" not in _options_help("bench")["--model"]
+    preset = _options_help("train")["--preset"]
+    assert all(name in preset for name in PRESETS), preset
+    assert cli("--version").stdout.strip().startswith("dlm 0.")
+
+
+def test_check_lossless_needs_a_method_that_speculates():
+    from pathlib import Path
+
+    joint = Path(__file__).resolve().parent.parent / "checkpoints" / "joint-small"
+    p = cli("generate", "--model", str(joint), "--sampler", "ar", "--check-lossless", "--prompt", "x",
+            "--max-new-tokens", "2")
+    _one_line_error(p, "--check-lossless", "--sampler ar")
+
+
 def test_flags_lists_optionals_and_underscores(parsed):
     a = parsed("generate", "--model", "m", "--json", "--max_new_tokens", "7", "--no-adaptive", "--temperature", "-0.5")
     assert a["json"] is True and a["show"] is False and a["model"] == "m" and a["prompt_file"] is None

@@ -174,5 +174,6 @@ def print_report(report: dict[str, Any], spec_rows: list[dict[str, Any]]) -> Non
             ("draft_share", "draft time", ".0%"), ("draft_forwards", "draft fwd", ".0f")],
                     title="speculative decoding: speedup = target alone / method, per case in the same round "
                           "(median; min-max over repetitions); tau pooled over cycles")
-    print(f"noise: tok/s min-max over {R} repetitions, relative to the median: {report['noise']['median']:.0%} "
-          f"for the median row, {report['noise']['max']:.0%} at most")
+    if R > 1:  # (one repetition has no spread to report)
+        print(f"noise: tok/s min-max over {R} repetitions, relative to the median: {report['noise']['median']:.0%} "
+              f"for the median row, {report['noise']['max']:.0%} at most")

@@ -148,11 +148,13 @@ class Batches:
     batch_size: int
     seed: int = 0
     flags: np.ndarray | None = None  # a prompted corpus' response flags (load_flags), aligned with tokens
+    where: str = "the corpus split"  # what the tokens are, in an error: "--data FILE, its val split"
 
     def __post_init__(self) -> None:
         self.n = (len(self.tokens) - 1) // self.seq_len
         if self.n < 1:
-            raise DlmError(f"corpus split has {len(self.tokens)} tokens: too few for one sequence of --seq-len {self.seq_len}")
+            raise DlmError(f"{self.where} has {len(self.tokens)} tokens: too few for one sequence of --seq-len "
+                           f"{self.seq_len}")
         self._perms: dict[int, np.ndarray] = {}
 
     def _perm(self, epoch: int) -> np.ndarray:

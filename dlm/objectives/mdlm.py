@@ -188,7 +188,7 @@ def mdlm_eval(model, ck, corpus, split: str, seq_len: int, batch_size: int, max_
     tok = ck.tokenizer
     L = ck.block_size
     T = min(seq_len, model.cfg.max_seq_len)
-    batches = Batches(load_tokens(corpus, tok, split), T, batch_size)
+    batches = Batches(load_tokens(corpus, tok, split), T, batch_size, where=f"{corpus.spec}, its {split} split")
     gen = torch.Generator(device=model.device)
     gen.manual_seed(seed)
     per_sample, count = torch.zeros(samples, dtype=torch.float64), 0

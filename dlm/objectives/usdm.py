@@ -295,7 +295,7 @@ def evaluate(model: nn.Module, ck, corpus, split: str, seq_len: int, batch_size:
     dev = model.device
     gen = torch.Generator(device=dev)
     gen.manual_seed(seed)
-    batches = Batches(load_tokens(corpus, tok, split), seq, batch_size)
+    batches = Batches(load_tokens(corpus, tok, split), seq, batch_size, where=f"{corpus.spec}, its {split} split")
     start = seq + 1 - L  # canvas = window[start:], prefix = window[:start]
     sums = {"mean": 0.0, "udlm": 0.0, "no_sc": 0.0}
     ar = 0.0

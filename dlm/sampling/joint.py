@@ -221,6 +221,9 @@ def batch_row(model: Transformer, ck, prompt: Prompt, cfg, row: int, clock: Cloc
 def stream(model: Transformer, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> Iterator[Event]:
     """A joint checkpoint's sampler (cfg: SampleConfig): AR mode, diffusion mode or self-speculation."""
     sampler = resolve_sampler(cfg)
+    if cfg.check_lossless and not sampler.startswith("self-spec"):
+        raise DlmError(f"--check-lossless checks self-speculation (--sampler self-spec-linear, self-spec-quadratic) "
+                       f"against the AR mode; --sampler {sampler} does not speculate: there is nothing to check")
     if sampler in DIFFUSION:
         return mdlm.stream(model, ck, prompts, cfg.replace(sampler=sampler), step_events)
     if sampler == "ar":

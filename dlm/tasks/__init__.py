@@ -153,7 +153,7 @@ def run_task(name: str, model, ck, cfg, drafter=None, data: str | None = None, n
     task = task_module(name)
     check_draws("--samples", samples)
     if batch < 1:
-        raise DlmError(f"--batch must be >= 1, got {batch}")
+        raise DlmError(f"--cases-per-batch must be >= 1, got {batch}")
     check_tries(name, tries, cfg, ck)
     check_best_of(best_of, cfg, ck, tries)
     if pick not in ("score", "vote"):
