@@ -169,15 +169,33 @@ def generate_cmd(
     else:
         res = generate(net, ck, prompt, scfg)
     stats = res.stats.as_dict()
+    pieces, out = _output(ck, prompt, scfg, res)
     if json:
-        print(_dumps({"text": res.text, **stats}))
+        print(_dumps({**out, **stats}))
         return
     from rich.text import Text
 
     con = _console()
-    con.print(Text.assemble((prompt, "dim"), (res.text, "bold green")))
+    con.print(Text.assemble(*((text, "bold green" if new else "dim") for text, new in pieces)))
     con.print(f"[dim]{stats['new_tokens']} tokens, {stats['forwards']} forwards "
               f"({stats['tokens_per_forward']:.2f} tok/forward), {stats['tokens_per_second']:.1f} tok/s[/]")
+
+
+def _output(ck, prompt: str, scfg, res) -> tuple[list[tuple[str, bool]], dict]:
+    """What `dlm generate` shows: the document as (text, generated?) pieces, and its --json fields. A suffix
+    request's text is the middle (the suffix follows it, as the server's `suffix` returns it); a <fill> template's
+    text is the filled document whole, with each hole's text in "fills"; otherwise the continuation."""
+    from dlm.sampling import encode
+    from dlm.sampling.infill import filled_pieces, has_markers
+
+    if scfg.suffix is not None:
+        middle = res.text[:len(res.text) - len(scfg.suffix)] if res.text.endswith(scfg.suffix) else res.text
+        return [(prompt, False), (middle, True), (scfg.suffix, False)], {"text": middle}
+    if has_markers(prompt):
+        (p,) = encode(ck, prompt, scfg)
+        pieces = [(ck.tokenizer.decode(p.ids), False)] + filled_pieces(ck.tokenizer, p, res.tokens[0])
+        return pieces, {"text": "".join(t for t, _ in pieces), "fills": [t for t, new in pieces if new]}
+    return [(prompt, False), (res.text, True)], {"text": res.text}
 
 
 def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None, seq_len: int = 0, batch_size: int = 8,

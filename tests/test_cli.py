@@ -314,3 +314,25 @@ def test_bad_config_files_get_one_line_and_exit_2(tmp_path):
     _one_line_error(cli("train", "--config", cfg("h.json", "{out: x}")), "cannot parse")
     _one_line_error(cli("train", "--config", str(tmp_path / "missing.yaml")), "no such file")
     _one_line_error(cli("train", "--config", cfg("i.yaml", "!!python/object:os.system {}\n")), "cannot parse")
+
+
+def test_a_fill_template_prints_the_filled_document_and_a_suffix_its_middle():
+    from pathlib import Path
+
+    from dlm.checkpoint import load_model
+    from dlm.sampling import SampleConfig, generate
+
+    mdlm = Path(__file__).resolve().parent.parent / "checkpoints" / "mdlm-small"
+    template = '{"name": "<fill:4>", "size": <fill:2>}'
+    p = cli("generate", "--model", str(mdlm), "--prompt", template, "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    fills = out["fills"]
+    assert len(fills) == 2 and out["text"] == '{"name": "' + fills[0] + '", "size": ' + fills[1] + "}"
+    shown = cli("generate", "--model", str(mdlm), "--prompt", template).stdout.splitlines()[0]
+    assert shown == out["text"]  # the document whole, not the template followed by the canvas
+    prefix, suffix = "def add(a, b):\n    ", "\n\ndef sub(a, b):\n    return a - b\n"
+    p = cli("generate", "--model", str(mdlm), "--prompt", prefix, "--suffix", suffix, "--max-new-tokens", "8", "--json")
+    net, ck = load_model(mdlm)
+    full = generate(net, ck, prefix, SampleConfig(max_new_tokens=8, suffix=suffix)).text
+    assert json.loads(p.stdout)["text"] + suffix == full  # the middle alone, as the server's suffix returns it

@@ -58,3 +58,19 @@ def encode_prompt(tok: Tokenizer, text: str, suffix: str | None = None, max_new_
     if has_markers(text):
         return parse_template(tok, text, fill_length)
     return Prompt(tok.encode(text))
+
+
+def filled_pieces(tok: Tokenizer, prompt: Prompt, tokens: list[int]) -> list[tuple[str, bool]]:
+    """A template's canvas as it came out: its stretches in order, (text, True) for a filled hole and (text, False)
+    for pinned text, each decoded on its own (a pinned stretch was encoded on its own: its text comes back
+    byte-exact). tokens: the row's new tokens (the canvas, holes filled)."""
+    pieces: list[tuple[str, bool]] = []
+    canvas = prompt.canvas or []
+    start = 0
+    for i in range(1, len(canvas) + 1):
+        if i == len(canvas) or (canvas[i] is None) != (canvas[start] is None):
+            ids = tokens[start:i]
+            if ids:
+                pieces.append((tok.decode(ids), canvas[start] is None))
+            start = i
+    return pieces
