@@ -107,7 +107,11 @@ def train_cmd(cfg, out: str, resume: bool = False, quiet: bool = False) -> None:
 
     if not resume:  # a bad option is refused before torch is imported (resumed: checked against the saved run)
         cfg.validate()
-    from dlm.train import train
+    if quiet or os.environ.get("RANK", "0") != "0":
+        from dlm.train import train
+    else:  # a few seconds: said from the first one
+        with _console(stderr=True).status("[bold]train[/] importing torch"):
+            from dlm.train import train
 
     defaults = TrainConfig()
     explicit = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(defaults, f.name)}

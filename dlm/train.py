@@ -13,6 +13,7 @@ is written, so a refused run leaves the folder as it found it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -21,7 +22,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -232,8 +233,10 @@ class Run:
     val_batches: Batches | PairedBatches
 
 
-def prepare(cfg: TrainConfig, out: Path, resume: bool, explicit: set[str] | None, par: Dist = Dist()) -> Run:
-    """Check the options, resolve the resumed state, build tokenizer, objective, model and data."""
+def prepare(cfg: TrainConfig, out: Path, resume: bool, explicit: set[str] | None, par: Dist = Dist(),
+            say: Callable[[str], None] = lambda step: None) -> Run:
+    """Check the options, resolve the resumed state, build tokenizer, objective, model and data. say(step): what it
+    is doing now (the first run on a corpus trains a tokenizer and tokenizes it: a minute or two)."""
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise DlmError(f"--out {out}: exists and is not a folder")
     state_dir = find_state(out) if resume and out.is_dir() else None
@@ -257,8 +260,13 @@ def prepare(cfg: TrainConfig, out: Path, resume: bool, explicit: set[str] | None
     device = par.device(resolve_device(cfg.device), cfg.device)
     autocast_dtype(cfg, device)
     torch.manual_seed(cfg.seed)
+    say(f"reading the corpus ({cfg.data})")
     corpus = Corpus(cfg.data)
+    trains = state_dir is None and not cfg.tokenizer and not cfg.init_from and not cfg.target
+    say(f"training a byte-level BPE tokenizer ({cfg.vocab_size} tokens) on the corpus" if trains else
+        "loading the tokenizer")
     tok = resolve_tokenizer(cfg, corpus, out, resuming=state_dir is not None)
+    say("building the model" + (f" (from {cfg.init_from})" if cfg.init_from else ""))
     objective = make_objective(cfg, tok)
     model = objective.build_model().to(device)
     if cfg.freeze_router:
@@ -277,6 +285,7 @@ def prepare(cfg: TrainConfig, out: Path, resume: bool, explicit: set[str] | None
     def flags(split: str, fim: float = 0.0):  # a prompted corpus: the losses read responses only
         return None if cfg.prompt_loss else load_flags(corpus, tok, split, fim, cfg.seed)
 
+    say("tokenizing the corpus (once per corpus and tokenizer: cached)")
     train_batches = Batches(load_tokens(corpus, tok, "train", fim, cfg.seed), cfg.seq_len, cfg.batch_size, cfg.seed,
                             flags("train", fim), f"--data {cfg.data}, its train split")
     val_batches = Batches(load_tokens(corpus, tok, "val"), cfg.seq_len, cfg.batch_size, cfg.seed, flags("val"),
@@ -302,12 +311,27 @@ def prepare(cfg: TrainConfig, out: Path, resume: bool, explicit: set[str] | None
 def make_progress(objective: str, quiet: bool):
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+    # loss, val and tok/s are text: "–" until the first figure exists (a NaN would read as a diverged run)
     return Progress(
         TextColumn(f"[bold]{objective}[/] step {{task.completed}}/{{task.total}}"), BarColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}  val {task.fields[val]:.4f}  {task.fields[tps]:,.0f} tok/s"),
+        TextColumn("loss {task.fields[loss]}  val {task.fields[val]}  {task.fields[tps]} tok/s"),
         TimeRemainingColumn(),
         disable=quiet,
     )
+
+
+@contextlib.contextmanager
+def status(quiet: bool) -> Iterator[Callable[[str], None]]:
+    """A spinner that names the step under way, until the progress bar takes over; say(text) changes it. (Not on a
+    terminal: nothing, so that an error stays the one line on stderr.)"""
+    from rich.console import Console
+
+    con = Console(stderr=True)
+    if quiet or not con.is_interactive:
+        yield lambda text: None
+        return
+    with con.status("[bold]train[/] starting") as spinner:
+        yield lambda text: spinner.update(f"[bold]train[/] {text}")
 
 
 def train(cfg: TrainConfig, out: str | os.PathLike, resume: bool = False, quiet: bool = False,
@@ -346,7 +370,8 @@ def _train_main(cfg: TrainConfig, out: Path, resume: bool, quiet: bool, explicit
     fresh = False
     try:
         lock.acquire()
-        run = prepare(cfg, out, resume, explicit, par)
+        with status(quiet) as say:
+            run = prepare(cfg, out, resume, explicit, par, say)
         par.barrier()
         par.barrier()
         remove_stale_temps(out)
@@ -422,8 +447,7 @@ def _loop(run: Run, quiet: bool, par: Dist = Dist()) -> None:
     t_log, steps_since, loss_acc = time.perf_counter(), 0, 0.0
     progress = make_progress(cfg.objective, quiet or not par.main)
     with progress:
-        task = progress.add_task("train", total=cfg.max_steps, completed=run.start_step, loss=float("nan"),
-                                 val=float("nan"), tps=0.0)
+        task = progress.add_task("train", total=cfg.max_steps, completed=run.start_step, loss="–", val="–", tps="–")
         for step in range(run.start_step, cfg.max_steps):
             batch, sup = run.train_batches.batch_sup(step)
             objective.step = step
@@ -439,13 +463,13 @@ def _loop(run: Run, quiet: bool, par: Dist = Dist()) -> None:
                        "grad_norm": gnorm, **extra}
                 if log is not None:
                     log.write(row)
-                progress.update(task, loss=row["loss"], tps=tps)
+                progress.update(task, loss=f"{row['loss']:.4f}", tps=f"{tps:,.0f}")
                 t_log, steps_since, loss_acc = time.perf_counter(), 0, 0.0
             if done % cfg.eval_every == 0 or done == cfg.max_steps:
                 val = validate(step_module, run.val_batches, cfg, device, autocast, par)
                 if log is not None:
                     log.write({"step": done, "val_loss": val})
-                progress.update(task, val=val)
+                progress.update(task, val=f"{val:.4f}")
                 t_log = time.perf_counter()
             if done % cfg.save_every == 0 or done == cfg.max_steps:
                 checkpoint(done)

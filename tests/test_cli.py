@@ -336,3 +336,22 @@ def test_a_fill_template_prints_the_filled_document_and_a_suffix_its_middle():
     net, ck = load_model(mdlm)
     full = generate(net, ck, prefix, SampleConfig(max_new_tokens=8, suffix=suffix)).text
     assert json.loads(p.stdout)["text"] + suffix == full  # the middle alone, as the server's suffix returns it
+
+
+def test_train_says_what_it_does_from_the_first_second_and_shows_no_nan(corpus_dir, tokenizer_path, tmp_path):
+    from dlm.config import TrainConfig
+    from dlm.train import prepare
+
+    said = []
+    prepare(TrainConfig(data=str(corpus_dir), tokenizer=str(tokenizer_path), seq_len=32, batch_size=2), tmp_path / "a",
+            False, None, say=said.append)
+    assert said == [f"reading the corpus ({corpus_dir})", "loading the tokenizer", "building the model",
+                    "tokenizing the corpus (once per corpus and tokenizer: cached)"]
+    # a terminal (rich draws into the pipe as into one with these): a spinner from the imports on, and a bar that
+    # shows no figure before the first one exists
+    tty = run_cli("train", "--data", str(corpus_dir), "--tokenizer", str(tokenizer_path), "--seq-len", "32",
+                  "--batch-size", "2", "--max-steps", "4", "--log-every", "2", "--eval-every", "4", "--eval-batches",
+                  "1", "--out", str(tmp_path / "b"), env={"TTY_INTERACTIVE": "1", "TTY_COMPATIBLE": "1",
+                                                          "COLUMNS": "120"}, check=True)
+    assert "train\x1b[0m importing torch" in tty.stderr, tty.stderr[-2000:]
+    assert "loss –  val –  – tok/s" in tty.stdout and "nan" not in tty.stdout.lower(), tty.stdout[-2000:]
