@@ -1,4 +1,4 @@
-"""`dlm`: train, generate, eval, export, import, bench, demo, distill, task, serve.
+"""`dlm`: train, generate, chat, sudoku, eval, export, import, bench, demo, distill, task, serve.
 
 Every subcommand is a function below; tyro (through dlm.cliargs) turns its typed parameters into options.
 """
@@ -200,6 +200,114 @@ def _output(ck, prompt: str, scfg, res) -> tuple[list[tuple[str, bool]], dict]:
         pieces = [(ck.tokenizer.decode(p.ids), False)] + filled_pieces(ck.tokenizer, p, res.tokens[0])
         return pieces, {"text": "".join(t for t, _ in pieces), "fills": [t for t, new in pieces if new]}
     return [(prompt, False), (res.text, True)], {"text": res.text}
+
+
+def chat_cmd(scfg, model: str, system: str | None = None, device: str = "auto") -> None:
+    """Chat with a checkpoint from the terminal: each line of standard input is a user message; the reply follows.
+
+    The messages go through the chat template the server's /v1/chat/completions uses (docs/serve.md); the reply
+    ends at the template's next header. The earliest turns are dropped when the conversation outgrows the model's
+    context. The shipped models were trained on code, not chat: expect code-shaped replies.
+
+    Args:
+        model: checkpoint folder
+        system: a system message put first
+        device: auto (a CUDA GPU when there is one, else the CPU), cpu, cuda or cuda:N
+    """
+    from dlm.device import check_device_name
+
+    scfg.check()
+    check_device_name(device)
+    from dlm.chat import chat_prompt, reply_of
+    from dlm.checkpoint import load_model
+    from dlm.sampling import generate
+
+    net, ck = load_model(model, device=_device(device))
+    for warning in unused_options(scfg, ck.objective):
+        sys.stderr.write(f"dlm: warning: {warning}; ignored\n")
+    head = [("system", _text(system, "--system"))] if system else []
+    turns: list[tuple[str, str]] = []
+    room = net.cfg.max_seq_len - scfg.max_new_tokens
+    tty = sys.stdin.isatty()
+    while True:
+        if tty:
+            sys.stderr.write("> ")
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        if not line.strip():
+            continue
+        turns.append(("user", line.rstrip("\n")))
+        while len(ck.tokenizer.encode(chat_prompt(head + turns))) > room and len(turns) > 1:
+            turns = turns[2:] if len(turns) > 2 else turns[1:]  # the earliest exchange goes
+        res = generate(net, ck, chat_prompt(head + turns), scfg)
+        reply = reply_of(res.text).strip("\n")
+        turns.append(("assistant", reply))
+        print(reply, flush=True)
+
+
+def sudoku_cmd(puzzle: str, model: str | None = None, device: str = "auto") -> None:
+    """Solve one sudoku with a checkpoint trained on them and print the grid.
+
+    Args:
+        puzzle: 81 cells row by row, 0 or . for a blank (spaces, | and newlines are skipped)
+        model: a sudoku checkpoint (default: the shipped sudoku-mdlm, decoding in parallel: --sampler threshold
+            --threshold 0.999, as docs/sudoku.md measures it)
+        device: auto (a CUDA GPU when there is one, else the CPU), cpu, cuda or cuda:N
+    """
+    from dlm.device import check_device_name
+
+    quiz = "".join("0" if c == "." else c for c in puzzle if c not in " |\n\t-+")
+    if len(quiz) != 81 or not all(c in "0123456789" for c in quiz):
+        raise DlmError(f"the puzzle must be 81 cells, digits with 0 or . for a blank; got {len(quiz)} characters "
+                       f"{'(not all digits)' if not quiz.replace('.', '').isdigit() else ''}".rstrip())
+    check_device_name(device)
+    from dlm.tasks import sudoku as rules
+
+    grid = [int(c) for c in quiz]
+    if rules.count_solutions(grid, 1) == 0:
+        raise DlmError("the puzzle has no solution (its givens break the rules, or no grid completes them)")
+    from dlm.checkpoint import load_model, shipped
+    from dlm.config import SampleConfig
+    from dlm.sampling import stream
+    from dlm.sampling.common import drain
+    from dlm.tasks.common import Case, style_of
+
+    if model is None:
+        found = shipped("sudoku-mdlm")
+        if found is None:
+            raise DlmError("--model: no checkpoint given and the shipped sudoku-mdlm is missing")
+        model = str(found)
+    net, ck = load_model(model, device=_device(device))
+    if not ck.config.get("train", {}).get("data", "").endswith(".csv"):
+        sys.stderr.write(f"dlm: warning: {model} was not trained on sudoku puzzles (a .csv corpus)\n")
+    cfg = SampleConfig(max_new_tokens=81, sampler="threshold" if ck.objective == "mdlm" else "auto", threshold=0.999)
+    req = rules.request(Case("puzzle", quiz, ""), ck, cfg, style_of(ck, None, cfg), 0)
+    res = drain(stream(net, ck, [req.prompt], cfg.replace(max_new_tokens=req.max_new_tokens)), ck.tokenizer.decode,
+                ck.tokenizer.eos_ids)
+    answer = req.read(res)
+    cells = rules.parse_grid(answer)
+    from rich.text import Text
+
+    con = _console()
+    out = Text()
+    for r in range(9):
+        if r in (3, 6):
+            out.append("------+-------+------\n")
+        for c in range(9):
+            if c in (3, 6):
+                out.append("| ")
+            i = r * 9 + c
+            digit = str(cells[i]) if cells else (answer.strip()[i:i + 1] or "?")
+            out.append(digit + " ", style="dim" if quiz[i] != "0" else "bold green")
+        out.append("\n")
+    con.print(out, end="")
+    s = res.stats.as_dict()
+    verdict = "solved: every row, column and box holds 1-9" if rules.is_valid(quiz, cells) else \
+        "not solved: the grid breaks the rules"
+    con.print(f"[dim]{verdict}; {rules.clues_of(quiz)} givens, {81 - rules.clues_of(quiz)} cells filled in "
+              f"{s['forwards']} forwards ({ck.path.name})[/]")
 
 
 def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None, seq_len: int = 0, batch_size: int = 8,
@@ -493,19 +601,24 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
         print(f"report: {out}")
 
 
-def demo_cmd(prompts: int = 3, max_new_tokens: int = 48) -> None:
+def demo_cmd(prompts: int = 3, max_new_tokens: int = 48, quick: bool = False) -> None:
     """Show the shipped reference checkpoints completing held-out stdlib code, with the benchmark table.
 
     Args:
         prompts: held-out snippets to complete
         max_new_tokens: tokens per completion
+        quick: a taste in seconds: one completion of 24 tokens, each paradigm once on one prompt (tokens per
+            forward; no benchmark), sudoku-mdlm on 3 puzzles
     """
     for name, v in (("--prompts", prompts), ("--max-new-tokens", max_new_tokens)):
         if v <= 0:
             raise DlmError(f"{name} must be > 0, got {v}")
     from dlm.demo import run_demo
 
-    run_demo(prompts, max_new_tokens)
+    if quick:
+        run_demo(1, 24, quick=True)
+    else:
+        run_demo(prompts, max_new_tokens)
 
 
 def distill_cmd(target: str, out: str, data: str = "stdlib", prompts: int = 4096, max_new_tokens: int = 128,
@@ -697,6 +810,8 @@ def main(argv: list[str] | None = None) -> int:
             "import": Command(import_cmd),
             "bench": Command(bench_cmd),
             "demo": Command(demo_cmd),
+            "chat": Command(chat_cmd, _sample_config, "scfg", group="sampling"),
+            "sudoku": Command(sudoku_cmd, positional=("puzzle",)),
             "distill": Command(distill_cmd),
             "serve": Command(serve_cmd),
             "task": Command(task_cmd, positional=("name",)),

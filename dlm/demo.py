@@ -9,7 +9,9 @@ from dlm.errors import DlmError
 
 
 def run_demo(prompts: int = 3, max_new_tokens: int = 48, bench_prompts: int = 4, temperature: float = 0.7,
-             bench_tokens: int = 32, repeat: int = 3) -> None:
+             bench_tokens: int = 32, repeat: int = 3, quick: bool = False) -> None:
+    """quick: seconds instead of minutes: one completion, then each paradigm once on one held-out prompt (no
+    benchmark: one run's tok/s is noise; tok/forward is not), then sudoku-mdlm on 3 puzzles."""
     from rich.console import Console
     from rich.panel import Panel
     from rich.text import Text
@@ -37,6 +39,12 @@ def run_demo(prompts: int = 3, max_new_tokens: int = 48, bench_prompts: int = 4,
         body = Text.assemble((p.text[-300:], "dim"), (res.text, "bold green"))
         con.print(Panel(body, title=p.name, subtitle=f"{s['new_tokens']} tokens, {s['tokens_per_second']:.0f} tok/s",
                         title_align="left"))
+    if quick:
+        side_by_side(con, p.text, model, ck)
+        sudoku(con, 3, models=("sudoku-mdlm",))
+        con.print(f"[dim]demo took {time.perf_counter() - t0:.1f} s (`dlm demo` without --quick: the benchmark, "
+                  "a few minutes)[/]")
+        return
     mdlm, usdm = shipped("mdlm-small"), shipped("usdm-small")
     drafts = [str(p) for p in (shipped("dflash-small"), shipped("ar-draft")) if p] + ["lookup"]
     con.print("\n[bold]Side by side[/] (dlm bench: every shipped paradigm on the same held-out cases, greedy; "
@@ -50,7 +58,33 @@ def run_demo(prompts: int = 3, max_new_tokens: int = 48, bench_prompts: int = 4,
     con.print(f"[dim]demo took {time.perf_counter() - t0:.1f} s[/]")
 
 
-def sudoku(con, n: int = 10, threshold: float = 0.999) -> None:
+def side_by_side(con, prompt: str, ar_model, ar_ck, new: int = 16) -> None:
+    """Each shipped paradigm once on the same prompt, greedy: its text and tokens per forward."""
+    from rich.table import Table
+
+    from dlm.checkpoint import load_model
+    from dlm.sampling import SampleConfig, generate
+
+    con.print(f"\n[bold]Side by side[/] (each paradigm once on the same held-out prompt, {new} tokens, greedy: "
+              "`dlm generate --model checkpoints/MODEL --temperature 0 OPTIONS`)")
+    table = Table("model", "paradigm", "options", "text", "tok/forward")
+    rows = [("ar-small", {}), ("ar-small", {"draft": "dflash-small"}),
+            ("mdlm-small", {"sampler": "entropy_bound", "entropy_bound": 1.0, "steps": 8}), ("usdm-small", {"steps": 8})]
+    for name, opts in rows:
+        draft = opts.get("draft")
+        if shipped(name) is None or (draft and shipped(draft) is None):
+            continue
+        model, ck = (ar_model, ar_ck) if name == "ar-small" else load_model(shipped(name))
+        cfg = SampleConfig(max_new_tokens=new, **{**opts, **({"draft": str(shipped(draft))} if draft else {})})
+        res = generate(model, ck, prompt, cfg)
+        s = res.stats.as_dict()
+        shown = " ".join(f"--{k.replace('_', '-')} {'checkpoints/' + v if k == 'draft' else v}" for k, v in opts.items())
+        table.add_row(name, "speculative" if draft else ck.objective, shown, repr(res.text)[1:-1][:48],
+                      f"{s['tokens_per_forward']:.2f}")
+    con.print(table)
+
+
+def sudoku(con, n: int = 10, threshold: float = 0.999, models: tuple[str, ...] = ("sudoku-mdlm", "sudoku-ar")) -> None:
     """The shipped sudoku references on n fresh held-out puzzles: masked diffusion against AR of its size."""
     from rich.table import Table
 
@@ -60,7 +94,7 @@ def sudoku(con, n: int = 10, threshold: float = 0.999) -> None:
     from dlm.tasks import sudoku as task
 
     rows = [(name, sampler) for name, sampler in (("sudoku-mdlm", "threshold"), ("sudoku-ar", "auto"))
-            if shipped(name)]
+            if shipped(name) and name in models]
     if not rows:
         return
     cases = task.cases(None, n, 0)

@@ -355,3 +355,44 @@ def test_train_says_what_it_does_from_the_first_second_and_shows_no_nan(corpus_d
                                                           "COLUMNS": "120"}, check=True)
     assert "train\x1b[0m importing torch" in tty.stderr, tty.stderr[-2000:]
     assert "loss –  val –  – tok/s" in tty.stdout and "nan" not in tty.stdout.lower(), tty.stdout[-2000:]
+
+
+def test_sudoku_prints_a_solved_grid_and_refuses_a_bad_puzzle():
+    from dlm.tasks.sudoku import generate, is_valid
+
+    quiz, solution = generate(1, (34, 36), 5)[0]
+    p = cli("sudoku", quiz.replace("0", "."))
+    assert p.returncode == 0, p.stderr
+    rows = [line for line in p.stdout.splitlines() if line[:1].isdigit()]
+    grid = [int(c) for line in rows for c in line if c.isdigit()]
+    assert len(rows) == 9 and is_valid(quiz, grid) and "".join(map(str, grid)) == solution
+    assert "solved" in p.stdout
+    _one_line_error(cli("sudoku", "123"), "81 cells")
+    _one_line_error(cli("sudoku", "11" + "0" * 79), "no solution")
+
+
+def test_chat_reads_lines_and_answers_each_through_the_servers_template(monkeypatch):
+    import io
+    from pathlib import Path
+
+    from dlm.chat import chat_prompt, reply_of
+    from dlm.checkpoint import load_model
+    from dlm.sampling import SampleConfig, generate
+
+    ar = Path(__file__).resolve().parent.parent / "checkpoints" / "ar-small"
+    monkeypatch.setattr("sys.stdin", io.StringIO("Read a file.\n\nThen sort it.\n"))
+    p = cli("chat", "--model", str(ar), "--system", "You write Python.", "--max-new-tokens", "12")
+    assert p.returncode == 0, p.stderr
+    net, ck = load_model(ar)
+    cfg = SampleConfig(max_new_tokens=12)
+    history = [("system", "You write Python."), ("user", "Read a file.")]
+    first = reply_of(generate(net, ck, chat_prompt(history), cfg).text).strip("\n")
+    history += [("assistant", first), ("user", "Then sort it.")]
+    second = reply_of(generate(net, ck, chat_prompt(history), cfg).text).strip("\n")
+    assert p.stdout == first + "\n" + second + "\n"
+
+
+@pytest.mark.slow
+def test_demo_quick():
+    p = run_cli("demo", "--quick", check=True)
+    assert "Side by side" in p.stdout and "sudoku-mdlm" in p.stdout and "speculative" in p.stdout

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from dlm import chat
 from dlm.config import ALIASES
 from dlm.errors import DlmError
 from dlm.sampling import SampleConfig, encode, options_read
@@ -51,7 +52,7 @@ def served_options(paradigm: str) -> frozenset[str]:
     return options_read(paradigm) & (set(DlmFields.model_fields) - set(ALIASES) - {"dlm_stream_steps"})
 
 
-CHAT_TEMPLATE_STOP = "\n### "
+CHAT_TEMPLATE_STOP = chat.STOP
 
 
 # errors --------------------------------------------------------------------------------------------
@@ -235,14 +236,9 @@ def ignored(req: BaseModel) -> list[str]:
 # the chat template -------------------------------------------------------------------------------------
 
 def chat_prompt(messages: list[ChatMessage]) -> str:
-    """The plain template: one `### Role` header line per message, a blank line after each, then
-    `### Assistant` and a newline for the model to continue. Generation also stops at "\\n### "."""
-    parts = []
-    for m in messages:
-        content = m.content if isinstance(m.content, str) else "".join(p.text for p in (m.content or []))
-        role = "System" if m.role in ("system", "developer") else m.role.capitalize()
-        parts.append(f"### {role}\n{content}\n\n")
-    return "".join(parts) + "### Assistant\n"
+    """The request's messages in dlm.chat's template (generation also stops at its header, chat.STOP)."""
+    return chat.chat_prompt([(m.role, m.content if isinstance(m.content, str) else
+                              "".join(p.text for p in (m.content or []))) for m in messages])
 
 
 # the plan of a request ---------------------------------------------------------------------------------
