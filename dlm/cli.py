@@ -300,7 +300,8 @@ def sudoku_cmd(puzzle: str, model: str | None = None, device: str = "auto") -> N
                 out.append("| ")
             i = r * 9 + c
             digit = str(cells[i]) if cells else (answer.strip()[i:i + 1] or "?")
-            out.append(digit + " ", style="dim" if quiz[i] != "0" else "bold green")
+            out.append(digit, style="dim" if quiz[i] != "0" else "bold green")
+            out.append(" " if c < 8 else "")
         out.append("\n")
     con.print(out, end="")
     s = res.stats.as_dict()
