@@ -11,6 +11,7 @@ can be read next to the AR perplexity.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -80,8 +81,10 @@ def resolve_reference(ck: Checkpoint, reference: str | None) -> tuple[Checkpoint
         return ref, ""
     recorded = ck.config.get("train", {}).get("init_from")
     by_name = shipped(recorded) if recorded else None
-    note = "" if not recorded or by_name else (f"{ck.path} records --init-from {recorded}, a path, which is not "
-                                               f"followed: pass --reference {recorded} to score with it")
+    itself = recorded and Path(recorded).name == Path(ck.path).name  # (a later stage of the same run)
+    note = "" if not recorded or by_name or itself else (
+        f"{ck.path} records --init-from {recorded}, a path, which is not followed: pass --reference {recorded} "
+        "to score with it, if it is an AR checkpoint with the same tokenizer")
     for cand in (by_name, shipped("ar-small")):
         if cand is not None:
             ref = open_checkpoint(cand, "--reference")
