@@ -181,7 +181,9 @@ def test_help_is_fast_and_shows_the_docstrings():
 # every subcommand's --help, and options refused by their values: answered before torch, transformers or the
 # samplers are imported (what makes them take a fraction of a second instead of several)
 _LIGHT = [[c, "--help"] for c in ("train", "generate", "eval", "export", "import", "bench", "demo", "distill", "serve",
-                                  "task")] + [
+                                  "task", "chat", "sudoku")] + [
+    ["sudoku", "123"],
+    ["chat", "--model", "checkpoints/ar-small", "--top-p", "2"],
     ["generate", "--model", "checkpoints/ar-small", "--top-p", "1.5"],
     ["generate", "--model", "checkpoints/ar-small", "--temperature", "-1"],
     ["generate", "--model", "checkpoints/ar-small", "--max-new-tokens", "0"],
@@ -239,7 +241,8 @@ def test_help_says_each_default_once_and_lists_every_preset():
 
     from dlm.config import PRESETS
 
-    for command in ("train", "generate", "eval", "bench", "serve", "distill", "demo", "task", "export", "import"):
+    for command in ("train", "generate", "eval", "bench", "serve", "distill", "demo", "task", "export", "import", "chat",
+                    "sudoku"):
         for option, text in _options_help(command).items():
             # tyro's own "(default: X)" comes last, and only when the help does not already say the default
             assert not re.search(r"default.*\(default: [^()]*\)$", text, re.I) or not re.search(
