@@ -101,6 +101,12 @@ def test_unknown_fields_are_ignored_and_named(base):
             "service_tier": "auto"}) as s:
         assert s.status_code == 200 and s.headers["x-dlm-ignored-fields"] == "service_tier"
         s.read()
+    odd = httpx.post(url + "/v1/completions", json={"model": "ar-small", "prompt": "x", "max_tokens": 1, "é\nx": 1},
+                     timeout=120)
+    assert odd.status_code == 200 and odd.headers["x-dlm-ignored-fields"] == "\\xe9\\nx", odd.headers  # printable ASCII
+    many = httpx.post(url + "/v1/completions", json={"model": "ar-small", "prompt": "x", "max_tokens": 1,
+                                                    **{f"f{i:02d}": i for i in range(20)}}, timeout=120)
+    assert many.headers["x-dlm-ignored-fields"] == ", ".join(f"f{i:02d}" for i in range(16)) + ", ... 4 more"
     # a field of the API that dlm does not support is still refused with its reason, and a wrong type too
     assert httpx.post(url + "/v1/completions", json={**body, "logit_bias": {"1": 2}}, timeout=60).status_code == 400
     assert httpx.post(url + "/v1/completions", json={**body, "max_tokens": "4"}, timeout=60).status_code == 400

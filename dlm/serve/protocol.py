@@ -224,13 +224,20 @@ def parse(kind: type[BaseModel], body: dict) -> Any:
     except ValidationError as e:
         raise from_validation_error(e) from None
     if req.model_extra:
-        log.warning("fields present in the request but ignored: %s", ", ".join(sorted(req.model_extra)))
+        log.warning("fields present in the request but ignored: %s", ", ".join(ignored(req)))
     return req
 
 
+MAX_IGNORED_NAMED = 16
+
+
 def ignored(req: BaseModel) -> list[str]:
-    """The request's top-level fields the API does not know (ignored; the X-Dlm-Ignored-Fields header names them)."""
-    return sorted(req.model_extra or {})
+    """The request's top-level fields the API does not know (ignored; the X-Dlm-Ignored-Fields header names them):
+    escaped to printable ASCII (a header's alphabet; no line breaks into the log), cut to 64 characters, the first
+    MAX_IGNORED_NAMED of them and a count of the rest."""
+    names = sorted(req.model_extra or {})
+    shown = [n.encode("unicode_escape").decode("ascii")[:64] for n in names[:MAX_IGNORED_NAMED]]
+    return shown + ([f"... {len(names) - MAX_IGNORED_NAMED} more"] if len(names) > MAX_IGNORED_NAMED else [])
 
 
 # the chat template -------------------------------------------------------------------------------------
