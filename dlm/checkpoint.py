@@ -356,6 +356,8 @@ def assign_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: P
     full = {**{a: tensors[m] for a, m in aliases.items() if a not in tensors}, **tensors}
     model.load_state_dict(full, assign=True)
     model.inv_freq = rope_inv_freq(model.cfg)
+    if "sliding" in model.cfg.layer_types:
+        model.inv_freq_sliding = rope_inv_freq(model.cfg, "sliding")
     for a, m in aliases.items():  # assign made two parameters of one tensor: one parameter again
         owner, _, leaf = a.rpartition(".")
         setattr(model.get_submodule(owner), leaf, model.get_parameter(m))

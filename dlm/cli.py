@@ -477,12 +477,13 @@ def export_cmd(model: str, out: str, format: str = "hf", dtype: str = "float32",
 
     from dlm.checkpoint import export_dlm, load_model
     from dlm.hf import export_drafter, export_hf, prenorm_warning
+    from dlm.hf_gemma import is_gemma
 
     dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     net, ck = load_model(model, dtype=None)  # as stored: each tensor is cast as it is written
     if format == "dlm":
         path = export_dlm(net, ck, out, dtypes[dtype], overwrite)
-    elif ck.objective == "ar" or (ck.objective == "usdm" and net.cfg.arch) or ck.config.get("family"):
+    elif ck.objective == "ar" or (ck.objective == "usdm" and is_gemma(net.cfg)) or ck.config.get("family"):
         # usdm: DiffusionGemma's layout; an imported LLaDA / Dream / SDAR / Fast-dLLM v2 (family): its own
         path = export_hf(net, ck.tokenizer, out, dtypes[dtype], overwrite, inputs=(ck.path,))
     elif ck.objective == "dflash":  # the layout of the public DFlash drafters (vLLM, SGLang)

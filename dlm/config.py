@@ -10,9 +10,76 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from dlm.errors import DlmError, check
+
+
+@dataclass
+class MoEConfig:
+    """A mixture of experts (dlm.moe), by its router:
+
+    - "sigmoid" (LLaDA 2's BailingMoeV2; GLM 4 MoE's, DeepSeek V3's): sigmoid scores, the top_k chosen within the
+      topk_group best of n_group groups, weights x scale; the experts and `shared` shared experts replace the MLP
+      from layer first_dense on;
+    - "softmax" (Gemma 4's): a normed, scaled input, softmax, top_k, a per-expert scale; the experts run beside the
+      dense MLP in every layer, each branch with its own norms.
+    """
+
+    n_experts: int
+    top_k: int
+    ffn_dim: int  # hidden size of one expert
+    router: str = "sigmoid"
+    shared: int = 0  # shared experts (sigmoid: one MLP of shared x ffn_dim hidden units)
+    first_dense: int = 0  # layers before this one keep the dense MLP
+    n_group: int = 1
+    topk_group: int = 1
+    scale: float = 1.0  # routed_scaling_factor
+
+    def validate(self, n_layers: int) -> None:
+        for k in ("n_experts", "top_k", "ffn_dim", "shared", "first_dense", "n_group", "topk_group"):
+            v = getattr(self, k)
+            check(_is_int(v) and v >= 0, f"model.moe.{k} must be an integer >= 0, got {v!r}")
+        E, g = self.n_experts, self.n_group
+        check(self.router in ("sigmoid", "softmax"), f"model.moe.router must be sigmoid or softmax, got {self.router!r}")
+        check(0 < self.top_k <= E <= 4096 and 0 < self.ffn_dim <= 1 << 18,
+              f"model.moe needs 0 < top_k <= n_experts <= 4096 and ffn_dim > 0, got {self}"[:200])
+        check(g > 0 and E % g == 0 and (self.router == "softmax" or E // g >= 2) and 0 < self.topk_group <= g,
+              f"model.moe: n_group ({g}) must divide n_experts ({E}) into groups of 2 or more, and 0 < topk_group <= "
+              "n_group")
+        check(self.top_k <= self.topk_group * (E // g),
+              f"model.moe: top_k ({self.top_k}) must be at most the experts of topk_group groups "
+              f"({self.topk_group * (E // g)})")
+        check(self.first_dense <= n_layers, f"model.moe.first_dense must be in [0, {n_layers}], got {self.first_dense}")
+        s = self.scale
+        check(isinstance(s, (int, float)) and not isinstance(s, bool) and 0 < s <= 1000,
+              f"model.moe.scale must be a number in (0, 1000], got {s!r}")
+        check(self.router == "sigmoid" or (self.shared == 0 and self.first_dense == 0),
+              "model.moe: the softmax router's experts run in every layer, without shared experts")
+
+    @classmethod
+    def from_dict(cls, d: Any) -> MoEConfig:
+        if not isinstance(d, dict):
+            raise DlmError(f"model.moe must be null or an object, got {d!r}"[:200])
+        names = {f.name for f in dataclasses.fields(cls)}
+        check(not set(d) - names and {"n_experts", "top_k", "ffn_dim"} <= set(d),
+              f"model.moe must be null or an object of n_experts, top_k, ffn_dim and optionally "
+              f"{sorted(names - {'n_experts', 'top_k', 'ffn_dim'})}, got {sorted(d)}")
+        return cls(**d)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+class LayerSpec(NamedTuple):
+    """What one decoder layer's attention looks like (ModelConfig.layer)."""
+
+    kind: str  # "full" | "sliding"
+    head_dim: int
+    n_kv_heads: int
+    k_eq_v: bool  # no v_proj: V is the K projection
+    window: int  # sliding: the keys of the last `window` positions; 0: every key the mask allows
 
 
 @dataclass
@@ -23,7 +90,7 @@ class ModelConfig:
     n_heads: int = 4
     n_kv_heads: int = 2  # grouped-query attention: n_heads % n_kv_heads == 0
     head_dim: int = 0  # 0 means dim // n_heads (Qwen3 may set it explicitly)
-    ffn_dim: int = 768  # SwiGLU hidden size
+    ffn_dim: int = 768  # gated MLP hidden size
     rope_theta: float = 10000.0
     # None (default RoPE), Llama 3's {"rope_type": "llama3", ...} or YaRN's {"rope_type": "yarn", "factor", ...}; with
     # "llama_4_scaling_beta" the queries are also scaled by position (Llama 4 / Ministral 3's attention temperature)
@@ -34,9 +101,9 @@ class ModelConfig:
     # partial rotary (LLaDA 2, GLM 4): RoPE turns the first partial_rotary x head_dim dimensions of each head (its
     # frequencies over that many), the rest pass unrotated; 1.0 = the whole head
     partial_rotary: float = 1.0
-    # a mixture of experts in place of the SwiGLU MLP from layer first_dense on (dlm.moe: LLaDA 2's BailingMoeV2 router,
-    # {"n_experts", "top_k", "ffn_dim", "shared", "first_dense", "n_group", "topk_group", "scale"}); None: dense
-    moe: dict[str, Any] | None = None
+    # a mixture of experts (dlm.moe; MoEConfig: LLaDA 2's sigmoid router in place of the MLP, Gemma 4's softmax router
+    # beside it); None: dense
+    moe: MoEConfig | None = None
     tie_embeddings: bool = True
     max_seq_len: int = 1024  # longest position the model is trained and sampled for
     self_cond: bool = False  # uniform-state diffusion: self-conditioning module (DiffusionGemma)
@@ -57,11 +124,32 @@ class ModelConfig:
     # repeats every side^2 + 1 positions (QUIZ, separator, SOLUTION: the separator and <eos> get embeddings of
     # their own); 0 = off
     grid_pos: int = 0
-    # a family's own layers (dlm.gemma4: {"family": "gemma4", "layer_types": [...], per-layer attention specs, "moe",
-    # "final_softcap", ...}); None: the Qwen3/Llama block
-    arch: dict[str, Any] | None = None
+    # per-layer attention (Gemma 4's layer types, nanochat's window pattern): "full" or "sliding" for each layer;
+    # [] = every layer full. A sliding layer's query sees the keys of the last sliding_window positions up to its
+    # own (a bidirectional block over a cache: the cache's last sliding_window - 1 and the whole block)
+    layer_types: list[str] = dataclasses.field(default_factory=list)
+    sliding_window: int = 0
+    # the full layers' own attention where it differs from the fields above, which the sliding layers keep (Gemma 4's
+    # global layers); 0 = the same
+    full_head_dim: int = 0
+    full_kv_heads: int = 0
+    full_rope_theta: float = 0.0
+    # Gemma 4's "proportional" RoPE on the full layers: the first full_rotary of the head's angles turn, at theta's
+    # frequencies over the whole head dim; the rest stay (1.0: all turn)
+    full_rotary: float = 1.0
+    k_eq_v: bool = False  # the full layers have no v_proj: V is the K projection (Gemma 4's attention_k_eq_v)
+    v_norm: bool = False  # V normed per head, without a scale (Gemma 4)
+    attn_scale: float = 0.0  # the attention's softmax scale; 0 = head_dim ** -0.5 (Gemma 4: 1.0, q/k-norm scale it)
+    sandwich_norm: bool = False  # norms after the attention and the MLP as well as before them (Gemma)
+    layer_scalar: bool = False  # a stored scalar multiplies each layer's output (Gemma 4)
+    mlp_act: str = "silu"  # the gated MLP's (and experts') activation: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)
+    norm_upcast: bool = False  # RMSNorm multiplies by its weight in fp32, then casts (Gemma); else casts, then scales
+    embed_scale: float = 1.0  # token embeddings (and a canvas's soft embeddings) x this (Gemma: sqrt(dim))
+    logit_softcap: float = 0.0  # logits = c tanh(logits / c) (Gemma's final_logit_softcapping); 0 = off
 
     def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):  # (a config.json's object)
+            self.moe = MoEConfig.from_dict(self.moe)
         self.check_types()
         if not self.head_dim:
             self.head_dim = self.dim // max(self.n_heads, 1)
@@ -72,9 +160,12 @@ class ModelConfig:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             want, ok = {
-                "int": ("an integer", isinstance(v, int) and not isinstance(v, bool)),
+                "int": ("an integer", _is_int(v)),
                 "float": ("a number", isinstance(v, (int, float)) and not isinstance(v, bool)),
                 "bool": ("true or false", isinstance(v, bool)),
+                "str": ("a string", isinstance(v, str)),
+                "list[str]": ("a list of strings", isinstance(v, list) and all(isinstance(x, str) for x in v)),
+                "MoEConfig | None": ("null or an object", v is None or isinstance(v, MoEConfig)),
             }.get(f.type, ("null or an object", v is None or isinstance(v, dict)))
             check(ok, f"model.{f.name} must be {want}, got {v!r}"[:200])
 
@@ -103,23 +194,47 @@ class ModelConfig:
               f"dimensions, got {p}")
         check(p == 1 or self.rope_scaling is None, "model.partial_rotary with rope_scaling is not supported")
         if self.moe is not None:
-            from dlm.moe import check_moe
-            check_moe(self.moe, self.n_layers)
-            check(self.arch is None, "model.moe is the Qwen3/Llama block's; a gemma4 arch has its own (arch.moe)")
-        if self.arch is not None:
-            from dlm.gemma4 import check_arch
-            check_arch(self.arch, self.n_layers)
+            self.moe.validate(self.n_layers)
+        lt = self.layer_types
+        check(not lt or (len(lt) == self.n_layers and all(t in ("sliding", "full") for t in lt)),
+              f"model.layer_types must be [] or list 'sliding' or 'full' for each of the {self.n_layers} layers, "
+              f"got {lt!r}"[:200])
+        check(0 <= self.sliding_window <= 1 << 20, f"model.sliding_window must be in [0, {1 << 20}], got "
+              f"{self.sliding_window}")
+        check("sliding" not in lt or self.sliding_window > 0, "model.sliding_window must be > 0 with sliding layers")
+        check(0 <= self.full_head_dim <= MODEL_LIMITS["head_dim"] and self.full_head_dim % 2 == 0,
+              f"model.full_head_dim must be 0 or even in [2, {MODEL_LIMITS['head_dim']}], got {self.full_head_dim}")
+        check(0 <= self.full_kv_heads <= MODEL_LIMITS["n_kv_heads"] and self.n_heads % (self.full_kv_heads or 1) == 0,
+              f"model.full_kv_heads must be 0 or divide model.n_heads ({self.n_heads}), got {self.full_kv_heads}")
+        check(self.full_rope_theta >= 0, f"model.full_rope_theta must be >= 0, got {self.full_rope_theta}")
+        check(0 < self.full_rotary <= 1, f"model.full_rotary must be in (0, 1], got {self.full_rotary}")
+        check(self.attn_scale >= 0, f"model.attn_scale must be >= 0, got {self.attn_scale}")
+        check(self.mlp_act in ("silu", "gelu_tanh"), f"model.mlp_act must be silu or gelu_tanh, got {self.mlp_act!r}")
+        check(0 < self.embed_scale <= 1 << 10, f"model.embed_scale must be in (0, 1024], got {self.embed_scale}")
+        check(self.logit_softcap >= 0, f"model.logit_softcap must be >= 0, got {self.logit_softcap}")
         g = self.grid_pos
         check(g == 0 or (4 <= g <= 64 and math.isqrt(g) ** 2 == g),
               f"model.grid_pos must be 0 or a square side of 4..64 (sudoku: 9), got {g}")
+
+    def layer(self, i: int) -> LayerSpec:
+        """Layer i's attention: a sliding layer keeps head_dim / n_kv_heads, a full one takes full_* where set."""
+        if self.layer_types and self.layer_types[i] == "sliding":
+            return LayerSpec("sliding", self.head_dim, self.n_kv_heads, False, self.sliding_window)
+        return LayerSpec("full", self.full_head_dim or self.head_dim, self.full_kv_heads or self.n_kv_heads,
+                         self.k_eq_v, 0)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """A config.json's model object; one written with the `arch` object of Gemma 4 layers is read into the
+        fields that now say the same."""
         if not isinstance(d, dict):
             raise DlmError(f"model config must be an object of fields, got {d!r}"[:200])
+        d = dict(d)
+        if "arch" in d:
+            d.update(_from_arch(d.pop("arch"), d))
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -127,23 +242,65 @@ class ModelConfig:
         return cls(**d)
 
     def num_params(self) -> int:
-        """Parameter count of the backbone (without self-conditioning)."""
-        if self.arch:
-            from dlm.gemma4 import num_params
-            return num_params(self)
-        d, hd = self.dim, self.head_dim
-        attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads) + (2 * hd if self.qk_norm else 0)
-        attn += hd * (self.n_heads + 2 * self.n_kv_heads) if self.attn_bias else 0
+        """Parameter count of the backbone (without self-conditioning; stored scalars and buffers not counted)."""
+        d, m = self.dim, self.moe
+        total = self.vocab_size * d * (1 if self.tie_embeddings else 2) + d  # embeddings (+ head), final norm
+        total += self.max_seq_len * d if self.learned_pos else 0
+        total += 3 * (self.grid_pos + 1) * d if self.grid_pos else 0
         mlp = 3 * d * self.ffn_dim
-        per_layer = attn + mlp + 2 * d
-        emb = self.vocab_size * d
-        pos = self.max_seq_len * d if self.learned_pos else 0
-        pos += 3 * (self.grid_pos + 1) * d if self.grid_pos else 0
-        moe = 0
-        if self.moe:  # the MoE layers' feed-forward instead of the dense MLP
-            from dlm.moe import num_params
-            moe = (self.n_layers - self.moe["first_dense"]) * (num_params(self) - mlp)
-        return emb + pos + self.n_layers * per_layer + moe + d + (0 if self.tie_embeddings else emb)
+        for i in range(self.n_layers):
+            _, hd, kv, k_eq_v, _ = self.layer(i)
+            attn = d * hd * (2 * self.n_heads + kv * (1 if k_eq_v else 2)) + (2 * hd if self.qk_norm else 0)
+            attn += hd * (self.n_heads + 2 * kv) if self.attn_bias else 0
+            total += attn + (4 if self.sandwich_norm else 2) * d
+            experts = m.n_experts * 3 * m.ffn_dim * d if m else 0
+            if m and m.router == "softmax":  # beside the MLP: experts, router (proj, scale, per-expert), 3 norms
+                total += mlp + experts + m.n_experts * d + d + m.n_experts + 3 * d
+            elif m and i >= m.first_dense:  # in place of the MLP: experts, router, shared experts
+                total += experts + m.n_experts * d + 3 * d * m.ffn_dim * m.shared
+            else:
+                total += mlp
+        return total
+
+
+def _from_arch(a: Any, d: dict[str, Any]) -> dict[str, Any]:
+    """The typed fields of the `arch` object that config.json files once held for Gemma 4 layers
+    ({"family": "gemma4", "layer_types", "sliding_window", "full_head_dim", "full_kv_heads", "full_rope_theta",
+    "full_partial_rotary", "k_eq_v", "moe", "final_softcap"})."""
+    if a is None:
+        return {}
+    check(isinstance(a, dict) and a.get("family") == "gemma4",
+          f"model.arch must be null or a gemma4 object, got {a!r}"[:200])
+    keys = {"family", "layer_types", "sliding_window", "full_head_dim", "full_kv_heads", "full_rope_theta",
+            "full_partial_rotary", "k_eq_v", "moe", "final_softcap", "layer_scalar"}
+    check(not set(a) - keys, f"model.arch has unknown fields {sorted(set(a) - keys)}; known: {sorted(keys)}")
+    check(not d.get("moe"), "model.moe and model.arch.moe cannot both be set")
+    dim = d.get("dim", 256)
+    check(_is_int(dim) and dim > 0, f"model.dim must be a positive integer, got {dim!r}")
+    moe = a.get("moe")
+    return {"layer_types": a.get("layer_types"), "sliding_window": a.get("sliding_window"),
+            "full_head_dim": a.get("full_head_dim"), "full_kv_heads": a.get("full_kv_heads"),
+            "full_rope_theta": float(a.get("full_rope_theta") or 0.0),
+            "full_rotary": a.get("full_partial_rotary", 1.0), "k_eq_v": bool(a.get("k_eq_v", False)),
+            "moe": None if moe is None else {**moe, "router": "softmax"} if isinstance(moe, dict) else moe,
+            "logit_softcap": float(a.get("final_softcap") or 0.0), **GEMMA_LAYERS, "embed_scale": math.sqrt(dim)}
+
+
+# the fields that shape a family's layers beyond the Qwen3/Llama block; their defaults are that block
+FAMILY_FIELDS = ("layer_types", "sliding_window", "full_head_dim", "full_kv_heads", "full_rope_theta", "full_rotary",
+                 "k_eq_v", "v_norm", "attn_scale", "sandwich_norm", "layer_scalar", "mlp_act", "norm_upcast",
+                 "embed_scale", "logit_softcap")
+
+
+def plain_layers() -> dict[str, Any]:
+    """FAMILY_FIELDS at their defaults: the Qwen3/Llama block."""
+    f = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    return {k: f[k].default_factory() if f[k].default is dataclasses.MISSING else f[k].default for k in FAMILY_FIELDS}
+
+
+# the numerics every Gemma 4 layer has (beside its per-layer specs): what `arch` implied
+GEMMA_LAYERS = {"qk_norm": True, "attn_bias": False, "v_norm": True, "attn_scale": 1.0, "sandwich_norm": True,
+                "layer_scalar": True, "mlp_act": "gelu_tanh", "norm_upcast": True}
 
 
 # the largest sizes a model config may ask for: beyond them a crafted config.json would only allocate until memory

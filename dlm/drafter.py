@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from dlm.config import ModelConfig
 from dlm.errors import DlmError, check
 from dlm.model import (
-    Block, KVCache, RMSNorm, Transformer, block_shapes, init_weights, rope_inv_freq, run_blocks,
+    Block, KVCache, RMSNorm, Transformer, block_shapes, init_weights, rope_inv_freq, run_blocks, softcap,
 )
 
 # DFlash 2 ("Keep Drafting Parallel", z-lab 2026): every draft layer wraps its attention and its MLP in a grouped
@@ -111,9 +111,9 @@ class ConvBlock(Block):
         self.attention_conv = DynamicConv(cfg.dim, kernel, group)
         self.mlp_conv = DynamicConv(cfg.dim, kernel, group)
 
-    def layer(self, x, rope, mask, is_causal, cache, layer, write, ctx=None, ctx_rope=None) -> Tensor:
+    def layer(self, x, rope, mask, is_causal, cache, layer, write, ctx=None, ctx_rope=None, lo=0) -> Tensor:
         h, k = self.attention_conv.prepare(self.input_layernorm(x))
-        a = self.self_attn(h, rope, mask, is_causal, cache, layer, write, ctx, ctx_rope)
+        a = self.self_attn(h, rope, mask, is_causal, cache, layer, write, ctx, ctx_rope, lo)
         x = self.attention_conv.finish(a, k, x)  # x + the convolved output
         h, k = self.mlp_conv.prepare(self.post_attention_layernorm(x))
         return self.mlp_conv.finish(self.mlp(h), k, x)
@@ -340,9 +340,7 @@ class DFlashDrafter(nn.Module):
         logits = target.lm_head(h)
         if self.output_multiplier != 1.0:
             logits = logits * self.output_multiplier
-        if self.logit_softcap:
-            logits = torch.tanh(logits.float() / self.logit_softcap).to(logits.dtype) * self.logit_softcap
-        return logits
+        return softcap(logits, self.logit_softcap or 0.0)
 
     def numerics(self) -> dict[str, Any]:
         """The config entries of the numerics that differ from the plain DFlash ones."""
@@ -405,8 +403,7 @@ class DFlashDrafter(nn.Module):
 
     def new_cache(self, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
         p = self.fc.weight
-        return KVCache(self.cfg.n_layers, 1, self.cfg.n_kv_heads, capacity, self.cfg.head_dim, p.device,
-                       dtype or p.dtype)
+        return KVCache(self.cfg, 1, capacity, p.device, dtype or p.dtype)
 
 
 def build_drafter(config: dict[str, Any]) -> DFlashDrafter:

@@ -1,23 +1,25 @@
-"""Gemma 4 / DiffusionGemma interop: transformers' config and weight names onto a gemma4 ModelConfig.
+"""Gemma 4 / DiffusionGemma interop: transformers' config and weight names onto a ModelConfig with Gemma 4's layers.
 
 A Gemma 4 text config (model_type gemma4_text, or the text_config of a gemma4 / diffusion_gemma
-config) becomes a ModelConfig whose `arch` holds the per-layer specs (dlm.gemma4). Weight names are
+config) becomes a ModelConfig with Gemma 4's layers (its layer types and per-type attention, sandwich norms,
+GeGLU, the softmax-routed experts, soft-cap: config.GEMMA_LAYERS and the per-layer fields). Weight names are
 transformers' without the model prefix (`model.`, `model.language_model.`, ...).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from dlm.config import ModelConfig
+from dlm.config import GEMMA_LAYERS, ModelConfig
 from dlm.errors import DlmError
 
 LAYER_KIND = {"sliding_attention": "sliding", "full_attention": "full"}
 
 
 def model_config_from_gemma(t: dict[str, Any], **extra: Any) -> ModelConfig:
-    """A Gemma 4 text config (dict, as in config.json) -> ModelConfig with arch family gemma4; a field missing or
-    of the wrong type is one DlmError line naming it."""
+    """A Gemma 4 text config (dict, as in config.json) -> ModelConfig with Gemma 4's layers; a field missing or of
+    the wrong type is one DlmError line naming it."""
     try:
         return _gemma_config(t, **extra)
     except KeyError as e:
@@ -57,43 +59,51 @@ def _gemma_config(t: dict[str, Any], **extra: Any) -> ModelConfig:
     full_hd, full_kv = specs.pop() if specs else base
     moe = None
     if t.get("enable_moe_block"):
-        moe = {"n_experts": t["num_experts"], "top_k": t["top_k_experts"], "ffn_dim": t["moe_intermediate_size"]}
-    arch = {"family": "gemma4", "layer_types": kinds, "sliding_window": t.get("sliding_window", 512),
-            "full_head_dim": full_hd, "full_kv_heads": full_kv, "full_rope_theta": float(fu.get("rope_theta", 1e6)),
-            "full_partial_rotary": float(fu.get("partial_rotary_factor", 1.0))
-            if fu.get("rope_type", "default") == "proportional" else 1.0,
-            "k_eq_v": bool(t.get("attention_k_eq_v", False)), "moe": moe,
-            "final_softcap": t.get("final_logit_softcapping")}
+        moe = {"n_experts": t["num_experts"], "top_k": t["top_k_experts"], "ffn_dim": t["moe_intermediate_size"],
+               "router": "softmax"}
     return ModelConfig(vocab_size=t["vocab_size"], dim=t["hidden_size"], n_layers=n,
                        n_heads=t["num_attention_heads"], n_kv_heads=t["num_key_value_heads"],
                        head_dim=t.get("head_dim", 256), ffn_dim=t["intermediate_size"],
                        rope_theta=float(sl.get("rope_theta", 10_000.0)), norm_eps=t.get("rms_norm_eps", 1e-6),
-                       qk_norm=True, tie_embeddings=bool(t.get("tie_word_embeddings", True)),
-                       max_seq_len=min(t.get("max_position_embeddings", 131072), 1 << 20), arch=arch, **extra)
+                       tie_embeddings=bool(t.get("tie_word_embeddings", True)),
+                       max_seq_len=min(t.get("max_position_embeddings", 131072), 1 << 20),
+                       layer_types=kinds, sliding_window=t.get("sliding_window", 512), full_head_dim=full_hd,
+                       full_kv_heads=full_kv, full_rope_theta=float(fu.get("rope_theta", 1e6)),
+                       full_rotary=float(fu.get("partial_rotary_factor", 1.0))
+                       if fu.get("rope_type", "default") == "proportional" else 1.0,
+                       k_eq_v=bool(t.get("attention_k_eq_v", False)), moe=moe,
+                       logit_softcap=float(t.get("final_logit_softcapping") or 0.0),
+                       embed_scale=math.sqrt(t["hidden_size"]), **GEMMA_LAYERS, **extra)
+
+
+def is_gemma(cfg: ModelConfig) -> bool:
+    """Whether cfg has Gemma 4's layers (what this layout holds)."""
+    return cfg.sandwich_norm
 
 
 def gemma_text_config(cfg: ModelConfig) -> dict[str, Any]:
     """The inverse of model_config_from_gemma: a Gemma 4 text config dict."""
-    a = cfg.arch
-    moe = a.get("moe") or {}
-    types = [{"sliding": "sliding_attention", "full": "full_attention"}[k] for k in a["layer_types"]]
+    moe = cfg.moe
+    kinds = cfg.layer_types or ["full"] * cfg.n_layers
+    types = [{"sliding": "sliding_attention", "full": "full_attention"}[k] for k in kinds]
+    full_hd, full_kv = cfg.full_head_dim or cfg.head_dim, cfg.full_kv_heads or cfg.n_kv_heads
     return {
         "model_type": "gemma4_text", "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim,
         "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden_activation": "gelu_pytorch_tanh",
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-        "tie_word_embeddings": cfg.tie_embeddings, "sliding_window": a["sliding_window"], "layer_types": types,
+        "tie_word_embeddings": cfg.tie_embeddings, "sliding_window": cfg.sliding_window, "layer_types": types,
         "rope_parameters": {
             "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": a.get("full_partial_rotary", 1.0),
-                               "rope_theta": a.get("full_rope_theta", cfg.rope_theta)}},
-        "final_logit_softcapping": a.get("final_softcap"), "hidden_size_per_layer_input": 0,
-        "attention_k_eq_v": bool(a.get("k_eq_v")), "num_kv_shared_layers": 0,
-        "enable_moe_block": bool(moe), "num_experts": moe.get("n_experts"), "top_k_experts": moe.get("top_k"),
-        "moe_intermediate_size": moe.get("ffn_dim"),
-        "global_head_dim": a["full_head_dim"], "num_global_key_value_heads": a["full_kv_heads"],
-        "per_layer_config": {str(i): {"head_dim": a["full_head_dim"], "num_key_value_heads": a["full_kv_heads"]}
-                             for i, k in enumerate(a["layer_types"]) if k == "full"},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": cfg.full_rotary,
+                               "rope_theta": cfg.full_rope_theta or cfg.rope_theta}},
+        "final_logit_softcapping": cfg.logit_softcap or None, "hidden_size_per_layer_input": 0,
+        "attention_k_eq_v": cfg.k_eq_v, "num_kv_shared_layers": 0,
+        "enable_moe_block": moe is not None, "num_experts": moe and moe.n_experts, "top_k_experts": moe and moe.top_k,
+        "moe_intermediate_size": moe and moe.ffn_dim,
+        "global_head_dim": full_hd, "num_global_key_value_heads": full_kv,
+        "per_layer_config": {str(i): {"head_dim": full_hd, "num_key_value_heads": full_kv}
+                             for i, k in enumerate(kinds) if k == "full"},
     }
 
 

@@ -102,7 +102,7 @@ def export_folder(model: Transformer, tok: Tokenizer, tmp: Path, dtype: torch.dt
     """The checkpoint back in the ministral_dlm layout: the imported config.json, its shape keys rewritten where the
     checkpoint no longer matches them, its <mask> id and block."""
     cfg = model.cfg
-    if cfg.qk_norm or cfg.attn_bias or cfg.arch:
+    if cfg.qk_norm or cfg.attn_bias or cfg.sandwich_norm:
         raise DlmError(f"--format hf: this backbone does not fit {FAMILY}'s layout (Ministral 3: no q/k-norm, no bias)")
     src = dict(meta.get("hf_config") or {})
     out = {**src, "model_type": "ministral_dlm", "dlm_paradigm": "sbd_block_diff"}

@@ -217,7 +217,7 @@ def llada2_names(cfg: ModelConfig) -> dict[str, str]:
         for k, v in LLADA2_LAYER.items():
             if k.startswith("mlp.") and m != (k.startswith(("mlp.gate.", "mlp.shared_experts."))):
                 continue
-            if k.startswith("mlp.shared_experts.") and not cfg.moe["shared"]:
+            if k.startswith("mlp.shared_experts.") and not cfg.moe.shared:
                 continue
             out[f"layers.{i}.{k}"] = f"model.layers.{i}.{v}"
     return out
@@ -248,7 +248,7 @@ def llada2_to_dlm(raw: dict[str, torch.Tensor], cfg: ModelConfig, source: Path) 
                 out[f"layers.{i}.self_attn.{name}_proj.{kind}"] = t
         if is_moe_layer(cfg, i):
             gu, down = [], []
-            for e in range(cfg.moe["n_experts"]):
+            for e in range(cfg.moe.n_experts):
                 q = f"{p}mlp.experts.{e}."
                 try:
                     g, u, dn = (raw.pop(f"{q}{w}_proj.weight") for w in ("gate", "up", "down"))
@@ -279,8 +279,8 @@ def dlm_to_llada2(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
                 [state.pop(f"layers.{i}.self_attn.{n}_proj.{kind}") for n in "qkv"], 0)
         if is_moe_layer(cfg, i):
             gu, down = state.pop(f"layers.{i}.mlp.experts.gate_up_proj"), state.pop(f"layers.{i}.mlp.experts.down_proj")
-            I = cfg.moe["ffn_dim"]
-            for e in range(cfg.moe["n_experts"]):
+            I = cfg.moe.ffn_dim
+            for e in range(cfg.moe.n_experts):
                 q = f"{p}mlp.experts.{e}."
                 out[q + "gate_proj.weight"] = gu[e, :I].contiguous()
                 out[q + "up_proj.weight"] = gu[e, I:].contiguous()
@@ -390,10 +390,10 @@ def layout_keys(cfg: ModelConfig, fam: Family, tok, dtype: str, src: dict[str, A
         if "rotary_dim" in src:
             out["rotary_dim"] = int(cfg.head_dim * cfg.partial_rotary)
         m = cfg.moe
-        out.update({"num_experts": m and m["n_experts"], "num_experts_per_tok": m and m["top_k"],
-                    "moe_intermediate_size": m and m["ffn_dim"], "num_shared_experts": m and m["shared"],
-                    "first_k_dense_replace": m["first_dense"] if m else 0, "n_group": m and m["n_group"],
-                    "topk_group": m and m["topk_group"], "routed_scaling_factor": m and m["scale"]})
+        out.update({"num_experts": m and m.n_experts, "num_experts_per_tok": m and m.top_k,
+                    "moe_intermediate_size": m and m.ffn_dim, "num_shared_experts": m and m.shared,
+                    "first_k_dense_replace": m.first_dense if m else 0, "n_group": m and m.n_group,
+                    "topk_group": m and m.topk_group, "routed_scaling_factor": m and m.scale})
         return out
     base = hf_config(cfg, tok, dtype)
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -13,8 +13,7 @@ training
   block_causal          clean tokens; a token sees its own block and the blocks before (BD3-LM's x_0)
   block_diffusion_train [x_t | x_0]: a noisy block sees itself and the clean blocks before (MDLM/BD3-LM)
   joint_train           [x_t | x_0]: the diffusion half as above, the clean half causal (AR + diffusion)
-  usdm_canvas_train     [clean | canvas]: clean causal; the canvas sees the clean keys before its start (and a
-                        sliding-window layer's variant: the last window of each)
+  usdm_canvas_train     [clean | canvas]: clean causal; the canvas sees the clean keys before its start
   dflash_train          [context | A blocks]: a block sees the context before its anchor and itself
   elbo_noisy_block      [cached clean | noisy]: a noisy block sees the clean blocks before and itself
 inference
@@ -24,6 +23,7 @@ inference
   mdlm_denoise          block-causal rows of a sequence being denoised, optionally causal context
   quadratic_self_spec   a joint model's quadratic self-speculation pass (first tokens, rows of masks)
   dflash_draft          a DFlash drafter's block over [cache ; context ; block]
+sliding-window layers see one of these within their band (sliding_band), from positions
 """
 
 from __future__ import annotations
@@ -128,22 +128,19 @@ def usdm_canvas_train(T: int, start: Tensor) -> Predicate:
     return lambda b, h, q, k: torch.where(q < T, k <= q, (k >= T) | (k < start[b]))
 
 
-def usdm_canvas_train_sliding(T: int, start: Tensor, window: int) -> Predicate:
-    """usdm_canvas_train in a sliding-window layer: clean rows see the last `window` clean keys up to themselves;
-    canvas rows see the window - 1 clean keys before start[b] and the whole canvas (DiffusionGemma's decoder over
-    a cache, what the sampler computes)."""
-    return lambda b, h, q, k: torch.where(q < T, (k <= q) & (k > q - window),
-                                          (k >= T) | ((k < start[b]) & (k >= start[b] - (window - 1))))
-
-
 def usdm_canvas_train_mask(T: int, L: int, start: Tensor, window: int | None = None) -> Tensor | LayerMasks:
     """(B, 1, T + L, T + L): usdm's encoder + denoiser forward, the canvas of row b placed at start[b]; with a
-    window, also the sliding-window layers' mask (LayerMasks)."""
-    full = dense(usdm_canvas_train(T, start), T + L, T + L, start.device, batch=start.shape[0])[:, None]
+    window, also the sliding-window layers' mask (LayerMasks): that mask within the band (sliding_band) of the
+    positions, clean rows causal, the canvas a block from start[b] (DiffusionGemma's decoder over a cache, what the
+    sampler computes)."""
+    B, dev = start.shape[0], start.device
+    full = dense(usdm_canvas_train(T, start), T + L, T + L, dev, batch=B)[:, None]
     if window is None:
         return full
-    sliding = dense(usdm_canvas_train_sliding(T, start, window), T + L, T + L, start.device, batch=start.shape[0])
-    return LayerMasks(full, sliding[:, None])
+    pos = torch.cat([torch.arange(T, device=dev).expand(B, T), start[:, None] + torch.arange(L, device=dev)], 1)
+    block = torch.cat([torch.full((B, T), -1, device=dev, dtype=start.dtype), start[:, None].expand(B, L)], 1)
+    band = sliding_band(pos[:, :, None], pos[:, None, :], window, block[:, :, None])  # (B, T + L, T + L)
+    return LayerMasks(full, full & band[:, None])
 
 
 def dflash_train(anchors: Tensor, n_ctx: int, block_size: int, causal_ctx: bool = False) -> Predicate:
@@ -234,21 +231,31 @@ def key_valid_mask(valid: Tensor) -> Tensor:
     return dense(key_valid(valid), 1, S, valid.device, batch=B)[:, None]
 
 
-def causal_window(window: int, offset: int) -> Predicate:
-    """A sliding-window layer's band: query i (key index offset + i) sees the last `window` keys up to itself."""
-    return lambda b, h, q, k: (k <= q + offset) & (k > q + offset - window)
+def sliding_band(q: Tensor, k: Tensor, window: int, block: Tensor | int | None = None) -> Tensor:
+    """A sliding-window layer's band, from positions: q (..., T, 1) of the queries, k (..., 1, S) of the keys ->
+    (..., T, S) bool. A causal query at position p sees the keys at (p - window, p]; a query of a bidirectional
+    block that starts at position s (block: s per query, broadcastable to q, -1 where the query is causal; or one s
+    for all; None: all causal) sees the keys from s - (window - 1) on: the window - 1 before the block and the whole
+    block (DiffusionGemma's decoder over a cache). The layer's mask is its full mask and this band."""
+    causal = (k > q - window) & (k <= q)
+    if block is None:
+        return causal
+    seen = k >= block - (window - 1)
+    if isinstance(block, int):
+        return seen.expand_as(causal)
+    return torch.where(block >= 0, seen, causal)
 
 
 def causal_layers(cfg, mask: Tensor) -> Tensor | LayerMasks:
     """A causal layout given as a bool mask (B, 1, T, S) over [cache (S - T) ; T queries] (left-padded prompts, a
-    batch's decoding step), for a backbone with sliding-window layers (a gemma4 ModelConfig; any other gets mask as
-    it is): those layers see the mask within the band of the last window keys. Key index = position within each row
-    (its keys contiguous, ending at its last query), as the padded layouts keep them."""
-    arch = cfg.arch or {}
-    if "sliding" not in arch.get("layer_types", ()):
+    batch's decoding step), for a backbone with sliding-window layers (ModelConfig.layer_types; any other gets mask
+    as it is): those layers see the mask within the band of the last window keys. Key index = position within each
+    row (its keys contiguous, ending at its last query), as the padded layouts keep them."""
+    if "sliding" not in cfg.layer_types:
         return mask
     T, S = mask.shape[-2:]
-    return LayerMasks(mask, mask & dense(causal_window(arch["sliding_window"], S - T), T, S, mask.device))
+    q = torch.arange(S - T, S, device=mask.device)[:, None]
+    return LayerMasks(mask, mask & sliding_band(q, torch.arange(S, device=mask.device)[None], cfg.sliding_window))
 
 
 def mdlm_denoise(block_of: Tensor, start: int, keys: int, causal_context: bool = False) -> Predicate:

@@ -1,4 +1,9 @@
-"""The backbone: a Qwen3/Llama-style decoder that every paradigm shares.
+"""The backbone: one decoder that every paradigm and every family shares.
+
+A family is a set of ModelConfig fields, not a class: the Qwen3/Llama block by default, Gemma 4's layers
+(sliding and full layer types with their own head dims, KV heads and RoPE, K = V, sandwich norms, GeGLU,
+experts beside the MLP, layer scalars, soft-cap) and LLaDA 2's experts by their fields. One RMSNorm, one
+gated MLP, one Attention, one Block, one KVCache and one run_blocks serve them all.
 
 One code path serves every way the paradigms run it:
 
@@ -14,8 +19,8 @@ Keys seen by the queries are laid out as [cache[:L0] ; ctx (C) ; x (T)]. A boole
 True where attention is allowed and has shape broadcastable to (B, 1, T, L0 + C + T); every mask
 of every paradigm is built in dlm.masks.
 
-Parameter names match transformers' Qwen3/Llama modules (without the `model.` prefix), so
-import/export is a rename (dlm.hf).
+Parameter names match transformers' Qwen3/Llama modules (and Gemma 4's) without the `model.` prefix, so
+import/export is a rename (dlm.hf, dlm.hf_gemma).
 """
 
 from __future__ import annotations
@@ -29,20 +34,27 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from dlm import gemma4, moe
+from dlm import moe
 from dlm.config import ModelConfig
 from dlm.errors import DlmError
-from dlm.masks import Mask, sdpa_mask
+from dlm.masks import LayerMasks, Mask, sdpa_mask, sliding_band
 from dlm.rope import apply_rope, query_scale, rope_attention_factor, rope_cos_sin, yarn_inv_freq
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6, scale: bool = True):
+    """x / rms(x) x weight. upcast (Gemma): the weight multiplies in fp32, then the cast; else (Llama, Qwen) the
+    normed x is cast, then scaled. scale=False: no weight."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, scale: bool = True, upcast: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.upcast = eps, upcast
         self.weight = nn.Parameter(torch.ones(dim)) if scale else None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.upcast:
+            h = x.float()
+            h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+            return (h if self.weight is None else h * self.weight.float()).type_as(x)
         if x.dtype == torch.float32:  # one fused kernel; same arithmetic as below
             return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
         dtype = x.dtype  # half precision: normalise in fp32 like transformers, then scale
@@ -52,12 +64,25 @@ class RMSNorm(nn.Module):
         return x if self.weight is None else self.weight * x
 
 
-def rope_inv_freq(cfg: ModelConfig) -> Tensor:
-    hd = int(cfg.head_dim * cfg.partial_rotary)  # the rotated dimensions (partial rotary: the first ones)
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))  # (hd/2,)
+def norm(cfg: ModelConfig, dim: int, scale: bool = True) -> RMSNorm:
+    return RMSNorm(dim, cfg.norm_eps, scale, cfg.norm_upcast)
+
+
+def rope_inv_freq(cfg: ModelConfig, kind: str = "full") -> Tensor:
+    """The RoPE inverse frequencies of one layer kind: (rotated dims / 2,), or (head_dim / 2,) with zeros past the
+    turned fraction for Gemma 4's proportional RoPE of the full layers (full_rotary)."""
+    spec = cfg.layer(cfg.layer_types.index(kind) if kind in cfg.layer_types else 0)
+    theta = (cfg.full_rope_theta or cfg.rope_theta) if kind == "full" else cfg.rope_theta
+    if kind == "full" and cfg.full_rotary < 1:  # proportional: frequencies over the whole head, the first ones turn
+        hd = spec.head_dim
+        n = int(cfg.full_rotary * hd // 2)
+        rot = 1.0 / (theta ** (torch.arange(0, 2 * n, 2, dtype=torch.int64).float() / hd))
+        return torch.cat((rot, torch.zeros(hd // 2 - n)))
+    hd = int(spec.head_dim * cfg.partial_rotary)  # the rotated dimensions (partial rotary: the first ones)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))  # (hd/2,)
     rs = cfg.rope_scaling or {}
     if rs.get("rope_type", rs.get("type")) == "yarn":
-        return yarn_inv_freq(hd, cfg.rope_theta, rs)
+        return yarn_inv_freq(hd, theta, rs)
     if rs.get("rope_type", rs.get("type")) == "llama3":
         # Llama 3.1 frequency rescaling (same formula as the reference implementation)
         factor = rs["factor"]
@@ -74,24 +99,40 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
 
 
 class KVCache:
-    """Static K/V buffers for every layer: (n_layers, B, n_kv_heads, capacity, head_dim).
+    """Static K/V buffers of every layer, rows at dim -4 and slots at dim -2: one (n_layers, B, n_kv_heads, capacity,
+    head_dim) tensor each for K and V when the layers' shapes agree, else one (B, n_kv_heads_i, capacity, head_dim_i)
+    per layer (Gemma 4's sliding and full layers); `k[i]` is layer i's either way.
 
-    `length` slots are valid. Writing appends at `length`; `crop(n)` rolls back to n slots.
+    `length` slots are valid. `update` writes at `length`; `crop(n)` rolls back to n slots.
     Slots need not equal positions (positions are baked into the keys by RoPE).
     """
 
-    def __init__(
-        self, n_layers: int, batch: int, n_kv_heads: int, capacity: int, head_dim: int,
-        device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-    ):
-        shape = (n_layers, batch, n_kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+    def __init__(self, cfg: ModelConfig, batch: int, capacity: int, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        shapes = [cfg.layer(i)[1:3] for i in range(cfg.n_layers)]  # (head_dim, n_kv_heads)
+        if len(set(shapes)) == 1:
+            hd, kv = shapes[0]
+            self.k = torch.zeros((cfg.n_layers, batch, kv, capacity, hd), device=device, dtype=dtype)
+            self.v = torch.zeros_like(self.k)
+        else:
+            self.k = [torch.zeros(batch, kv, capacity, hd, device=device, dtype=dtype) for hd, kv in shapes]
+            self.v = [torch.zeros_like(k) for k in self.k]
         self.length = 0
+
+    @classmethod
+    def over(cls, k: Tensor | list[Tensor], v: Tensor | list[Tensor], length: int) -> KVCache:
+        """A cache over these buffers (no copy: writes land in them)."""
+        cache = cls.__new__(cls)
+        cache.k, cache.v, cache.length = k, v, length
+        return cache
+
+    def buffers(self) -> list[Tensor]:
+        """Every K and V buffer (rows at dim -4, slots at dim -2)."""
+        return [self.k, self.v] if isinstance(self.k, Tensor) else [*self.k, *self.v]
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[-2]
 
     def crop(self, length: int) -> None:
         if not 0 <= length <= self.length:
@@ -102,36 +143,64 @@ class KVCache:
         if self.length + n > self.capacity:
             raise DlmError(f"KV cache full: {self.length} + {n} tokens > capacity {self.capacity}")
 
+    def update(self, layer: int, k: Tensor, v: Tensor, write: bool, kc: Tensor | None = None,
+               vc: Tensor | None = None, lo: int = 0) -> tuple[Tensor, Tensor]:
+        """Layer `layer`'s keys and values to attend to: the cache's slots lo..length-1 (lo: the slots before are
+        seen by no query), the context's K/V kc, vc (B, Hkv, C, hd: always kept, from slot `length`), then this call's
+        k, v (B, Hkv, T, hd), kept when `write`."""
+        ck, cv = self.k[layer], self.v[layer]  # (B, Hkv, capacity, hd)
+        start = self.length
+        if kc is not None:
+            C = kc.shape[2]
+            ck[:, :, start:start + C] = kc
+            cv[:, :, start:start + C] = vc
+            start += C
+        if write:
+            T = k.shape[2]
+            ck[:, :, start:start + T] = k
+            cv[:, :, start:start + T] = v
+            return ck[:, :, lo:start + T], cv[:, :, lo:start + T]
+        return torch.cat((ck[:, :, lo:start], k), 2), torch.cat((cv[:, :, lo:start], v), 2)
+
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Grouped-query attention of layer i (ModelConfig.layer: its head dim, KV heads, K = V)."""
+
+    def __init__(self, cfg: ModelConfig, i: int = 0):
         super().__init__()
-        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        _, self.hd, self.n_kv, k_eq_v, _ = cfg.layer(i)
+        self.n_heads = cfg.n_heads
+        self.scale = cfg.attn_scale or self.hd ** -0.5
         bias = cfg.attn_bias  # Qwen2: q, k and v carry a bias, o does not
-        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * self.hd, bias=bias)
+        self.k_proj = nn.Linear(cfg.dim, self.n_kv * self.hd, bias=bias)
+        self.v_proj = None if k_eq_v else nn.Linear(cfg.dim, self.n_kv * self.hd, bias=bias)
+        self.o_proj = nn.Linear(cfg.n_heads * self.hd, cfg.dim, bias=False)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.q_norm = norm(cfg, self.hd)
+            self.k_norm = norm(cfg, self.hd)
         else:
             self.q_norm = self.k_norm = None
+        self.v_norm = norm(cfg, self.hd, scale=False) if cfg.v_norm else None
 
     def project_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         B, T, _ = x.shape
         k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
+        v = k if self.v_proj is None else self.v_proj(x).view(B, T, self.n_kv, self.hd)
         if self.k_norm is not None:
             k = self.k_norm(k)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, T, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
-        return k, v
+        if self.v_norm is not None:
+            v = self.v_norm(v)
+        return k, v.transpose(1, 2)
 
     def forward(
-        self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, is_causal: bool,
+        self, x: Tensor, rope: tuple[Tensor, ...], mask: Tensor | None, is_causal: bool,
         cache: KVCache | None, layer: int, write: bool,
-        ctx: Tensor | None, ctx_rope: tuple[Tensor, Tensor] | None,
+        ctx: Tensor | None, ctx_rope: tuple[Tensor, ...] | None, lo: int = 0,
     ) -> Tensor:
+        """lo: the cache slots before it are seen by no query (a sliding layer's window) and are left out of the keys;
+        mask covers the keys from slot lo on."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
         if self.q_norm is not None:
@@ -140,63 +209,95 @@ class Attention(nn.Module):
         if len(rope) > 2:  # the queries' attention temperature by position (rope_scaling llama_4_scaling_beta)
             q = q * rope[2].to(q.dtype)
         k, v = self.project_kv(x, rope[0], rope[1])  # (B, Hkv, T, hd)
+        kc = vc = None
         if ctx is not None:
             kc, vc = self.project_kv(ctx, ctx_rope[0], ctx_rope[1])  # (B, Hkv, C, hd)
-        if cache is None:
-            if ctx is not None:
-                k, v = torch.cat((kc, k), 2), torch.cat((vc, v), 2)
-        else:
-            start = cache.length
-            if ctx is not None:  # context K/V always persist in the cache
-                C = kc.shape[2]
-                cache.k[layer, :, :, start:start + C] = kc
-                cache.v[layer, :, :, start:start + C] = vc
-                start += C
-            if write:
-                cache.k[layer, :, :, start:start + T] = k
-                cache.v[layer, :, :, start:start + T] = v
-                k, v = cache.k[layer, :, :, :start + T], cache.v[layer, :, :, :start + T]
-            else:
-                k = torch.cat((cache.k[layer, :, :, :start], k), 2)
-                v = torch.cat((cache.v[layer, :, :, :start], v), 2)
+        if cache is not None:  # context K/V always persist in the cache
+            k, v = cache.update(layer, k, v, write, kc, vc, lo)
+        elif ctx is not None:
+            k, v = torch.cat((kc, k), 2), torch.cat((vc, v), 2)
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.hd ** -0.5, enable_gqa=self.n_kv != self.n_heads
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=self.n_kv != self.n_heads
         )  # (B, H, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
 
 
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int):
+    """The gated MLP: down(act(gate(x)) * up(x)); act silu (SwiGLU) or gelu_tanh (GeGLU)."""
+
+    def __init__(self, dim: int, hidden: int, act: str = "silu"):
         super().__init__()
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.act = ACTIVATIONS[act]
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
-    """Pre-norm decoder layer: x + attn(norm(x)); x + mlp(norm(x)). Context features enter raw."""
+    """Decoder layer i, its shape from the config:
+
+    pre-norm (Qwen3/Llama)   x + attn(norm(x)); x + mlp(norm(x))
+    sandwich (Gemma)         x + norm(attn(norm(x))); x + norm(mlp(norm(x)) [+ the softmax router's experts]) [x scalar]
+
+    The MLP is a mixture of experts in the sigmoid router's layers (from moe.first_dense on). Context features enter
+    raw."""
 
     def __init__(self, cfg: ModelConfig, i: int = 0):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        # layer i's feed-forward: a mixture of experts (ModelConfig.moe, from its first_dense layer on) or SwiGLU
-        self.mlp = moe.SparseMoE(cfg.dim, cfg.moe, MLP) if moe.is_moe_layer(cfg, i) else MLP(cfg.dim, cfg.ffn_dim)
+        D, m = cfg.dim, cfg.moe
+        self.kind, self.window = cfg.layer(i).kind, cfg.layer(i).window
+        self.input_layernorm = norm(cfg, D)
+        self.self_attn = Attention(cfg, i)
+        self.post_attention_layernorm = norm(cfg, D)
+        act = ACTIVATIONS[cfg.mlp_act]
+        if moe.is_moe_layer(cfg, i):
+            self.mlp = moe.SparseMoE(D, m, lambda hidden: MLP(D, hidden, cfg.mlp_act), act)
+        else:
+            self.mlp = MLP(D, cfg.ffn_dim, cfg.mlp_act)
+        self.sandwich = cfg.sandwich_norm
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm(cfg, D)
+            self.post_feedforward_layernorm = norm(cfg, D)
+        self.router = self.experts = None
+        if m is not None and m.router == "softmax":  # experts beside the MLP, each branch normed
+            self.router = moe.SoftmaxRouter(D, m, norm(cfg, D, scale=False))
+            self.experts = moe.Experts(D, m.n_experts, m.ffn_dim, act)
+            self.post_feedforward_layernorm_1 = norm(cfg, D)
+            self.post_feedforward_layernorm_2 = norm(cfg, D)
+            self.pre_feedforward_layernorm_2 = norm(cfg, D)
+        if cfg.layer_scalar:
+            self.register_buffer("layer_scalar", torch.ones(1))
+        else:
+            self.layer_scalar = None
         self.checkpointing = False  # activation checkpointing: recompute this layer in the backward pass
 
-    def forward(self, x, rope, mask, is_causal, cache, layer, write, ctx=None, ctx_rope=None) -> Tensor:
+    def forward(self, x, rope, mask, is_causal, cache, layer, write, ctx=None, ctx_rope=None, lo=0) -> Tensor:
         if self.checkpointing and cache is None and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(self.layer, x, rope, mask, is_causal, None, layer, write, ctx,
                                                      ctx_rope, use_reentrant=False)
-        return self.layer(x, rope, mask, is_causal, cache, layer, write, ctx, ctx_rope)
+        return self.layer(x, rope, mask, is_causal, cache, layer, write, ctx, ctx_rope, lo)
 
-    def layer(self, x, rope, mask, is_causal, cache, layer, write, ctx=None, ctx_rope=None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, mask, is_causal, cache, layer, write, ctx, ctx_rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def layer(self, x, rope, mask, is_causal, cache, layer, write, ctx=None, ctx_rope=None, lo=0) -> Tensor:
+        h = self.self_attn(self.input_layernorm(x), rope, mask, is_causal, cache, layer, write, ctx, ctx_rope, lo)
+        if not self.sandwich:
+            x = x + h
+            x = x + self.mlp(self.post_attention_layernorm(x))
+        else:
+            x = x + self.post_attention_layernorm(h)
+            h = self.mlp(self.pre_feedforward_layernorm(x))
+            if self.router is not None:
+                flat = x.reshape(-1, x.shape[-1])  # the router and experts read the residual stream
+                w, idx = self.router(flat)
+                e = self.experts(self.pre_feedforward_layernorm_2(flat), w, idx).reshape(x.shape)
+                h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(e)
+            x = x + self.post_feedforward_layernorm(h)
+        return x if self.layer_scalar is None else x * self.layer_scalar
 
 
 class SelfConditioning(nn.Module):
@@ -208,10 +309,9 @@ class SelfConditioning(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        norm, mlp = (gemma4.RMSNorm, gemma4.MLP) if cfg.arch else (RMSNorm, MLP)  # Gemma: its norm and GeGLU
-        self.norm = norm(cfg.dim, cfg.norm_eps)
-        self.mlp = mlp(cfg.dim, cfg.ffn_dim)
-        self.out_norm = norm(cfg.dim, cfg.norm_eps, scale=False)
+        self.norm = norm(cfg, cfg.dim)
+        self.mlp = MLP(cfg.dim, cfg.ffn_dim, cfg.mlp_act)
+        self.out_norm = norm(cfg, cfg.dim, scale=False)
         self.rms = cfg.canvas_rms
 
     def forward(self, tok_emb: Tensor, soft_emb: Tensor | None) -> Tensor:
@@ -250,14 +350,17 @@ class Output:
 
 
 def run_blocks(
-    blocks: Sequence[Block], inv_freq: Tensor, x: Tensor, *, pos: Tensor | None = None,
+    blocks: Sequence[Block], inv_freq: Tensor | dict[str, Tensor], x: Tensor, *, pos: Tensor | None = None,
     cache: KVCache | None = None, mask: Mask = "causal", write: bool = True,
     ctx: Tensor | None = None, ctx_pos: Tensor | None = None, taps: Sequence[int] = (),
     rope_scaling: dict | None = None,
 ) -> tuple[Tensor, dict[int, Tensor]]:
-    """Run a stack of decoder layers over x (B, T, D); the one attention code path of dlm. rope_scaling: the
-    model's (YaRN's attention factor, the queries' temperature by position); inv_freq already holds its
-    frequencies."""
+    """Run a stack of decoder layers over x (B, T, D); the one attention code path of dlm.
+
+    inv_freq: the RoPE frequencies of every layer, or one table per layer kind ({"full": ..., "sliding": ...}).
+    rope_scaling: the model's (YaRN's attention factor, the queries' temperature by position); inv_freq already
+    holds its frequencies. Sliding-window layers see `mask` within their band (dlm.masks.sliding_band, slots as
+    positions), or the sliding mask of a LayerMasks."""
     B, T, _ = x.shape
     L0 = cache.length if cache is not None else 0
     C = ctx.shape[1] if ctx is not None else 0
@@ -265,26 +368,54 @@ def run_blocks(
         pos = torch.arange(L0 + C, L0 + C + T, device=x.device)
     if cache is not None:
         cache.reserve(C + T)
+    freqs = inv_freq if isinstance(inv_freq, dict) else {"full": inv_freq}
     factor = rope_attention_factor(rope_scaling)
     p = pos if pos.dim() == 2 else pos[None]
-    rope = rope_cos_sin(inv_freq, p, x.dtype, factor)
     qs = query_scale(rope_scaling, p)
-    if qs is not None:
-        rope = (*rope, qs)
+    kinds = {b.kind for b in blocks}
+    ropes = {}
+    for kind in kinds:
+        rope = rope_cos_sin(freqs[kind], p, x.dtype, factor)
+        ropes[kind] = rope if qs is None else (*rope, qs)
     ctx_rope = None
     if ctx is not None:
         if ctx_pos is None:
             raise ValueError("ctx needs ctx_pos")
-        ctx_rope = rope_cos_sin(inv_freq, ctx_pos if ctx_pos.dim() == 2 else ctx_pos[None], x.dtype, factor)
-    attn_mask, is_causal = sdpa_mask(mask, T, L0 + C + T, x.device)
+        if "sliding" in kinds:
+            raise DlmError("context features (DFlash drafter injection) are not supported with sliding-window layers")
+        ctx_rope = rope_cos_sin(freqs["full"], ctx_pos if ctx_pos.dim() == 2 else ctx_pos[None], x.dtype, factor)
+    layered = isinstance(mask, LayerMasks)
+    attn_mask, is_causal = sdpa_mask(mask.full if layered else mask, T, L0 + C + T, x.device)
+    masks = {"full": (attn_mask, is_causal, 0)}  # (mask, is_causal, lo: the first cache slot any query sees)
+    if "sliding" in kinds:
+        if layered:  # a training layout: the caller built the sliding layers' mask (dlm.masks)
+            masks["sliding"] = (sdpa_mask(mask.sliding, T, L0 + T, x.device)[0], False, 0)
+        elif isinstance(mask, Tensor):  # which keys form a canvas (seen whole) is not in a bool mask
+            raise DlmError("a backbone with sliding-window layers needs its sliding layers' mask beside a "
+                           "bool mask (dlm.masks.LayerMasks); this layout has none yet")
+        else:  # slots are positions: query i at slot L0 + i; a "full" block over the cache starts at slot L0
+            window = next(b.window for b in blocks if b.kind == "sliding")
+            q = torch.arange(L0, L0 + T, device=x.device)[:, None]
+            band = sliding_band(q, torch.arange(L0 + T, device=x.device)[None], window,
+                                L0 if mask == "full" else None)[None, None]  # (1, 1, T, S)
+            # the keys before the cache's last window - 1 are seen by no query: left out (transformers' sliding cache
+            # keeps no more, and a longer row of keys rounds differently)
+            lo = max(0, L0 - (window - 1))
+            masks["sliding"] = ((band if attn_mask is None else attn_mask & band)[..., lo:], False, lo)
     out_taps: dict[int, Tensor] = {}
     for i, block in enumerate(blocks):
-        x = block(x, rope, attn_mask, is_causal, cache, i, write, ctx, ctx_rope)
+        m, c, lo = masks[block.kind]
+        x = block(x, ropes[block.kind], m, c, cache, i, write, ctx, ctx_rope, lo)
         if i in taps:
             out_taps[i] = x
     if cache is not None:
         cache.length = L0 + C + (T if write else 0)
     return x, out_taps
+
+
+def softcap(logits: Tensor, cap: float) -> Tensor:
+    """cap x tanh(logits / cap) (Gemma's final soft-cap, in the logits' dtype as transformers'); cap 0: as is."""
+    return torch.tanh(logits / cap) * cap if cap else logits
 
 
 RESIDUAL_OUT = ("o_proj.weight", "down_proj.weight")  # the projections that write into the residual stream
@@ -302,47 +433,21 @@ def init_weights(model: nn.Module, n_layers: int) -> None:
             nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layers))
 
 
-def block_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of the tensors of one Block(cfg), without building it."""
-    D, F, hd = cfg.dim, cfg.ffn_dim, cfg.head_dim
-    out = {"input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
-           "self_attn.q_proj.weight": (cfg.n_heads * hd, D), "self_attn.k_proj.weight": (cfg.n_kv_heads * hd, D),
-           "self_attn.v_proj.weight": (cfg.n_kv_heads * hd, D), "self_attn.o_proj.weight": (D, cfg.n_heads * hd),
-           "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F)}
-    if cfg.qk_norm:
-        out.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
-    if cfg.attn_bias:
-        out.update({"self_attn.q_proj.bias": (cfg.n_heads * hd,), "self_attn.k_proj.bias": (cfg.n_kv_heads * hd,),
-                    "self_attn.v_proj.bias": (cfg.n_kv_heads * hd,)})
-    return {prefix + k: v for k, v in out.items()}
+def block_shapes(cfg: ModelConfig, prefix: str, i: int = 0) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of the tensors of Block(cfg, i), read from one built on the meta device (allocates nothing)."""
+    with torch.device("meta"):
+        b = Block(cfg, i)
+    return {prefix + k: tuple(v.shape) for k, v in b.state_dict().items()}
 
 
 def param_shapes(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
-    """Name -> shape of every tensor of a Transformer(cfg), computed without building it (so a config.json can be
-    held against its weights' header before anything is allocated), and the aliases of tied tensors
+    """Name -> shape of every tensor of a Transformer(cfg), read from the model built on the meta device (allocates
+    nothing, so a config.json can be held against its weights' header first), and the aliases of tied tensors
     (lm_head.weight -> embed_tokens.weight). tests hold this to the state_dict of built models."""
-    D = cfg.dim
-    if cfg.arch or cfg.moe:  # own layers, experts: read from the model built on the meta device (allocates nothing)
-        with torch.device("meta"):
-            m = Transformer(cfg)
-        out = {k: tuple(v.shape) for k, v in m.state_dict().items() if k != "lm_head.weight" or not cfg.tie_embeddings}
-        return out, ({"lm_head.weight": "embed_tokens.weight"} if cfg.tie_embeddings else {})
-    out = {"embed_tokens.weight": (cfg.vocab_size, D)}
-    for i in range(cfg.n_layers):
-        out.update(block_shapes(cfg, f"layers.{i}."))
-    out["norm.weight"] = (D,)
-    aliases = {"lm_head.weight": "embed_tokens.weight"} if cfg.tie_embeddings else {}
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = (cfg.vocab_size, D)
-    if cfg.self_cond:
-        F = cfg.ffn_dim
-        out.update({"self_cond.norm.weight": (D,), "self_cond.mlp.gate_proj.weight": (F, D),
-                    "self_cond.mlp.up_proj.weight": (F, D), "self_cond.mlp.down_proj.weight": (D, F)})
-    if cfg.learned_pos:
-        out["pos_embed.weight"] = (cfg.max_seq_len, D)
-    if cfg.grid_pos:
-        out.update({f"grid_embed.{k}.weight": (cfg.grid_pos + 1, D) for k in ("row", "col", "box")})
-    return out, aliases
+    with torch.device("meta"):
+        m = Transformer(cfg)
+    out = {k: tuple(v.shape) for k, v in m.state_dict().items() if k != "lm_head.weight" or not cfg.tie_embeddings}
+    return out, ({"lm_head.weight": "embed_tokens.weight"} if cfg.tie_embeddings else {})
 
 
 class GridEmbedding(nn.Module):
@@ -370,13 +475,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
-        if cfg.arch:  # a family's own layers, by configuration (dlm.gemma4)
-            self.layers = nn.ModuleList(gemma4.Block(cfg, i) for i in range(cfg.n_layers))
-            self.norm = gemma4.RMSNorm(cfg.dim, cfg.norm_eps)
-        else:
-            self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-            self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.embed_scale = math.sqrt(cfg.dim) if cfg.arch else 1.0  # Gemma: embeddings (and soft inputs) x sqrt(D)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = norm(cfg, cfg.dim)
+        self.embed_scale = cfg.embed_scale  # Gemma: embeddings (and soft inputs) x sqrt(D)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -384,15 +485,29 @@ class Transformer(nn.Module):
         self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.learned_pos else None  # GPT-2's, beside RoPE
         self.grid_embed = GridEmbedding(cfg.grid_pos, cfg.dim) if cfg.grid_pos else None
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        if "sliding" in cfg.layer_types:
+            self.register_buffer("inv_freq_sliding", rope_inv_freq(cfg, "sliding"), persistent=False)
         init_weights(self, cfg.n_layers)
 
+    @property
+    def freqs(self) -> dict[str, Tensor]:
+        """The RoPE frequencies of each layer kind (run_blocks)."""
+        if "sliding" in self.cfg.layer_types:
+            return {"full": self.inv_freq, "sliding": self.inv_freq_sliding}
+        return {"full": self.inv_freq}
+
     def new_cache(self, batch: int, capacity: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
-        cfg = self.cfg
         p = self.embed_tokens.weight
-        if cfg.arch:
-            return gemma4.KVCache(cfg, batch, capacity or cfg.max_seq_len, p.device, dtype or p.dtype)
-        return KVCache(cfg.n_layers, batch, cfg.n_kv_heads, capacity or cfg.max_seq_len, cfg.head_dim,
-                       p.device, dtype or p.dtype)
+        return KVCache(self.cfg, batch, capacity or self.cfg.max_seq_len, p.device, dtype or p.dtype)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """Token embeddings (B, T) -> (B, T, D), times the config's embed_scale."""
+        x = self.embed_tokens(tokens)
+        return x * self.embed_scale if self.embed_scale != 1.0 else x
+
+    def head(self, h: Tensor) -> Tensor:
+        """Logits of final normed hidden states (..., D) -> (..., V): the LM head, then the soft-cap."""
+        return softcap(self.lm_head(h), self.cfg.logit_softcap)
 
     def forward(
         self,
@@ -408,7 +523,7 @@ class Transformer(nn.Module):
         taps: Sequence[int] = (),  # return the outputs of these layers
         head: bool = True,  # compute logits
     ) -> Output:
-        x = self.embed_tokens(tokens) * self.embed_scale if embeds is None else embeds  # (B, T, D)
+        x = self.embed(tokens) if embeds is None else embeds  # (B, T, D)
         if self.pos_embed is not None or self.grid_embed is not None:  # absolute positions (learned_pos, grid_pos)
             if pos is None:
                 start = (cache.length if cache is not None else 0) + (ctx.shape[1] if ctx is not None else 0)
@@ -417,17 +532,10 @@ class Transformer(nn.Module):
                 x = x + self.pos_embed(pos)  # (T, D) or (B, T, D)
             if self.grid_embed is not None:
                 x = x + self.grid_embed(pos)
-        if self.cfg.arch:
-            x, out_taps = gemma4.run_blocks(self, x, pos=pos, cache=cache, mask=mask, write=write, ctx=ctx, taps=taps,
-                                            resolve_mask=sdpa_mask)
-        else:
-            x, out_taps = run_blocks(self.layers, self.inv_freq, x, pos=pos, cache=cache, mask=mask, write=write,
-                                     ctx=ctx, ctx_pos=ctx_pos, taps=taps, rope_scaling=self.cfg.rope_scaling)
+        x, out_taps = run_blocks(self.layers, self.freqs, x, pos=pos, cache=cache, mask=mask, write=write,
+                                 ctx=ctx, ctx_pos=ctx_pos, taps=taps, rope_scaling=self.cfg.rope_scaling)
         last = self.norm(x)
-        logits = self.lm_head(last) if head else None
-        if logits is not None and self.cfg.arch and self.cfg.arch.get("final_softcap"):
-            logits = torch.tanh(logits / self.cfg.arch["final_softcap"]) * self.cfg.arch["final_softcap"]
-        return Output(logits, last, out_taps)
+        return Output(self.head(last) if head else None, last, out_taps)
 
     @property
     def device(self) -> torch.device:

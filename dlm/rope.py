@@ -1,5 +1,5 @@
-"""Rotary position embeddings applied (rotate-half layout, in fp32 like transformers): shared by every backbone
-family (dlm.model, dlm.gemma4); the frequency tables are each family's own."""
+"""Rotary position embeddings applied (rotate-half layout, in fp32 like transformers); the frequency tables are the
+backbone's (dlm.model.rope_inv_freq, one per layer kind)."""
 
 from __future__ import annotations
 

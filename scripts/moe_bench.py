@@ -1,5 +1,5 @@
 """Side-by-side CPU timing of the Gemma 4 mixture-of-experts block: dlm's grouped path and eager reference
-(dlm.gemma4.Experts) against transformers' Gemma4TextExperts on the same weights (router included in both).
+(dlm.moe.Experts, SoftmaxRouter) against transformers' Gemma4TextExperts on the same weights (router included in both).
 
     OMP_NUM_THREADS=1 python scripts/moe_bench.py [--tokens 512] [--experts 8] [--top-k 2] [--dim 64] [--ffn 64]
 
@@ -29,7 +29,9 @@ def main() -> None:
     from transformers.models.gemma4 import Gemma4TextConfig
     from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts, Gemma4TextRouter
 
-    from dlm.gemma4 import Experts, Router
+    from dlm.config import MoEConfig
+    from dlm.model import ACTIVATIONS, RMSNorm
+    from dlm.moe import Experts, SoftmaxRouter
 
     torch.manual_seed(0)
     c = Gemma4TextConfig(vocab_size=97, hidden_size=a.dim, intermediate_size=a.ffn, num_hidden_layers=1,
@@ -46,9 +48,10 @@ def main() -> None:
     torch.nn.init.normal_(hf_experts.gate_up_proj, std=0.05)
     torch.nn.init.normal_(hf_experts.down_proj, std=0.05)
     torch.nn.init.normal_(hf_router.proj.weight, std=0.5)
-    ours_router = Router(a.dim, a.experts, a.top_k, c.rms_norm_eps)
+    moe = MoEConfig(n_experts=a.experts, top_k=a.top_k, ffn_dim=a.ffn, router="softmax")
+    ours_router = SoftmaxRouter(a.dim, moe, RMSNorm(a.dim, c.rms_norm_eps, scale=False, upcast=True))
     ours_router.load_state_dict(hf_router.state_dict())
-    ours = Experts(a.dim, a.experts, a.ffn)
+    ours = Experts(a.dim, a.experts, a.ffn, ACTIVATIONS["gelu_tanh"])
     ours.load_state_dict(hf_experts.state_dict())
     x = torch.randn(a.tokens, a.dim)
 

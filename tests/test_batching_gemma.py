@@ -13,6 +13,7 @@ import torch
 from conftest import random_transformer
 from test_batching import MDLM, PROMPTS, TINY, check_usdm_rows_join, mdlm_alone, mdlm_jobs, rows_of
 
+from dlm.config import GEMMA_LAYERS
 from dlm.sampling import SampleConfig, mdlm, stream, stream_rows, usdm
 from dlm.sampling.common import Prompt
 from dlm.sampling.rows import RowBatch, Window, batchable, run_one
@@ -36,7 +37,7 @@ def dg():
 
 
 def test_a_gemma4_backbone_is_batchable(dg):
-    assert batchable(dg) and dg.cfg.arch["final_softcap"] and "sliding" in dg.cfg.arch["layer_types"]
+    assert batchable(dg) and dg.cfg.logit_softcap and "sliding" in dg.cfg.layer_types
 
 
 @pytest.mark.parametrize("mask", ["causal", None])
@@ -109,9 +110,9 @@ def test_diffusion_gemma_rows_join_a_running_batch(dg):
 def test_mdlm_rows_on_a_gemma4_backbone_of_full_layers():
     """An mdlm on a gemma4 backbone (only full-attention layers: a finished block's cached pass is a bool mask, which a
     sliding layer cannot take, alone or batched) runs its rows together too, greedy and sampled."""
-    arch = {"family": "gemma4", "layer_types": ["full", "full"], "sliding_window": 4, "full_head_dim": 16,
-            "full_kv_heads": 1, "k_eq_v": True, "final_softcap": 30.0}
-    model = random_transformer(1, 0.3, **{**TINY, "vocab_size": 24}, arch=arch)
+    gemma = dict(GEMMA_LAYERS, layer_types=["full", "full"], sliding_window=4, full_head_dim=16, full_kv_heads=1,
+                 k_eq_v=True, logit_softcap=30.0, embed_scale=TINY["dim"] ** 0.5)
+    model = random_transformer(1, 0.3, **{**TINY, "vocab_size": 24}, **gemma)
     with torch.no_grad():
         model.lm_head.weight[2] = 1.1 * model.lm_head.weight[6]
     model = model.double().eval()

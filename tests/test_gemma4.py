@@ -1,5 +1,6 @@
-"""The gemma4 backbone (dlm.gemma4, selected by ModelConfig.arch) against transformers' Gemma 4 on tiny random
-configs that transformers builds: logits within fp32 rounding, cached decoding, the MoE paths equal."""
+"""The backbone with Gemma 4's layers (ModelConfig's layer types, sandwich norms, experts) against transformers'
+Gemma 4 on tiny random configs that transformers builds: logits within fp32 rounding, cached decoding, the MoE
+paths equal; a config.json of the older `arch` form loads into the same fields."""
 
 import pytest
 import torch
@@ -7,6 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers.models.gemma4 import Gemma4ForCausalLM, Gemma4TextConfig  # noqa: E402
 
+from dlm.config import ModelConfig  # noqa: E402
 from dlm.errors import DlmError  # noqa: E402
 from dlm.hf_gemma import dlm_state, model_config_from_gemma  # noqa: E402
 from dlm.model import Transformer  # noqa: E402
@@ -113,3 +115,26 @@ def test_num_params_from_the_config(pattern):
     c, m = hf_model(pattern)
     model = ours(c, m)
     assert model.cfg.num_params() == sum(p.numel() for p in model.parameters())
+
+
+# what model_config_from_gemma wrote for hf_model("moe-kv") into config.json while the layers were an `arch` object
+ARCH_CONFIG = {
+    "vocab_size": 97, "dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "ffn_dim": 48,
+    "rope_theta": 10000.0, "rope_scaling": None, "norm_eps": 1e-06, "qk_norm": True, "attn_bias": False,
+    "partial_rotary": 1.0, "moe": None, "tie_embeddings": True, "max_seq_len": 128, "self_cond": False,
+    "canvas_rms": 1.0, "canvas_shift": False, "learned_pos": False, "grid_pos": 0,
+    "arch": {"family": "gemma4", "layer_types": ["sliding", "full", "sliding", "full"], "sliding_window": 5,
+             "full_head_dim": 16, "full_kv_heads": 1, "full_rope_theta": 1000000.0, "full_partial_rotary": 0.25,
+             "k_eq_v": True, "moe": {"n_experts": 4, "top_k": 2, "ffn_dim": 24}, "final_softcap": 30.0}}
+
+
+def test_a_config_of_the_older_arch_form_loads_into_the_fields():
+    """Checkpoints imported while Gemma 4's layers were an `arch` object load as the same model (the same config, the
+    same logits) and are written back in the fields' form."""
+    c, m = hf_model("moe-kv")
+    cfg = ModelConfig.from_dict(ARCH_CONFIG)
+    assert cfg == model_config_from_gemma(c.to_dict())
+    assert "arch" not in cfg.to_dict() and ModelConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.moe.router == "softmax" and cfg.logit_softcap == 30.0 and cfg.embed_scale == 32 ** 0.5
+    with pytest.raises(DlmError, match="model.arch"):
+        ModelConfig.from_dict({**ARCH_CONFIG, "arch": {**ARCH_CONFIG["arch"], "family": "llama"}})

@@ -230,7 +230,7 @@ def test_a_dflash_drafter_on_an_imported_gemma4_target(tmp_path):
             "--seq-len", "32", "--batch-size", "4", "--block-size", "4", "--max-steps", "4", "--quiet",
             "--distill-logits", "--out", str(tmp_path / "df"))
     d = json.loads((tmp_path / "df" / "config.json").read_text())
-    assert "arch" not in d["model"] or d["model"]["arch"] is None
+    assert not d["model"]["layer_types"] and not d["model"]["sandwich_norm"] and d["model"]["moe"] is None
     assert d["dflash"]["input_embedding_scale"] == pytest.approx(c.hidden_size ** 0.5)
     assert d["dflash"]["final_logit_softcapping"] == c.final_logit_softcapping
     net, ck = load_model(str(tmp_path / "g4"))

@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dlm.checkpoint import load_model
+from dlm.config import MoEConfig
 from dlm.errors import DlmError
 from dlm.hf import export_hf, import_hf
 from dlm.sampling import SampleConfig
@@ -165,8 +166,8 @@ def test_import_records_the_conventions_and_the_backbone(imported, tok):
         ("mdlm", "llada2", 32, False, "block", "llada2", tok.mask_id)
     cfg = model.cfg
     assert (cfg.qk_norm, cfg.attn_bias, cfg.partial_rotary, cfg.tie_embeddings) == (True, False, 0.5, False)
-    assert cfg.moe == {"n_experts": E, "top_k": TOPK, "ffn_dim": I, "shared": SHARED, "first_dense": 1,
-                       "n_group": GROUPS, "topk_group": TOPK_GROUP, "scale": SCALE}
+    assert cfg.moe == MoEConfig(n_experts=E, top_k=TOPK, ffn_dim=I, router="sigmoid", shared=SHARED, first_dense=1,
+                                n_group=GROUPS, topk_group=TOPK_GROUP, scale=SCALE)
     assert model.num_params() == cfg.num_params()
     assert type(model.layers[0].mlp).__name__ == "MLP" and type(model.layers[1].mlp).__name__ == "SparseMoE"
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dlm.checkpoint import load_model, load_weights, open_checkpoint
-from dlm.config import ModelConfig, TrainConfig, block_size_of
+from dlm.config import ModelConfig, TrainConfig, block_size_of, plain_layers
 from dlm.drafter import (
     INJECTIONS, CandidateSelector, DFlashDrafter, check_target, default_draft_layers, default_features, mask_token_id,
     target_fingerprint, target_layer_ids,
@@ -129,12 +129,11 @@ class DFlash(Objective):
         dflash2 = dict(conv_kernel_size=g("conv_kernel_size", 0), conv_group_size=g("conv_group_size", 16),
                        selector_rank=g("selector_rank", 0), selector_top_k=g("selector_top_k", None) or 16)
         ck, d, kw = None, {}, {}
+        # plain draft layers at the target's width (a Gemma 4 target's too, as public Gemma 4 drafters are), reading
+        # the block through the target's embedding scale and writing logits through its soft-cap
         mc = ModelConfig(**{**tc.to_dict(), "n_layers": self.n_layers, "qk_norm": True, "self_cond": False,
-                            "tie_embeddings": False, "arch": None})
-        if tc.arch:  # a Gemma 4 target: plain draft layers at its width (as public Gemma 4 drafters are), reading
-            # the block through the target's embedding scale and writing logits through its soft-cap
-            kw = dict(input_embedding_scale=float(self.target.embed_scale),
-                      logit_softcap=tc.arch.get("final_softcap"))
+                            "tie_embeddings": False, "moe": None, **plain_layers()})
+        kw = dict(input_embedding_scale=float(tc.embed_scale), logit_softcap=tc.logit_softcap or None)
         if self.cfg.init_from:  # warm start: continue a drafter (longer, on more data), or grow DFlash 1 into DFlash 2
             ck = open_checkpoint(self.cfg.init_from, "--init-from")
             if ck.objective != "dflash":
@@ -232,17 +231,11 @@ class DFlash(Objective):
             if distill:  # the whole target: its next-token logits at each slot's position are the soft labels
                 out = tgt(batch, taps=model.taps, head=False)
                 taps = out.taps
-                teacher = tgt.lm_head(out.last.gather(1, idx[:, :, :-1].reshape(B, -1, 1).expand(
+                teacher = tgt.head(out.last.gather(1, idx[:, :, :-1].reshape(B, -1, 1).expand(
                     -1, -1, out.last.shape[-1]))).float().view(B, A, g - 1, -1)
-                cap = tgt.cfg.arch.get("final_softcap") if tgt.cfg.arch else None
-                if cap:  # a Gemma 4 target's logits are soft-capped
-                    teacher = torch.tanh(teacher / cap) * cap
-            elif model.target_features and tgt.cfg.arch:  # a Gemma 4 target: its own layer stack
-                taps = tgt(batch, taps=model.layer_ids, head=False).taps
             elif model.target_features:  # only as deep as the deepest tap
-                x = tgt.embed_tokens(batch)
-                _, taps = run_blocks(tgt.layers[:max(model.layer_ids) + 1], tgt.inv_freq, x, taps=model.layer_ids,
-                                     rope_scaling=tgt.cfg.rope_scaling)
+                _, taps = run_blocks(tgt.layers[:max(model.layer_ids) + 1], tgt.freqs, tgt.embed(batch),
+                                     taps=model.layer_ids, rope_scaling=tgt.cfg.rope_scaling)
             feats = model.features(tgt, batch, taps)  # (B, T1, F)
         ctx = model.context(feats)  # (B, T1, D)
         block = torch.full((B, A, g), model.mask_id, dtype=torch.long, device=dev)

@@ -132,7 +132,7 @@ class Joint(Objective):
             sel = teach[masked]  # (N,) which masked tokens have a teacher
             prev = torch.roll(teach, -1, dims=1)  # the clean position before each taught token
             with torch.no_grad():
-                p_ar = F.softmax(model.lm_head(h_clean[prev]).float(), dim=-1)  # (M, V)
+                p_ar = F.softmax(model.head(h_clean[prev]).float(), dim=-1)  # (M, V)
                 p_ar[:, self.mask_id] = 0.0  # the draft never predicts <mask>
                 p_ar = p_ar / p_ar.sum(-1, keepdim=True)
             logq = F.log_softmax(logits[sel], dim=-1).masked_fill(p_ar == 0, 0.0)  # no 0 x -inf at <mask>
@@ -144,8 +144,8 @@ class Joint(Objective):
     @staticmethod
     def next_ce(model: nn.Module, h_clean: Tensor, y: Tensor, keep: Tensor | None, n: float) -> Tensor:
         if keep is None:
-            return F.cross_entropy(model.lm_head(h_clean).flatten(0, 1).float(), y.flatten(), reduction="sum") / n
-        return F.cross_entropy(model.lm_head(h_clean[keep]).float(), y[keep], reduction="sum") / n
+            return F.cross_entropy(model.head(h_clean).flatten(0, 1).float(), y.flatten(), reduction="sum") / n
+        return F.cross_entropy(model.head(h_clean[keep]).float(), y[keep], reduction="sum") / n
 
     @staticmethod
     def count(ans: Tensor | None, n: int, batch: Tensor, rows: slice) -> float:

@@ -59,7 +59,7 @@ def noisy_hidden(model: nn.Module, xt: Tensor, x0: Tensor | None, L: int) -> Ten
 
 def masked_logits(model: nn.Module, h: Tensor, mask_id: int) -> Tensor:
     """LM head on hidden states (N, D) -> (N, V) in fp32 at least, <mask> never predicted."""
-    logits = model.lm_head(h)
+    logits = model.head(h)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     logits[:, mask_id] = float("-inf")
     return logits

@@ -59,10 +59,9 @@ def joint_forward(model: nn.Module, clean: Tensor, canvas_emb: Tensor, start: Te
     B, T = clean.shape
     L = canvas_emb.shape[1]
     dev = clean.device
-    x = torch.cat([model.embed_tokens(clean) * model.embed_scale, canvas_emb.to(model.embed_tokens.weight.dtype)], 1)  # (B, T + L, D)
+    x = torch.cat([model.embed(clean), canvas_emb.to(model.embed_tokens.weight.dtype)], 1)  # (B, T + L, D)
     pos = torch.cat([torch.arange(T, device=dev).expand(B, T), start[:, None] + torch.arange(L, device=dev)], 1)
-    arch = model.cfg.arch
-    window = arch["sliding_window"] if arch and "sliding" in arch["layer_types"] else None
+    window = model.cfg.sliding_window if "sliding" in model.cfg.layer_types else None
     return model(embeds=x, pos=pos, mask=usdm_canvas_train_mask(T, L, start, window)).logits
 
 

@@ -411,10 +411,10 @@ class Denoising:
                 if not self.naive:
                     self.cache.crop(s)
                     self.block = s
-                return model.lm_head(out.last[0, lo:e]), lo
+                return model.head(out.last[0, lo:e]), lo
             out = model(seq[None, s:], pos=torch.arange(s, total, device=dev), cache=self.cache, mask="full",
                         write=False, head=False)
-            return model.lm_head(out.last[0, :e - s]), s
+            return model.head(out.last[0, :e - s]), s
         if self.naive:
             start = 0
             out = model(seq[None, :e], pos=torch.arange(e, device=dev),

@@ -7,12 +7,12 @@ me the hidden states (or logits) at these window offsets". A one-row driver answ
 forward of that row alone (the unbatched path, unchanged); `RowBatch` answers the requests of every
 live row with one forward.
 
-RowBatch keeps the K/V of every row in one buffer (n_layers, rows, n_kv_heads, C, head_dim) (a gemma4
-backbone: one (rows, n_kv_heads_i, C, head_dim_i) per layer, their shapes differ) in which slot == position:
+RowBatch keeps the K/V of every row in the model's KVCache buffers (n_layers, rows, n_kv_heads, C, head_dim) (or one
+(rows, n_kv_heads_i, C, head_dim_i) per layer where the layers' shapes differ) in which slot == position:
 row b holds its positions 0..length[b]-1 in slots 0..length[b]-1. A forward runs the rows' windows
 right-padded to the longest, at their own positions, after the longest cache (Lc = max length): keys are
 the slots 0..Lc-1 (row b sees those < length[b]) and the window (row b sees its own tokens by its request's
-mask; a pad query sees itself only); a gemma4 backbone's sliding-window layers also keep to a band of each
+mask; a pad query sees itself only); a backbone's sliding-window layers also keep to a band of each
 row's own positions (RowBatch._band). A forward that keeps anything writes the window's K/V into slots Lc..
 of every row; each row's kept part is then moved to its own slots length[b]... A row that leaves is replaced
 by the last row (rows stay 0..n-1; the forward runs on a view of them). What a row gets back depends on
@@ -28,10 +28,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dlm import gemma4
 from dlm.drafter import DFlashDrafter
 from dlm.errors import DlmError
-from dlm.masks import LayerMasks, dflash_draft_mask
+from dlm.masks import LayerMasks, dflash_draft_mask, sliding_band
 from dlm.model import KVCache, Transformer, canvas_embeds
 from dlm.sampling.common import Event, Stats
 
@@ -75,29 +74,21 @@ class Crop:
 
 
 def batchable(model) -> bool:
-    """Whether RowBatch can run this model (the plain backbone or a gemma4 one, or a DFlash drafter with K/V
-    injection; another family's cache layout would run rows in turn)."""
+    """Whether RowBatch can run this model (the backbone, or a DFlash drafter with K/V injection; another model's
+    cache layout would run rows in turn)."""
     if isinstance(model, DFlashDrafter):
         return model.injection == "kv"
-    return isinstance(model, Transformer) and (not model.cfg.arch or model.cfg.arch.get("family") == "gemma4")
+    return isinstance(model, Transformer)
 
 
 def _each(x) -> list[Tensor]:
-    """A cache's K (or V) buffers: the plain backbone's one (n_layers, rows, H, C, hd), a gemma4 backbone's one
-    (rows, H_i, C, hd_i) per layer; rows at dim -4 and slots at dim -2 in both."""
+    """A cache's K (or V) buffers: one (n_layers, rows, H, C, hd), or one (rows, H_i, C, hd_i) per layer where the
+    layers' shapes differ (dlm.model.KVCache); rows at dim -4 and slots at dim -2 in both."""
     return [x] if isinstance(x, Tensor) else x
 
 
 def _map(x, f):
     return f(x) if isinstance(x, Tensor) else [f(t) for t in x]
-
-
-def _view(k, v, length: int):
-    """A cache object over these buffers (no copy)."""
-    cls = KVCache if isinstance(k, Tensor) else gemma4.KVCache
-    cache = cls.__new__(cls)
-    cache.k, cache.v, cache.length = k, v, length
-    return cache
 
 
 def _call(model, x: Tensor | None, embeds: Tensor | None, pos: Tensor, cache: KVCache, mask, write: bool,
@@ -112,14 +103,6 @@ def _call(model, x: Tensor | None, embeds: Tensor | None, pos: Tensor, cache: KV
         return model(embeds, ctx, pos, ctx_pos, cache=cache, mask=mask), {}
     out = model(x, embeds=embeds, pos=pos, cache=cache, mask=mask, write=write, taps=taps, head=False)
     return out.last, out.taps
-
-
-def head(model, h: Tensor) -> Tensor:
-    """The logits of final hidden states h, as the model's forward gives them (a gemma4 backbone's soft-capped)."""
-    logits = model.lm_head(h)
-    if isinstance(model, Transformer) and model.cfg.arch:
-        logits = gemma4.softcap(logits, model.cfg.arch.get("final_softcap"))
-    return logits
 
 
 def run_one(model, cache: KVCache, w: Window):
@@ -146,7 +129,7 @@ def run_one(model, cache: KVCache, w: Window):
     if write:
         cache.crop(L0 + C + w.keep)
     a, b = w.out
-    res = last[:, a:b] if w.hidden else head(model, last[:, a:b])
+    res = last[:, a:b] if w.hidden else model.head(last[:, a:b])
     if w.taps:
         return res, torch.cat([taps[i][0] for i in w.taps], -1)
     return res
@@ -190,10 +173,10 @@ class RowBatch:
     def __init__(self, model, capacity: int):
         self.model = model
         self.C = capacity  # slots per row: the longest row plus the longest window (grown on demand)
-        self.k: Tensor | list[Tensor] | None = None  # (a gemma4 backbone: one buffer per layer)
+        self.k: Tensor | list[Tensor] | None = None  # (KVCache.k: one buffer per layer where their shapes differ)
         self.v: Tensor | list[Tensor] | None = None
-        arch = getattr(model.cfg, "arch", None) if isinstance(model, Transformer) else None
-        self.window = arch["sliding_window"] if arch and "sliding" in arch["layer_types"] else 0
+        cfg = model.cfg
+        self.window = cfg.sliding_window if isinstance(model, Transformer) and "sliding" in cfg.layer_types else 0
         self.length: list[int] = []
         self.forwards = 0  # model calls (a step may take two: RowBatch.forward)
         self.seconds = 0.0  # wall time of the forwards
@@ -205,7 +188,7 @@ class RowBatch:
         m = self.model
         if isinstance(m, DFlashDrafter):
             p = m.fc.weight
-            return KVCache(m.cfg.n_layers, rows, m.cfg.n_kv_heads, C, m.cfg.head_dim, p.device, p.dtype)
+            return KVCache(m.cfg, rows, C, p.device, p.dtype)
         return m.new_cache(rows, C)
 
     def _reserve(self, n: int, C: int | None = None) -> None:
@@ -281,23 +264,18 @@ class RowBatch:
 
     def _band(self, windows: list[Window], lengths: Tensor, pos: Tensor, Lc: int) -> Tensor:
         """(n, 1, T, Lc + T): a sliding-window layer's band per row, from its positions (cache slot s holds position s,
-        window key i sits at pos[b, i]), as gemma4.sliding_mask gives the row alone: a causal query sees the keys of
+        window key i sits at pos[b, i]), as run_blocks gives the row alone (sliding_band): a causal query sees the keys of
         the last `window` positions up to its own; a bidirectional window over the cache (mask None: a canvas,
         DiffusionGemma's decoder) sees the cache's last window - 1 positions and the whole window."""
-        if any(isinstance(w.mask, Tensor) for w in windows):  # (as the one-row forward: gemma4.run_blocks)
-            raise DlmError("a gemma4 backbone with sliding-window layers needs its sliding layers' mask beside a "
+        if any(isinstance(w.mask, Tensor) for w in windows):  # (as the one-row forward: model.run_blocks)
+            raise DlmError("a backbone with sliding-window layers needs its sliding layers' mask beside a "
                            "bool mask (dlm.masks.LayerMasks); this layout has none yet")
         W, dev = self.window, pos.device
         n, T = pos.shape
         keys = torch.cat([torch.arange(Lc, device=dev).expand(n, Lc), pos], 1)[:, None]  # (n, 1, K) positions
-        q = pos[:, :, None]  # (n, T, 1)
-        band = (keys > q - W) & (keys <= q)
-        full = [w.mask is None for w in windows]
-        if any(full):
-            seen = torch.cat([keys[:, :, :Lc] >= (lengths - (W - 1))[:, None, None],
-                              torch.ones(n, 1, T, dtype=torch.bool, device=dev)], 2)  # (n, 1, K)
-            band = torch.where(torch.tensor(full, device=dev)[:, None, None], seen, band)
-        return band[:, None]
+        full = torch.tensor([w.mask is None for w in windows], device=dev)
+        block = torch.where(full, lengths, -1)[:, None, None]  # (n, 1, 1) a canvas starts at the row's length
+        return sliding_band(pos[:, :, None], keys, W, block)[:, None]
 
     GROUP_COST = 24  # a second forward costs about this many padded tokens (its fixed overhead)
 
@@ -317,7 +295,7 @@ class RowBatch:
             def one(t: Tensor) -> Tensor:
                 return t[..., b:b + 1, :, :, :]
 
-            cache = _view(_map(self.k, one), _map(self.v, one), length[0])
+            cache = KVCache.over(_map(self.k, one), _map(self.v, one), length[0])
             res = run_one(model, cache, windows[0])
             self.length[b] = cache.length
             return [res]
@@ -367,7 +345,7 @@ class RowBatch:
             else:
                 mask[b, 0, :t, Lc + Cm:Lc + Cm + t] = w.mask
             if embeds and not w.canvas:
-                x[b, :t] = w.embeds if w.embeds is not None else model.embed_tokens(w.tokens) * model.embed_scale
+                x[b, :t] = w.embeds if w.embeds is not None else model.embed(w.tokens)
             elif not embeds:
                 x[b, :t] = w.tokens
             if Cs[b]:
@@ -383,9 +361,9 @@ class RowBatch:
             return torch.cat([t[..., idx, :, :Lc, :], t.new_empty(*t.shape[:-4], n, t.shape[-3], Cm + T, t.shape[-1])],
                              -2)
 
-        cache = _view(_map(self.k, rows_of), _map(self.v, rows_of), Lc)
+        cache = KVCache.over(_map(self.k, rows_of), _map(self.v, rows_of), Lc)
         spec: Tensor | str | LayerMasks = "full" if bool(mask.all()) else mask
-        if self.window:  # gemma4's sliding-window layers: each row's band
+        if self.window:  # sliding-window layers: each row's band
             spec = LayerMasks(mask, mask & self._band(windows, lengths, pos, Lc))
         # (write: slots Lc.. are scratch: writing the window there spares the attention a copy of the cache)
         last, tapped = _call(model, None if embeds else x, x if embeds else None, pos, cache, spec, True, ctx, ctx_pos,
@@ -401,7 +379,7 @@ class RowBatch:
         res: list = [None] * n
         want = [(j, w) for j, w in enumerate(windows) if not w.hidden and w.out[1] > w.out[0]]
         if want:
-            logits = head(model, torch.cat([last[j, w.out[0]:w.out[1]] for j, w in want]))
+            logits = model.head(torch.cat([last[j, w.out[0]:w.out[1]] for j, w in want]))
             i = 0
             for j, w in want:
                 m = w.out[1] - w.out[0]

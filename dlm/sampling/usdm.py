@@ -55,7 +55,7 @@ from dlm.sampling.common import (
     Clock, Commit, Eos, Event, Prompt, Stats, Step, check_fits, check_sampling, entropy,
     eos_set, make_generator, probs_from_logits, sample_from, through_eos,
 )
-from dlm.sampling.rows import Programs, Window, batch_stats, batchable, drive, head
+from dlm.sampling.rows import Programs, Window, batch_stats, batchable, drive
 
 DEFAULT_STEPS = 48  # DiffusionGemma's max_denoising_steps
 # the SampleConfig fields this sampler reads (see dlm.sampling.OPTIONS); --temperature is read to be refused with
@@ -133,7 +133,7 @@ def prefill(model: Transformer, cache, ids: list[int]) -> Tensor | None:
     """Append ids to the cache (causal); the next-token logits after them (1, 1, V) when the model has
     canvas_shift (they predict the next canvas's first token), else None (no head is computed)."""
     out = model(torch.tensor([ids], device=model.device), cache=cache, head=False)
-    return head(model, out.last[:, -1:]).float() if model.cfg.canvas_shift else None
+    return model.head(out.last[:, -1:]).float() if model.cfg.canvas_shift else None
 
 
 # options -------------------------------------------------------------------------------------

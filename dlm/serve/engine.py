@@ -344,7 +344,7 @@ class _Slot:
 
 def _buffers(cache) -> list[torch.Tensor]:
     """Every K and V buffer of a cache, rows at dim -4 and columns at dim -2: the plain backbone's two
-    (n_layers, B, H, C, hd) tensors, or a gemma4 backbone's one per layer (B, H_i, C, hd_i: the shapes differ)."""
+    (n_layers, B, H, C, hd) tensors, or one per layer (B, H_i, C, hd_i) where the layers' shapes differ."""
     return [cache.k, cache.v] if isinstance(cache.k, torch.Tensor) else [*cache.k, *cache.v]
 
 
@@ -419,8 +419,8 @@ class _BatchThread:
 class ARBatcher(_BatchThread):
     """One thread that decodes every active AR row in one forward per step (continuous batching).
 
-    The K/V buffers are the model's cache for `rows` rows and C columns (C = 2x the context; a gemma4 backbone's
-    has one buffer per layer, their head dims and KV heads differing), with one shared column count L. A step
+    The K/V buffers are the model's cache for `rows` rows and C columns (C = 2x the context; a backbone whose layers'
+    head dims or KV heads differ has one buffer per layer), with one shared column count L. A step
     feeds each row its last token at its own position and writes column L for every row; `valid` (rows, C) says
     which columns each row attends to. Admitted rows are prefilled together (left-padded, one forward) and their
     K/V copied into the columns just before L; positions are each row's own (RoPE is in the keys). Each row's
@@ -436,7 +436,7 @@ class ARBatcher(_BatchThread):
         self.C = 2 * model.cfg.max_seq_len
         self.waiting: deque[_Slot] = deque()
         self.rows: list[_Slot] = []
-        self.cache = None  # the model's KV cache for the rows (dlm.model.KVCache or gemma4.KVCache)
+        self.cache = None  # the model's KV cache for the rows (dlm.model.KVCache)
         self.valid: torch.Tensor | None = None
         self.L = 0
         self.counts = {"forwards": 0, "prefills": 0, "decode_steps": 0, "decode_rows": 0, "max_rows": 0,
