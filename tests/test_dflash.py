@@ -15,7 +15,8 @@ from dlm.masks import dflash_draft_mask, dflash_train_mask
 from dlm.model import Transformer
 from dlm.drafter import DFlashDrafter, DynamicConv, default_draft_layers, target_layer_ids
 from dlm.objectives.dflash import DFlash, gamma_w, slot_weights
-from dlm.sampling.speculative import DFlashDraft, Sampling, SpecStats, Speculation, _taps, speculate, target_greedy
+from dlm.sampling.common import Commit
+from dlm.sampling.speculative import DFlashDraft, Sampling, _taps, speculate, target_greedy
 from conftest import assert_greedy_continuation, run_cli, tiny_train_config
 
 
@@ -248,13 +249,14 @@ def test_public_engines_draft_what_dlm_drafts(tiny_dflash, tiny_ar, tmp_path):
     layer_ids = cfg["dflash_config"]["target_layer_ids"]
     assert dck.config["dflash"]["last_layer"] == "normed" and target.cfg.n_layers - 1 in layer_ids
     ids = ck.tokenizer.encode("def read_lines(path, encoding=None):\n    ")
-    P, B = len(ids), cfg["block_size"]
+    B = cfg["block_size"]
 
     def dlm_logits():  # the prefill and the first draft of dlm's speculative loop
         dd = DFlashDraft(drafter, target, Sampling(), capacity=256)
-        spec = Speculation(target, dd, ids, B, 16, Sampling(), SpecStats())
-        spec.prefill()
-        return dd.logits(spec.seq[:spec.S], B - 1), int(spec.seq[P])
+        events = speculate(target, dd, ids, block_size=B, max_new_tokens=16)
+        first = next(e for e in events if isinstance(e, Commit)).tokens[0]  # the prefill's token: the drafter is reset
+        with torch.inference_mode():
+            return dd.logits(torch.tensor(ids + [first]), B - 1), first
 
     with torch.no_grad():
         ours, first = dlm_logits()

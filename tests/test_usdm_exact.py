@@ -1,7 +1,7 @@
 """usdm, held by values: the sampler's acceptance with a denoiser that reads the canvas, the loss by
 hand, and `--init-from` by the weights themselves.
 
-The sampler test replaces `denoise` with a rule over the canvas whose predictions have known
+The sampler test answers the canvas program's denoiser requests with a rule over the canvas whose predictions have known
 entropies (0 for a one-hot prediction, log m for a uniform one over m tokens, at any temperature):
 position j is certain once its left neighbour holds one of the tokens j - 1 may take, so which
 positions the entropy bound accepts, which are re-noised, and when the canvas stops follow step by
@@ -27,6 +27,7 @@ from dlm.objectives.usdm import USDM
 from dlm.sampling import SampleConfig
 from dlm.sampling import usdm as us
 from dlm.sampling.common import Step, entropy_bound_accept
+from dlm.sampling.rows import drive
 
 NOISE = 8  # noise tokens 0..7
 VOCAB = 40
@@ -51,14 +52,14 @@ def rule_logits(canvas: torch.Tensor) -> torch.Tensor:
 
 
 class RuleDenoiser:
-    """Stands in for `us.denoise`; records the canvases it was shown."""
+    """Answers the canvas program's Denoise requests in place of the model; records the canvases it was shown."""
 
     def __init__(self):
         self.seen: list[list[int]] = []
 
-    def __call__(self, model, cache, canvas, pos, prev_probs):
-        self.seen.append(canvas[0].tolist())
-        return rule_logits(canvas[0])[None]
+    def __call__(self, req: us.Denoise) -> torch.Tensor:
+        self.seen.append(req.canvas.tolist())
+        return rule_logits(req.canvas)[None]
 
 
 def sample_cfg(**kw):
@@ -67,15 +68,17 @@ def sample_cfg(**kw):
     return SampleConfig(**{**base, **kw})  # the real config: every sampler option at its default
 
 
-def run_canvas(monkeypatch, cfg, holes=(True, True, False, True, True), seed=0):
+def canvas_program(holes: torch.Tensor, pins: torch.Tensor, cfg, seed: int):
+    """The sampler's program of one canvas (no <eos> ban, canvas 0 of row 0, Step events), as a row runs it."""
+    return us._canvas_program(holes, pins, NOISE, 2, False, 0, 0, 0, cfg.steps, cfg, torch.Generator().manual_seed(seed),
+                              None, True, torch.device("cpu"))
+
+
+def run_canvas(cfg, holes=(True, True, False, True, True), seed=0):
     fake = RuleDenoiser()
-    monkeypatch.setattr(us, "denoise", fake)
     holes_t = torch.tensor(holes)
     pins = torch.tensor([0 if h else PIN for h in holes])
-    model = SimpleNamespace(device=torch.device("cpu"))
-    cache = SimpleNamespace(length=7)
-    it = us._denoise_canvas(model, cache, holes_t, pins, NOISE, 2, False, 0, 0, 0, cfg.steps, cfg,
-                            torch.Generator().manual_seed(seed))
+    it = drive(canvas_program(holes_t, pins, cfg, seed), fake)
     steps = []
     while True:
         try:
@@ -85,13 +88,13 @@ def run_canvas(monkeypatch, cfg, holes=(True, True, False, True, True), seed=0):
             return steps, tokens, n, fake
 
 
-def test_pinned_positions_do_not_compete_and_accepted_sets_are_exact(monkeypatch):
+def test_pinned_positions_do_not_compete_and_accepted_sets_are_exact():
     """Step 1: positions 0 and 3 are certain (entropy 0), 4 has log 3 and 1 has log 4; the pin's own
     prediction (log 2) is not free, so 4's cumulative entropy before it is 0 <= 0.5 and it is accepted,
     1 is re-noised. (Were the pin in the race, its log 2 would come before 4 and push it out.)
     Step 2: every hole is certain and accepted. Step 3: the argmax canvas is unchanged and every
     entropy is 0: stop. The pin never moves."""
-    steps, tokens, n, fake = run_canvas(monkeypatch, sample_cfg())
+    steps, tokens, n, fake = run_canvas(sample_cfg())
     assert all(isinstance(s, Step) for s in steps) and [s.step for s in steps] == [1, 2, 3] and n == 3
     s1, s2, s3 = steps
     assert s1.fixed == [True, False, True, True, True]
@@ -108,45 +111,43 @@ def test_pinned_positions_do_not_compete_and_accepted_sets_are_exact(monkeypatch
     assert s2.entropy == 0.0 and s3.entropy == 0.0
 
 
-def test_entropy_bound_accepts_less_when_tighter(monkeypatch):
+def test_entropy_bound_accepts_less_when_tighter():
     """A bound of 0: after the certain ones, one more (the least uncertain, position 4, entropy log 3)
     is still accepted, since the rule subtracts the largest term; with the bound below log 3 nothing
     changes, and with a bound of 10 every hole is accepted at step 1."""
-    steps, _, _, _ = run_canvas(monkeypatch, sample_cfg(entropy_bound=1e-9))
+    steps, _, _, _ = run_canvas(sample_cfg(entropy_bound=1e-9))
     assert steps[0].fixed == [True, False, True, True, True]
-    steps, _, n, _ = run_canvas(monkeypatch, sample_cfg(entropy_bound=10.0))
+    steps, _, n, _ = run_canvas(sample_cfg(entropy_bound=10.0))
     assert steps[0].fixed == [True] * 5 and steps[0].canvas[1] in SUPPORT[1]
     # without the pin (every position a hole), 2 is uncertain (log 2) and is accepted before 4 (log 3)
-    steps, tokens, n, _ = run_canvas(monkeypatch, sample_cfg(), holes=(True,) * 5)
+    steps, tokens, n, _ = run_canvas(sample_cfg(), holes=(True,) * 5)
     assert steps[0].fixed == [True, False, True, False, False]
     assert steps[0].canvas[2] in SUPPORT[2] and steps[0].canvas[3] < NOISE
 
 
-def test_stop_step_follows_stability_and_confidence(monkeypatch):
+def test_stop_step_follows_stability_and_confidence():
     """The argmax canvas changes between steps 1 and 2 (uncertain positions argmax the first token of
     their support, certain ones the last) and is stable from step 2 on."""
-    assert run_canvas(monkeypatch, sample_cfg(stability_threshold=1))[2] == 3
-    assert run_canvas(monkeypatch, sample_cfg(stability_threshold=2))[2] == 4
-    assert run_canvas(monkeypatch, sample_cfg(stability_threshold=3, steps=4))[2] == 4  # the cap
-    assert run_canvas(monkeypatch, sample_cfg(adaptive=False, steps=6))[2] == 6
+    assert run_canvas(sample_cfg(stability_threshold=1))[2] == 3
+    assert run_canvas(sample_cfg(stability_threshold=2))[2] == 4
+    assert run_canvas(sample_cfg(stability_threshold=3, steps=4))[2] == 4  # the cap
+    assert run_canvas(sample_cfg(adaptive=False, steps=6))[2] == 6
     # confidence 0 can never be undercut (entropy 0 is not < 0): every step runs
-    assert run_canvas(monkeypatch, sample_cfg(confidence_threshold=0.0, steps=5))[2] == 5
+    assert run_canvas(sample_cfg(confidence_threshold=0.0, steps=5))[2] == 5
 
 
-def test_stop_needs_confidence_as_well_as_stability(monkeypatch):
+def test_stop_needs_confidence_as_well_as_stability():
     """A position that never becomes certain (its rule looks at a left neighbour that is always noise)
     keeps the mean entropy at log 3 / 5 (> 0.2) from step 3 on: the argmax is stable from step 1, yet the canvas never stops."""
-    def stubborn(model, cache, canvas, pos, prev_probs):
-        logits = rule_logits(canvas[0])
+    def stubborn(req):
+        logits = rule_logits(req.canvas)
         logits[4] = -math.inf
         logits[4, SUPPORT[4]] = 0.0  # always uncertain
         return logits[None]
 
-    monkeypatch.setattr(us, "denoise", stubborn)
     holes = torch.ones(5, dtype=torch.bool)
-    it = us._denoise_canvas(SimpleNamespace(device=torch.device("cpu")), SimpleNamespace(length=0), holes,
-                            torch.zeros(5, dtype=torch.long), NOISE, 2, False, 0, 0, 0, 7,
-                            sample_cfg(steps=7, confidence_threshold=0.2), torch.Generator().manual_seed(1))
+    it = drive(canvas_program(holes, torch.zeros(5, dtype=torch.long), sample_cfg(steps=7, confidence_threshold=0.2),
+                              1), stubborn)
     events = list(it)
     assert len(events) == 7 and all(e.entropy == pytest.approx(math.log(3) / 5) for e in events[2:])
     assert us.should_stop(5, math.log(3) / 5, 1, 0.2) is False and us.should_stop(5, 0.19, 1, 0.2) is True

@@ -489,66 +489,6 @@ def _taps(out, layers: tuple[int, ...]) -> Tensor | None:
     return torch.cat([out.taps[i][0] for i in layers], dim=-1) if layers else None  # (T, F)
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-class Speculation:
-    """One prompt's speculative decoding state: the target's cache, the committed ids, the drafter."""
-
-    def __init__(self, target: Transformer, drafter: Drafter, prompt: Sequence[int], block_size: int, max_new_tokens: int,
-                 sampling: Sampling, stats: SpecStats):
-        self.target, self.drafter, self.block_size, self.sampling, self.stats = target, drafter, block_size, sampling, stats
-        dev = target.device
-        P = len(prompt)
-        self.cache = target.new_cache(1, P + max_new_tokens + block_size + 1)
-        self.seq = torch.empty(P + max_new_tokens + block_size + 1, dtype=torch.long, device=dev)
-        self.seq[:P] = torch.tensor(list(prompt), dtype=torch.long, device=dev)
-        self.S = P  # committed length
-        drafter.bind(self.cache)  # self-speculation drafts over this very cache
-
-    def prefill(self) -> int:
-        """Run the prompt through the target, hand the drafter its features; the first token."""
-        t0 = time.perf_counter()
-        ids = self.seq[:self.S]
-        out = self.target(ids[None], cache=self.cache, taps=self.drafter.taps)
-        self.stats.forwards += 1
-        tok = int(self.sampling.draw(out.logits[0, -1])[0])
-        self.drafter.reset(ids, _taps(out, self.drafter.taps))
-        _sync(self.target.device)
-        self.stats.verify_seconds += time.perf_counter() - t0
-        self.commit([tok])
-        return tok
-
-    def commit(self, tokens: list[int]) -> None:
-        self.seq[self.S:self.S + len(tokens)] = torch.tensor(tokens, device=self.seq.device)
-        self.S += len(tokens)
-
-    def cycle(self, room: int) -> tuple[Tensor, int, int]:
-        """Draft up to min(block_size - 1, room) tokens and verify them in one target forward.
-
-        Returns (draft (k,), accepted n, bonus token); the caches keep the accepted positions only.
-        """
-        dev, st = self.target.device, self.stats
-        t0 = time.perf_counter()
-        draft, q = self.drafter.propose(self.seq[:self.S], min(self.block_size - 1, room))
-        _sync(dev)
-        t1 = time.perf_counter()
-        st.draft_seconds += t1 - t0
-        k = draft.shape[0]
-        block = torch.cat((self.seq[self.S - 1:self.S], draft))[None]  # (1, k+1)
-        out = self.target(block, cache=self.cache, taps=self.drafter.taps)
-        st.forwards += 1
-        n, bonus = verify(draft, out.logits[0], q, self.sampling)
-        self.cache.crop(self.cache.length - k + n)  # keep the last committed token and the accepted proposals
-        feats = _taps(out, self.drafter.taps)
-        self.drafter.accept(block[0, :n + 1], feats[:n + 1] if feats is not None else None)
-        _sync(dev)
-        st.verify_seconds += time.perf_counter() - t1
-        return draft, n, bonus
-
-
 def speculation(drafter: Drafter, prompt: Sequence[int], *, block_size: int, max_new_tokens: int, sampling: Sampling,
                 eos_id: Eos, row: int = 0, stats: SpecStats | None = None, clock: Clock | None = None,
                 dev: torch.device | str = "cpu") -> Iterator:

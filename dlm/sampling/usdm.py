@@ -355,18 +355,6 @@ def _row(p: Prompt, L: int, steps: int, N: int, eos_id: Eos, cfg, gen: torch.Gen
         stats.forwards += 1
 
 
-def _denoise_canvas(model: Transformer, cache, holes: Tensor, pins: Tensor, N: int, eos_id: Eos, no_eos: bool,
-                    canvas_index: int, row: int, offset: int, S: int, cfg, gen: torch.Generator,
-                    first: Tensor | None = None, step_events: bool = True):
-    """Denoise one canvas for at most S steps over a row's own cache (yields Step events); returns (committed
-    tokens, steps used). first (1, 1, V): the encoder's logits for the canvas's first token (a canvas_shift
-    model), else None."""
-    pos = torch.arange(cache.length, cache.length + holes.shape[0], device=model.device)
-    return (yield from drive(_canvas_program(holes, pins, N, eos_id, no_eos, canvas_index, row, offset, S, cfg, gen,
-                                             first, step_events, model.device),
-                             lambda req: denoise(model, cache, req.canvas[None], pos, req.prev_probs)))
-
-
 def _canvas_program(holes: Tensor, pins: Tensor, N: int, eos_id: Eos, no_eos: bool, canvas_index: int, row: int,
                     offset: int, S: int, cfg, gen: torch.Generator, first: Tensor | None, step_events: bool,
                     dev: torch.device, stats: Stats | None = None):
