@@ -1,4 +1,4 @@
-"""The package's shape: no import circles inside dlm/, and inference never imports training code.
+"""The package's shape: no import circles inside dlm/, inference never imports training code, and one layer stack.
 
 Every import statement of every module (function-level ones too) is read with `ast`; `from a import b`
 counts as an import of the module a.b when that is a module of the package, else of a.
@@ -14,7 +14,7 @@ import dlm
 ROOT = Path(dlm.__file__).parent
 # the model layer: what every paradigm's model, checkpoint and tokenizer need, and nothing above it
 MODEL_LAYER = {"dlm.config", "dlm.errors", "dlm.files", "dlm.device", "dlm.masks", "dlm.rope", "dlm.model",
-               "dlm.gemma4", "dlm.drafter", "dlm.checkpoint", "dlm.tokenizer", "dlm.hf", "dlm.hf_gemma", "dlm.noise"}
+               "dlm.moe", "dlm.drafter", "dlm.checkpoint", "dlm.tokenizer", "dlm.hf", "dlm.hf_gemma", "dlm.noise"}
 TRAINING = ("dlm.objectives", "dlm.train", "dlm.cli", "dlm.distill")  # dlm.train covers dlm.trainstate
 
 
@@ -111,3 +111,22 @@ def test_inference_never_imports_training_code():
 def test_registries_are_plain_dicts_of_imported_code():
     for path in ROOT.rglob("*.py"):
         assert "importlib" not in path.read_text(), f"{path}: string registries resolved through importlib"
+
+
+BACKBONE = ("KVCache", "RMSNorm", "Attention", "MLP", "Block")  # dlm.model's, one class each for every family
+
+
+def test_one_layer_stack_shaped_by_configuration():
+    """Every family runs the one backbone's layers (dlm.model), their shape chosen by ModelConfig's typed fields: no
+    module of a family's own layers, no class of these names elsewhere, no untyped `arch` switch read anywhere."""
+    defs: dict[str, list[str]] = {}
+    arch: list[str] = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name in BACKBONE:
+                defs.setdefault(node.name, []).append(name)
+            if isinstance(node, ast.Attribute) and node.attr == "arch":
+                arch.append(f"{name}:{node.lineno}")
+    assert defs == {k: ["dlm.model"] for k in BACKBONE}
+    assert arch == []
+    assert "dlm.gemma4" not in modules()
