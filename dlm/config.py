@@ -41,7 +41,8 @@ class MoEConfig:
             v = getattr(self, k)
             check(_is_int(v) and v >= 0, f"model.moe.{k} must be an integer >= 0, got {v!r}")
         E, g = self.n_experts, self.n_group
-        check(self.router in ("sigmoid", "softmax"), f"model.moe.router must be sigmoid or softmax, got {self.router!r}")
+        check(self.router in ("sigmoid", "softmax"),
+              f"model.moe.router must be sigmoid or softmax, got {self.router!r}")
         check(0 < self.top_k <= E <= 4096 and 0 < self.ffn_dim <= 1 << 18,
               f"model.moe needs 0 < top_k <= n_experts <= 4096 and ffn_dim > 0, got {self}"[:200])
         check(g > 0 and E % g == 0 and (self.router == "softmax" or E // g >= 2) and 0 < self.topk_group <= g,

@@ -35,7 +35,7 @@ from dlm.tokenizer import Tokenizer
 def export_hf(model: Transformer, tok: Tokenizer, out: str | os.PathLike, dtype: torch.dtype = torch.float32,
               overwrite: bool = False, inputs: tuple[str | os.PathLike, ...] = ()) -> Path:
     """Write a transformers-loadable folder (config.json, model.safetensors, tokenizer files)."""
-    if hf_gemma.is_gemma(model.cfg):  # Gemma 4 / DiffusionGemma (dlm.hf_gemma); the checkpoint's imported config and side files
+    if hf_gemma.is_gemma(model.cfg):  # Gemma 4 / DiffusionGemma (dlm.hf_gemma); the imported config and side files
         src = Path(inputs[0]) if inputs else None
         meta = read_json(src / "config.json") if src is not None and (src / "config.json").is_file() else {}
         with write_folder(out, overwrite=overwrite, inputs=inputs) as tmp:

@@ -70,8 +70,8 @@ def sample_cfg(**kw):
 
 def canvas_program(holes: torch.Tensor, pins: torch.Tensor, cfg, seed: int):
     """The sampler's program of one canvas (no <eos> ban, canvas 0 of row 0, Step events), as a row runs it."""
-    return us._canvas_program(holes, pins, NOISE, 2, False, 0, 0, 0, cfg.steps, cfg, torch.Generator().manual_seed(seed),
-                              None, True, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(seed)
+    return us._canvas_program(holes, pins, NOISE, 2, False, 0, 0, 0, cfg.steps, cfg, gen, None, True, torch.device("cpu"))
 
 
 def run_canvas(cfg, holes=(True, True, False, True, True), seed=0):

@@ -264,9 +264,9 @@ class RowBatch:
 
     def _band(self, windows: list[Window], lengths: Tensor, pos: Tensor, Lc: int) -> Tensor:
         """(n, 1, T, Lc + T): a sliding-window layer's band per row, from its positions (cache slot s holds position s,
-        window key i sits at pos[b, i]), as run_blocks gives the row alone (sliding_band): a causal query sees the keys of
-        the last `window` positions up to its own; a bidirectional window over the cache (mask None: a canvas,
-        DiffusionGemma's decoder) sees the cache's last window - 1 positions and the whole window."""
+        window key i sits at pos[b, i]), as run_blocks gives the row alone (masks.sliding_band): a causal query sees
+        the keys of the last `window` positions up to its own; a bidirectional window over the cache (mask None: a
+        canvas, DiffusionGemma's decoder) sees the cache's last window - 1 positions and the whole window."""
         if any(isinstance(w.mask, Tensor) for w in windows):  # (as the one-row forward: model.run_blocks)
             raise DlmError("a backbone with sliding-window layers needs its sliding layers' mask beside a "
                            "bool mask (dlm.masks.LayerMasks); this layout has none yet")
