@@ -6,10 +6,10 @@ inside a canvas, weights scaled up so entropies differ, prompts with and without
 
 The self-conditioned denoiser can amplify a difference of one float32 step into other samples within a few steps, so
 this holds only where the arithmetic is the same: the reference's temperature, entropy and acceptance arithmetic
-(dlm.sampling.usdm), sliding layers reading only the prefix's last window - 1 keys (dlm.gemma4), and weights at the same
-memory alignment on both sides (MKL's matmuls round differently on unaligned rows: transformers' own generate differs
-between a model built in memory and the same model loaded from its folder, so both models here hold freshly
-allocated weights)."""
+(dlm.sampling.usdm), sliding layers reading only the prefix's last window - 1 keys (dlm.model.run_blocks), and
+weights at the same memory alignment on both sides (MKL's matmuls round differently on unaligned rows: transformers'
+own generate differs between a model built in memory and the same model loaded from its folder, so both models here
+hold freshly allocated weights)."""
 
 import json
 
