@@ -240,7 +240,7 @@ def run_evaluate(model, monkeypatch, windows: int, samples: int, seed: int) -> d
     stream = np.array(WINDOW[:-1] * windows + WINDOW[-1:], dtype=np.int64)
     monkeypatch.setattr(tokens, "load_tokens", lambda corpus, tok, split: stream)
     ck = SimpleNamespace(tokenizer=SimpleNamespace(vocab_size=N), noise_vocab=N, canvas_length=CANVAS)
-    r = usdm_evaluate(model, ck, None, "val", SEQ, windows, 1, seed=seed, samples=samples)
+    r = usdm_evaluate(model, ck, SimpleNamespace(spec="stub"), "val", SEQ, windows, 1, seed=seed, samples=samples)
     assert r["tokens"] == windows * CANVAS
     return r
 
