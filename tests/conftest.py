@@ -77,6 +77,30 @@ def run_cli(*args: str, check: bool = False, env: dict | None = None, timeout: f
     return proc
 
 
+def start_server(args: list[str], *, env: dict | None = None, cwd: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """A real `dlm serve ARGS --port 0` process and its base URL, once it prints its address and /health answers.
+    The caller stops it (SIGINT) and reads its exit status."""
+    import time
+
+    import httpx
+
+    env = env or {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.Popen([sys.executable, "-m", "dlm", "serve", *args, "--port", "0", "--log-level", "warning"],
+                            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = ""
+    while "playground:" not in line:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+    base = line.split()[1].rstrip("/")
+    for _ in range(100):
+        try:
+            httpx.get(base + "/health")
+            break
+        except httpx.TransportError:
+            time.sleep(0.1)
+    return proc, base
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _token_cache(tmp_path_factory):
     path = tmp_path_factory.mktemp("dlm-cache")

@@ -23,11 +23,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import start_server
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -213,22 +213,9 @@ def served(tmp_path_factory):
 
 
 def _start(args: list[str], tmp: Path, env: dict, procs: list, ports: dict) -> int:
-    p = subprocess.Popen([sys.executable, "-m", "dlm", "serve", *args, "--port", "0", "--log-level", "warning"],
-                         cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p, base = start_server(args, env=env, cwd=tmp)
     procs.append(p)
-    line = ""
-    while "playground:" not in line:
-        line = p.stdout.readline()
-        assert line, p.stderr.read()
-    port = int(line.split()[1].rstrip("/").rpartition(":")[2])
-    import httpx
-
-    for _ in range(100):
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/health")
-            break
-        except httpx.TransportError:
-            time.sleep(0.1)
+    port = int(base.rpartition(":")[2])
     ports[tuple(args)] = port
     return port
 

@@ -5,15 +5,13 @@ limit, disconnects, a table of bad requests, the API key, and the playground in 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import start_server
 
 fastapi = pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -502,23 +500,10 @@ def test_dlm_serve_command_starts_and_stops(capsys):
     err = capsys.readouterr().err
     assert "drafter" in err and "--draft" in err
     assert main(["serve", "--model", str(CK / "ar-small"), "--max-queue", "-1"]) == 2
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    proc = subprocess.Popen([sys.executable, "-m", "dlm.cli", "serve", "--model", str(CK / "ar-small"), "--model",
-                             str(CK / "mdlm-small"), "--port", "0", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc, base = start_server(["--model", str(CK / "ar-small"), "--model", str(CK / "mdlm-small")])
     try:
-        line = ""
-        while "playground:" not in line:
-            line = proc.stdout.readline()
-            assert line, proc.stderr.read()
-        base = line.split()[1].rstrip("/")
         assert base.startswith("http://127.0.0.1:")
-        for _ in range(100):
-            try:
-                h = httpx.get(base + "/health").json()
-                break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        h = httpx.get(base + "/health").json()
         assert h["models"] == ["ar-small", "mdlm-small"]
         assert "dlm playground" in httpx.get(base + "/").text
         assert httpx.get(base + "/static/app.js").headers["content-type"].startswith("text/javascript")

@@ -5,12 +5,10 @@ does not know (ignored and named, not refused), on every served paradigm: ar, md
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from conftest import start_server
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -24,22 +22,9 @@ PARADIGMS = {"ar-small": "ar", "mdlm-small": "mdlm", "usdm-small": "usdm", "join
 @pytest.fixture(scope="module")
 def base():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "dlm.cli", "serve", "--model", str(CK / "ar-small"),
-                             str(CK / "mdlm-small"), str(CK / "usdm-small"), str(CK / "joint-small"), "--draft",
-                             str(CK / "dflash-small"), "--port", "0", "--threads", "1", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc, url = start_server(["--model", str(CK / "ar-small"), str(CK / "mdlm-small"), str(CK / "usdm-small"),
+                              str(CK / "joint-small"), "--draft", str(CK / "dflash-small"), "--threads", "1"], env=env)
     try:
-        line = ""
-        while "playground:" not in line:
-            line = proc.stdout.readline()
-            assert line, proc.stderr.read()
-        url = line.split()[1].rstrip("/")
-        for _ in range(100):
-            try:
-                httpx.get(url + "/health")
-                break
-            except httpx.TransportError:
-                time.sleep(0.1)
         yield url, proc
     finally:
         proc.send_signal(2)
