@@ -592,3 +592,16 @@ def test_grid_positions_give_a_cells_row_column_and_box(tmp_path):
     for bad in (8, 3, 81):
         with pytest.raises(DlmError, match="grid_pos"):
             ModelConfig(vocab_size=28, grid_pos=bad)
+
+
+def test_the_pareto_front_holds_the_ar_row_when_it_is_the_best_quality():
+    """bench.png's front is over every row: AR, at the best quality and one token per forward, is on it, and a
+    diffusion row it beats on both axes (slower, worse) is not."""
+    from dlm.bench.stats import front_of
+
+    rows = [{"paradigm": "ar", "tokens_per_forward": 1.0, "seconds": 0.10, "q": 0.36},
+            {"paradigm": "mdlm", "tokens_per_forward": 4.0, "seconds": 0.08, "q": 0.30},
+            {"paradigm": "mdlm", "tokens_per_forward": 1.0, "seconds": 0.30, "q": 0.28},
+            {"paradigm": "usdm", "tokens_per_forward": 3.5, "seconds": 0.09, "q": 0.10}]
+    assert front_of(rows, "tokens_per_forward", "q") == [(1.0, 0.36), (4.0, 0.30)]
+    assert front_of(rows, "seconds", "q") == [(0.10, 0.36), (0.08, 0.30)]  # less time is better

@@ -115,6 +115,14 @@ def equal_quality(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def front_of(rows: list[dict[str, Any]], x: str, key: str) -> list[tuple[float, float]]:
+    """The Pareto front (x, quality) of the bench rows, every paradigm's (AR included: it is often the best quality,
+    and a method it beats on both axes is off the front). More tokens per forward is better; on any other x
+    (seconds) less is."""
+    sign = 1 if x == "tokens_per_forward" else -1
+    return [(sign * a, q) for a, q in pareto([(sign * r[x], r[key]) for r in rows])]
+
+
 def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """The points (x, quality) no other point beats on both (higher x and higher quality are better), by x."""
     front = [p for p in points if not any(q[0] >= p[0] and q[1] >= p[1] and q != p for q in points)]

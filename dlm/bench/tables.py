@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dlm.bench.stats import noisy, pareto
+from dlm.bench.stats import front_of, noisy
 
 
 def cell(s: dict[str, Any], key: str, fmt: str, show_range: bool = False) -> str:
@@ -78,7 +78,7 @@ def save_figure(plt, fig, path: Path) -> None:
 
 def plot_pareto(summaries: list[dict[str, Any]], key: str, label: str, path: Path) -> str | None:
     """Quality (`key`) against tokens per forward and against wall time per case: one line per sampler, the AR
-    rows as stars, the Pareto front of the diffusion rows dashed. None, or why there is no plot."""
+    rows as stars, the Pareto front of all rows dashed. None, or why there is no plot."""
     plt = pyplot()
     if plt is None:
         return "matplotlib is not installed: no plot"
@@ -99,11 +99,9 @@ def plot_pareto(summaries: list[dict[str, Any]], key: str, label: str, path: Pat
             star = g[0]["paradigm"] in ("ar", "spec")
             ax.plot([r[x] for r in g], [r[key] for r in g], marker="*" if star else "o", markersize=11 if star else 5,
                     linestyle="none" if star else "-", label=name)
-        diff = [r for r in rows if r["paradigm"] not in ("ar", "spec")]
-        sign = 1 if x == "tokens_per_forward" else -1  # the front: more tokens per forward, or less time
-        front = pareto([(sign * r[x], r[key]) for r in diff])
+        front = front_of(rows, x, key)
         if len(front) > 1:
-            ax.plot([sign * f[0] for f in front], [f[1] for f in front], "k--", alpha=0.4, label="Pareto front")
+            ax.plot([f[0] for f in front], [f[1] for f in front], "k--", alpha=0.4, label="Pareto front")
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(label)
