@@ -161,6 +161,19 @@ def with_eos(head: torch.Tensor, eos: int, live: bool):
 DREAM_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>", "<|beginoftext|>"]
 
 
+def each_case(head: torch.Tensor, eos: int, settings: list[dict], prompts: list[list[int]]):
+    """Every run of a recording, in order: `<eos>` live then suppressed, each setting, each prompt; a setting's seed
+    set before each of its runs. Yields (the case's record so far, the prompt, the setting's arguments)."""
+    for live in (True, False):
+        with with_eos(head, eos, live):
+            for s in settings:
+                for pi, p in enumerate(prompts):
+                    if "seed" in s:
+                        torch.manual_seed(s["seed"])
+                    yield ({"prompt": pi, "eos": "live" if live else "suppressed", "args": s}, p,
+                           {k: v for k, v in s.items() if k != "seed"})
+
+
 def record_dream(code: list[Path], out: Path) -> None:
     (fast,) = code
     shim_transformers()
@@ -193,21 +206,13 @@ def record_dream(code: list[Path], out: Path) -> None:
         for temp, top_p in ((0.2, 0.95), (1.0, None)):
             settings.append({"alg": alg, "max_new_tokens": 16, "steps": 16, "temperature": temp, "top_p": top_p,
                              "seed": 5})
-    for live in (True, False):
-        with with_eos(head, eos, live):
-            for s in settings:
-                for pi, p in enumerate(prompts):
-                    if "seed" in s:
-                        torch.manual_seed(s["seed"])
-                    kw = {k: v for k, v in s.items() if k != "seed"}
-                    # (an explicit generation config: transformers 5.x cannot derive Dream's from the model's)
-                    gc = Gen(output_history=True, return_dict_in_generate=True, mask_token_id=mask, eos_token_id=eos,
-                             pad_token_id=eos, bos_token_id=bos, **kw)
-                    res = model.diffusion_generate(torch.tensor([p]), generation_config=gc)
-                    ids = res.sequences[0, len(p):].tolist()
-                    hist = [h[0, len(p):].tolist() for h in res.history] if pi == 0 else None
-                    cases.append({"prompt": pi, "eos": "live" if live else "suppressed", "args": s, "ids": ids,
-                                  **({"steps": hist} if hist else {})})
+    for case, p, kw in each_case(head, eos, settings, prompts):
+        # (an explicit generation config: transformers 5.x cannot derive Dream's from the model's)
+        gc = Gen(output_history=True, return_dict_in_generate=True, mask_token_id=mask, eos_token_id=eos,
+                 pad_token_id=eos, bos_token_id=bos, **kw)
+        res = model.diffusion_generate(torch.tensor([p]), generation_config=gc)
+        hist = [h[0, len(p):].tolist() for h in res.history] if case["prompt"] == 0 else None
+        cases.append({**case, "ids": res.sequences[0, len(p):].tolist(), **({"steps": hist} if hist else {})})
     with torch.no_grad():
         logits = model(torch.tensor([prompts[1]])).logits[0]
     generic = ("_attn_implementation_autoset", "transformers_version", "_name_or_path", "id2label", "label2id",
@@ -275,17 +280,9 @@ def record_llada(code: list[Path], out: Path) -> None:
     for n, block, steps in ((16, 8, 8), (16, 16, 16)):
         settings.append({"gen_length": n, "block_length": block, "steps": steps, "remasking": "random", "seed": 7})
     cases = []
-    for live in (True, False):
-        with with_eos(head, eos, live):
-            for s in settings:
-                for pi, p in enumerate(prompts):
-                    if "seed" in s:
-                        torch.manual_seed(s["seed"])
-                    kw = {k: v for k, v in s.items() if k != "seed"}
-                    x = gen.generate(Called(model), torch.tensor([p]), temperature=0.0, cfg_scale=0.0, mask_id=mask,
-                                     **kw)
-                    cases.append({"prompt": pi, "eos": "live" if live else "suppressed", "args": s,
-                                  "ids": x[0, len(p):].tolist()})
+    for case, p, kw in each_case(head, eos, settings, prompts):
+        x = gen.generate(Called(model), torch.tensor([p]), temperature=0.0, cfg_scale=0.0, mask_id=mask, **kw)
+        cases.append({**case, "ids": x[0, len(p):].tolist()})
     with torch.no_grad():
         logits = Called(model)(torch.tensor([prompts[1]])).logits[0]
     live_eos = sum(c["eos"] == "live" and eos in c["ids"] for c in cases)
@@ -383,17 +380,10 @@ def record_sdar(code: list[Path], out: Path) -> None:
                              "temperature": temp, "top_k": top_k, "top_p": 1.0, "remasking_strategy": strategy,
                              **({"confidence_threshold": thr} if thr is not None else {}), "seed": 11})
     cases = []
-    for live in (True, False):
-        with with_eos(head, im_end, live):
-            for s in settings:
-                for stop in (None, [im_end, eos]):
-                    for pi, p in enumerate(prompts):
-                        torch.manual_seed(s["seed"])
-                        kw = {k: v for k, v in s.items() if k != "seed"}
-                        x = gen.block_diffusion_generate(model, {"input_ids": torch.tensor([p])}, mask_id=mask,
-                                                         stopping_criteria_idx=stop, **kw)
-                        cases.append({"prompt": pi, "eos": "live" if live else "suppressed",
-                                      "args": {**s, "stopping_criteria_idx": stop}, "ids": x[0, len(p):].tolist()})
+    settings = [{**s, "stopping_criteria_idx": stop} for s in settings for stop in (None, [im_end, eos])]
+    for case, p, kw in each_case(head, im_end, settings, prompts):
+        x = gen.block_diffusion_generate(model, {"input_ids": torch.tensor([p])}, mask_id=mask, **kw)
+        cases.append({**case, "ids": x[0, len(p):].tolist()})
     with torch.no_grad():
         ids = torch.tensor([prompts[1]])
         full = torch.ones(1, len(prompts[1]), len(prompts[1]))
@@ -446,13 +436,9 @@ def record_fast_dllm_v2(code: list[Path], out: Path) -> None:
     settings = [{"max_new_tokens": n, "block_size": block, "small_block_size": sb, "threshold": thr,
                  "temperature": 0.0} for n in (16, 24) for sb in (4, 8) for thr in (0.9, 0.5, 1.0)]
     cases = []
-    for live in (True, False):
-        with with_eos(head, im_end, live):
-            for s in settings:
-                for pi, p in enumerate(prompts):
-                    x = model.generate(torch.tensor([p]), mask_id=mask, stop_token=im_end, **s)
-                    cases.append({"prompt": pi, "eos": "live" if live else "suppressed", "args": s,
-                                  "ids": x[0, len(p):].tolist()})
+    for case, p, kw in each_case(head, im_end, settings, prompts):
+        x = model.generate(torch.tensor([p]), mask_id=mask, stop_token=im_end, **kw)
+        cases.append({**case, "ids": x[0, len(p):].tolist()})
     with torch.no_grad():
         logits = model(torch.tensor([prompts[1]]), use_cache=False, block_size=1).logits[0]  # causal: blocks of 1
     generic = ("_attn_implementation_autoset", "transformers_version", "_name_or_path", "id2label", "label2id",
