@@ -105,6 +105,10 @@ class KVCache:
 
     `length` slots are valid. `update` writes at `length`; `crop(n)` rolls back to n slots.
     Slots need not equal positions (positions are baked into the keys by RoPE).
+
+    `slot`, when set (a (1,) long tensor on the cache's device), is where a step writes instead, and every slot is
+    attended to (the caller's mask hides the unwritten ones): no Python number decides a shape or an offset, so the
+    step can be captured once as a CUDA graph and replayed (dlm.sampling.graphs).
     """
 
     def __init__(self, cfg: ModelConfig, batch: int, capacity: int, device: torch.device | str = "cpu",
@@ -118,12 +122,13 @@ class KVCache:
             self.k = [torch.zeros(batch, kv, capacity, hd, device=device, dtype=dtype) for hd, kv in shapes]
             self.v = [torch.zeros_like(k) for k in self.k]
         self.length = 0
+        self.slot: Tensor | None = None
 
     @classmethod
     def over(cls, k: Tensor | list[Tensor], v: Tensor | list[Tensor], length: int) -> KVCache:
         """A cache over these buffers (no copy: writes land in them)."""
         cache = cls.__new__(cls)
-        cache.k, cache.v, cache.length = k, v, length
+        cache.k, cache.v, cache.length, cache.slot = k, v, length, None
         return cache
 
     def buffers(self) -> list[Tensor]:
@@ -149,6 +154,10 @@ class KVCache:
         seen by no query), the context's K/V kc, vc (B, Hkv, C, hd: always kept, from slot `length`), then this call's
         k, v (B, Hkv, T, hd), kept when `write`."""
         ck, cv = self.k[layer], self.v[layer]  # (B, Hkv, capacity, hd)
+        if self.slot is not None:  # a step at the slot tensor, over every slot (the class docstring)
+            ck.index_copy_(2, self.slot, k)
+            cv.index_copy_(2, self.slot, v)
+            return ck, cv
         start = self.length
         if kc is not None:
             C = kc.shape[2]
@@ -385,6 +394,17 @@ def run_blocks(
             raise DlmError("context features (DFlash drafter injection) are not supported with sliding-window layers")
         ctx_rope = rope_cos_sin(freqs["full"], ctx_pos if ctx_pos.dim() == 2 else ctx_pos[None], x.dtype, factor)
     layered = isinstance(mask, LayerMasks)
+    if cache is not None and cache.slot is not None:  # a step over every slot (KVCache.slot)
+        if C or "sliding" in kinds or not write or not isinstance(mask, Tensor):
+            raise DlmError("a cache step at a slot tensor takes a bool mask over every slot, writes, and has no "
+                           "context features or sliding-window layers")
+        attn_mask, _ = sdpa_mask(mask, T, cache.capacity, x.device)
+        out_taps = {}
+        for i, block in enumerate(blocks):
+            x = block(x, ropes[block.kind], attn_mask, False, cache, i, write, None, None, 0)
+            if i in taps:
+                out_taps[i] = x
+        return x, out_taps
     attn_mask, is_causal = sdpa_mask(mask.full if layered else mask, T, L0 + C + T, x.device)
     masks = {"full": (attn_mask, is_causal, 0)}  # (mask, is_causal, lo: the first cache slot any query sees)
     if "sliding" in kinds:

@@ -73,3 +73,18 @@ def test_bad_shape_options_get_one_line_and_exit_2(tiny_ar, tmp_path):
     _one_line_error(cli("bench", "--shape", "ar-small", "--clock", "sundial"), "--clock")
     _one_line_error(cli("bench", "--shape", ""), "--shape")
     _one_line_error(cli("bench", "--shape", "llada-8b", "--layers", "1000"), "GiB", "--layers")  # never allocated
+
+
+def test_cost_curve_in_another_dtype(tiny_ar):
+    import torch
+
+    from dlm.bench.cost import run_cost, shape_model
+
+    r = run_cost(str(tiny_ar), context=8, points=(2,), repeat=1, inner=1, machine_mb=4, quiet=True, dtype="bfloat16")
+    assert r["dtype"] == "bfloat16" and r["machine"]["matmul_dtype"] == "bfloat16"
+    model, _ = shape_model("ar-small", layers=1, dtype="float16")
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+    # bytes per token follow the dtype: 2 bytes a weight
+    assert r["decode"]["weight_bytes"] == sum(p.numel() * 2 for p in shape_model(str(tiny_ar))[0].parameters())
+    _one_line_error(cli("bench", "--shape", "ar-small", "--dtype", "int8"),
+                    "--dtype must be one of float32, bfloat16, float16")

@@ -56,9 +56,13 @@ POINTS = (1, 2, 4, 8, 16, 32, 64)
 DRAFT_COSTS = (0.0, 1 / 6, 0.5, 1.0)  # a draft pass's cost in target steps (break-even tau columns)
 
 
-def shape_model(shape: str, layers: int = 0, device: str | torch.device = "cpu") -> tuple[torch.nn.Module, str]:
-    """(model, label): random weights at a named shape (at `layers` depth if given), or a checkpoint folder's model
-    as stored."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def shape_model(shape: str, layers: int = 0, device: str | torch.device = "cpu",
+                dtype: str | None = None) -> tuple[torch.nn.Module, str]:
+    """(model, label): random weights at a named shape (at `layers` depth if given; float32 unless `dtype`), or a
+    checkpoint folder's model as stored (or cast to `dtype`)."""
     from dlm.model import Transformer, rope_inv_freq
 
     check(bool(shape.strip()), "--shape needs a named shape or a checkpoint folder, got ''")
@@ -68,13 +72,14 @@ def shape_model(shape: str, layers: int = 0, device: str | torch.device = "cpu")
         depth = layers or REDUCED_DEPTH.get(key, fields["n_layers"])
         label = key if depth == fields["n_layers"] else f"{key} ({depth} of {fields['n_layers']} layers)"
         cfg = ModelConfig(**{**fields, "n_layers": depth})
-        need, free = cfg.num_params() * 4, available_bytes()
+        dt = DTYPES[dtype or "float32"]
+        need, free = cfg.num_params() * dt.itemsize, available_bytes()
         if free is not None and torch.device(device).type == "cpu" and need > free:
-            raise DlmError(f"--shape {key}: {need / 2**30:.1f} GiB of float32 weights, {free / 2**30:.1f} GiB of "
-                           "memory available (--layers N measures it at a smaller depth)")
+            raise DlmError(f"--shape {key}: {need / 2**30:.1f} GiB of {dtype or 'float32'} weights, "
+                           f"{free / 2**30:.1f} GiB of memory available (--layers N measures it at a smaller depth)")
         with torch.device("meta"):
             model = Transformer(cfg)
-        model = model.to_empty(device=device)
+        model = model.to_empty(device=device).to(dt)
         with torch.no_grad():  # the values do not change the cost; fast to fill (no per-matrix init pass)
             g = torch.Generator(device=device).manual_seed(0)
             for p in model.parameters():
@@ -95,8 +100,12 @@ def shape_model(shape: str, layers: int = 0, device: str | torch.device = "cpu")
                            "(its draft share: dlm bench --draft)")
         check(not layers, "--layers sets the depth of a named --shape, not of a checkpoint")
         model, _ = load_model(shape, device=device)
-        return model, str(shape)
+        return (model.to(DTYPES[dtype]) if dtype else model), str(shape)
     raise DlmError(f"--shape must be one of {', '.join(SHAPES)} or a checkpoint folder, got {shape!r}")
+
+
+def dtype_of(model: torch.nn.Module) -> torch.dtype:
+    return next(model.parameters()).dtype
 
 
 def sync(device: torch.device) -> None:
@@ -119,12 +128,13 @@ def timed(fn, inner: int, device: torch.device, clock: str = "wall") -> float:
     return min(ts)
 
 
-def machine(device: torch.device, mb: int = 256, n: int = 2048, inner: int = 3, clock: str = "wall") -> dict[str, Any]:
-    """Memory bandwidth (GB/s: reading an array of `mb` MB, copying it) and matmul throughput (GFLOP/s: n x n
-    float32)."""
+def machine(device: torch.device, mb: int = 256, n: int = 2048, inner: int = 3, clock: str = "wall",
+            dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Memory bandwidth (GB/s: reading an array of `mb` MB, copying it) and matmul throughput (GFLOP/s: n x n in
+    `dtype`, random values)."""
     x = torch.rand(mb * 2**20 // 4, device=device)
     y = torch.empty_like(x)
-    a, b = torch.rand(n, n, device=device), torch.rand(n, n, device=device)
+    a, b = (torch.rand(n, n, device=device, dtype=dtype) for _ in range(2))
     for f in (lambda: x.sum(), lambda: y.copy_(x), lambda: a @ b):
         f()  # warm-up: page the arrays in, pick the kernels
     read = timed(lambda: x.sum(), inner, device, clock)
@@ -133,7 +143,8 @@ def machine(device: torch.device, mb: int = 256, n: int = 2048, inner: int = 3, 
     nbytes = x.numel() * 4
     return {"read_gb_s": nbytes / read / 1e9, "copy_gb_s": 2 * nbytes / copy / 1e9,
             "matmul_gflop_s": 2 * n**3 / mm / 1e9,
-            "array_mb": mb, "matmul_n": n, "last_cache_bytes": last_cache_bytes() if device.type == "cpu" else None}
+            "array_mb": mb, "matmul_n": n, "matmul_dtype": str(dtype).removeprefix("torch."),
+            "last_cache_bytes": last_cache_bytes() if device.type == "cpu" else None}
 
 
 def kv_bytes(cfg: ModelConfig, rows: int, tokens: int, itemsize: int) -> int:
@@ -180,7 +191,7 @@ def available_bytes() -> int | None:
 @torch.inference_mode()
 def run_cost(shape: str, context: int = 256, points: tuple[int, ...] = POINTS, repeat: int = 3, inner: int = 5,
              layers: int = 0, out: str | None = None, device: str = "auto", machine_mb: int = 256,
-             clock: str = "wall", quiet: bool = False) -> dict[str, Any]:
+             clock: str = "wall", quiet: bool = False, dtype: str | None = None) -> dict[str, Any]:
     """Measure the cost curve of one shape; print the tables, write the JSON report (and the PNG beside it)."""
     from dlm.bench.harness import environment, write_json
     from dlm.device import resolve_device
@@ -189,6 +200,7 @@ def run_cost(shape: str, context: int = 256, points: tuple[int, ...] = POINTS, r
     check(repeat >= 1, f"--repeat must be > 0, got {repeat}")
     check(bool(points) and all(p >= 1 for p in points), f"--points must be integers >= 1, got {list(points)}")
     check(clock in CLOCKS, f"--clock must be wall or cpu, got {clock!r}")
+    check(dtype is None or dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     points = tuple(sorted(set(points) | {1}))
     if out:
         from dlm.files import check_out_file
@@ -198,7 +210,7 @@ def run_cost(shape: str, context: int = 256, points: tuple[int, ...] = POINTS, r
     check(clock == "wall" or dev.type == "cpu",
           "--clock cpu times a CPU run; a GPU's forward is timed by the wall clock")
     load_before = os.getloadavg()
-    model, label = shape_model(shape, layers, dev)
+    model, label = shape_model(shape, layers, dev, dtype)
     cfg = model.cfg
     check(context + max(points) <= cfg.max_seq_len,
           f"--context {context} + {max(points)} new tokens exceeds the model's max_seq_len {cfg.max_seq_len}")
@@ -256,7 +268,8 @@ def run_cost(shape: str, context: int = 256, points: tuple[int, ...] = POINTS, r
     secs = {p: min(v) for p, v in rounds.items()}
     spread = {p: (min(v), max(v)) for p, v in rounds.items()}
     del caches, full
-    mach = machine(dev, machine_mb, clock=clock)
+    # the matmul in the model's dtype; on a GPU large enough to fill the chip
+    mach = machine(dev, machine_mb, n=8192 if dev.type == "cuda" else 2048, clock=clock, dtype=dtype_of(model))
     load_after = os.getloadavg()
 
     one = secs[("tokens", 1)]  # each curve against its own n = 1 (the same forward, timed in its own slots)
@@ -316,7 +329,7 @@ def print_cost(r: dict[str, Any]) -> None:
     for s in r["skipped"]:
         con.print(f"[dim]skipped {s['kind']} {s['n']}: {s['why']}[/]")
     con.print(f"machine: read {m['read_gb_s']:.1f} GB/s, copy {m['copy_gb_s']:.1f} GB/s, matmul "
-              f"{m['matmul_gflop_s']:.0f} GFLOP/s (float32 {m['matmul_n']}^2)")
+              f"{m['matmul_gflop_s']:.0f} GFLOP/s ({m.get('matmul_dtype', 'float32')} {m['matmul_n']}^2)")
     con.print(f"decode: {d['tokens_per_second']:.1f} tok/s = {d['fraction_of_limit']:.0%} of the bandwidth limit "
               f"({d['limit_tokens_per_second']:.1f} tok/s: {d['bytes_per_token'] / 1e6:.1f} MB of weights and K/V "
               "per token)" + (f"; they fit the {r['machine']['last_cache_bytes'] / 2**20:.0f} MiB last-level cache, "

@@ -135,12 +135,19 @@ def prefill(model: Transformer, prompts: Sequence[Sequence[int]], capacity: int,
 @torch.inference_mode()
 def decode(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
            top_k: int = 0, top_p: float = 1.0, seed: int | None = 0, eos_id: Eos = None,
-           pad_id: int = 0) -> Iterator[Event]:
-    """A batch of prompts with the KV cache: one forward per new token for the whole batch."""
+           pad_id: int = 0, cuda_graphs: bool | None = None) -> Iterator[Event]:
+    """A batch of prompts with the KV cache: one forward per new token for the whole batch.
+
+    cuda_graphs: replay each step from a captured CUDA graph (dlm.sampling.graphs); None: on a CUDA device
+    whenever the model's step can be captured."""
+    from dlm.sampling.graphs import StepGraph, graphable
+
     gen = make_generator(seed, model.device)
     clock = Clock()
     B, P = len(prompts), max(len(p) for p in prompts)
     logits, cache, valid, pos = prefill(model, prompts, P + max_new_tokens, pad_id)
+    graphed = graphable(model) if cuda_graphs is None else cuda_graphs
+    step = StepGraph(model, cache, capture=model.device.type == "cuda") if graphed and max_new_tokens > 1 else None
     stats = Stats(forwards=1)
     done = torch.zeros(B, dtype=torch.bool, device=model.device)
     for i in range(max_new_tokens):
@@ -154,8 +161,11 @@ def decode(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens:
         if bool(done.all()) or i == max_new_tokens - 1:
             break
         valid[:, cache.length] = True
-        mask = causal_layers(model.cfg, key_valid_mask(valid[:, :cache.length + 1])) if B > 1 else "causal"  # (B,1,1,S)
-        logits = model(nxt[:, None], pos=pos[:, None], cache=cache, mask=mask).logits[:, -1]
+        if step is not None:
+            logits = step(nxt, pos, valid)
+        else:
+            mask = causal_layers(model.cfg, key_valid_mask(valid[:, :cache.length + 1])) if B > 1 else "causal"
+            logits = model(nxt[:, None], pos=pos[:, None], cache=cache, mask=mask).logits[:, -1]  # mask (B,1,1,S)
         pos = pos + 1
         stats.forwards += 1
     yield clock.finish(stats)
