@@ -604,15 +604,17 @@ class SampleConfig:
         entropy_bound: entropy-bound acceptance: cumulative entropy minus its largest entropy <= this
         block_size: a block of positions: mdlm's semi-autoregressive block (default: the checkpoint's training block, else the whole generation); speculative: the block of one verify cycle, the last committed token + block_size-1 proposals (default: the drafter's: its block size for DFlash, 5 for an AR draft, 8 for lookup)
         remasking: mdlm: low_confidence | random
-        preset: mdlm: a public model's decoding recipe: llada | fast-dllm | dream | sdar | fast-dllm-v2 | llada2 | none (options given explicitly win; default: the one an imported checkpoint records, docs/public-models.md)
+        preset: mdlm: a public model's decoding recipe: llada | fast-dllm | dream | sdar | fast-dllm-v2 | llada2 | llada2.1 | none (options given explicitly win; default: the one an imported checkpoint records, docs/public-models.md)
         prefix_cache: mdlm, a full-attention checkpoint (LLaDA, Dream): Fast-dLLM's approximate prefix cache (a block's later passes read the K/V its first pass computed for the positions before it); off = exact, the whole sequence every step
-        schedule: mdlm: positions committed per step: even (a block's holes spread evenly over --steps, LLaDA) or dream (Dream's time grid, linspace(1, 1e-3, steps + 1): int(holes x (1 - t[i+1] / t[i])), the rest at the last step)
+        schedule: mdlm: positions committed per step: even (a block's holes spread evenly over --steps, LLaDA), dream (Dream's time grid, linspace(1, 1e-3, steps + 1): int(holes x (1 - t[i+1] / t[i])), the rest at the last step) or block (the block's length spread over --steps, prompt positions included: LLaDA 2)
         whole_blocks: mdlm: pad the last block with holes to its full size and denoise it whole, as training saw blocks (SDAR, Fast-dLLM v2); what lies past --max-new-tokens is dropped
         eos_early_stop: mdlm: stop denoising the positions after a committed <eos> at once (fewer passes; the tokens before it may differ from the public models' own generate, which denoises the block whole and cuts after the <eos>: the default)
         confidence: mdlm: the probability the commit rules read: model (the model's probability of the proposed token) or sampled (at temperature > 0, its probability under the distribution it was drawn from, temperature and top-k/top-p applied: SDAR's generate; the sdar preset's)
         mask_proposals: mdlm: keep <mask> among the candidates a step proposes (a position whose proposal is <mask> stays masked), as LLaDA's, Dream's and SDAR's own generate functions do (their presets set it); off: <mask> is never proposed
         draw_holes: mdlm at temperature > 0: a draw only for the positions still masked, one each in order (torch's categorical draw), the confidence, entropy and margin read from the distribution drawn from (Dream's sample_tokens; the dream preset's); default: a draw for every position of the block, the scores from the model's own distribution
         sub_block: mdlm: commit only in the first stretch of this many positions of the block that still has holes (Fast-dLLM v2: 8); default: the whole block
+        editing_threshold: mdlm token editing (LLaDA 2.1): every pass also replaces a token the block has committed when the model's most likely token there differs with probability above this; greedy only; default off
+        max_post_steps: mdlm token editing: passes that only edit after a block's last mask (LLaDA 2.1's max_post_steps)
         revise: mdlm revision (ReMDM-style): a committed token whose probability under a later pass falls below this goes back to <mask> and is predicted again (at most 3 times per position); 0 = off
         canvas_length: usdm: tokens per canvas (default: the checkpoint's)
         t_max: usdm: temperature of the first step
@@ -654,6 +656,8 @@ class SampleConfig:
     mask_proposals: bool = False
     draw_holes: bool = False
     revise: float = 0.0
+    editing_threshold: float | None = None
+    max_post_steps: int = 16
     canvas_length: int | None = None
     t_max: float = 0.8
     t_min: float = 0.4

@@ -38,7 +38,15 @@ the pass that revised it). A position is sent back at most `MAX_REVISIONS` times
 committed <eos>, the prompt's tokens and pinned tokens are never revised. Off (0), nothing changes.
 
 `--schedule dream`: how many positions a step commits follows Dream's time grid (dream_count) instead of
-spreading the block's holes evenly over `--steps` (LLaDA's).
+spreading the block's holes evenly over `--steps` (LLaDA's). `--schedule block` (the llada2 presets): the block's
+length is spread over `--steps`, however many of its positions are prompt tokens (LLaDA 2's generate: a block that
+holds the prompt's tail commits the same number per step as any other).
+
+`--editing-threshold E` (LLaDA 2.1's token editing, the llada2.1 preset): every pass also re-reads the tokens this
+block has already committed (not the prompt's): where the model's most likely token differs from the committed one
+with probability above E, it replaces it, in the same pass that commits masks. Once the block has no hole left,
+up to `--max-post-steps` more passes only edit; the block ends at the first of them that changes nothing (LLaDA
+2.1's generate, step for step). Greedy only (--temperature 0). Off (no E): committed tokens stay.
 
 `--mask-proposals` (the llada, dream and sdar presets): <mask> stays among the tokens a step proposes, as in those
 families' own generate functions (a position whose proposal is <mask> stays a hole; a trained model rarely proposes
@@ -115,7 +123,7 @@ MAX_REVISIONS = 3  # --revise: times one position may be sent back to <mask> (so
 OPTIONS = frozenset({"temperature", "top_k", "top_p", "naive", "sampler", "steps", "threshold", "entropy_bound",
                      "block_size", "remasking", "revise", "suffix", "fill_length", "preset", "prefix_cache",
                      "sub_block", "schedule", "whole_blocks", "eos_early_stop", "confidence",
-                     "mask_proposals", "draw_holes"})
+                     "mask_proposals", "draw_holes", "editing_threshold", "max_post_steps"})
 
 # The published decoding recipes of the public masked-diffusion families, as SampleConfig settings (docs/public-
 # models.md has a command for each). steps: per block; block_size None: the whole generation.
@@ -133,8 +141,14 @@ PRESETS: dict[str, dict] = {
     # Fast-dLLM v2: blocks of 32 over the KV cache, threshold 0.9 within sub-blocks of 8
     "fast-dllm-v2": {"sampler": "threshold", "threshold": 0.9, "block_size": 32, "sub_block": 8,
                      "whole_blocks": True},
-    # LLaDA 2: blocks of 32 over the KV cache, 32 steps per block, every position above 0.95 (else the step's quota)
-    "llada2": {"sampler": "threshold", "threshold": 0.95, "block_size": 32, "steps": 32, "whole_blocks": True},
+    # LLaDA 2: blocks of 32 over the KV cache, 32 steps per block, every position above 0.95 (else the step's quota,
+    # the block's length over the steps), <mask> among the candidates
+    "llada2": {"sampler": "threshold", "threshold": 0.95, "block_size": 32, "steps": 32, "whole_blocks": True,
+               "schedule": "block", "mask_proposals": True},
+    # LLaDA 2.1 (quality mode, its model card): LLaDA 2's recipe with masks committed above 0.7 and token editing
+    # above 0.5, up to 16 editing passes after a block's last mask
+    "llada2.1": {"sampler": "threshold", "threshold": 0.7, "block_size": 32, "steps": 32, "whole_blocks": True,
+                 "schedule": "block", "mask_proposals": True, "editing_threshold": 0.5, "max_post_steps": 16},
 }
 
 
@@ -324,6 +338,14 @@ def select_revisions(logits: Tensor, x: Tensor, committed: Tensor, threshold: fl
     return committed & (left > 0) & (p < threshold)
 
 
+def select_edits(logits: Tensor, x: Tensor, editable: Tensor, threshold: float) -> tuple[Tensor, Tensor]:
+    """Token editing (LLaDA 2.1): logits (N, V), tokens x (N,), editable (N,) bool -> (edit (N,) bool, the new tokens
+    (N,)): the editable positions whose most likely token differs from x with probability above threshold."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    conf, tok = probs.max(dim=-1)
+    return editable & (conf > threshold) & (tok != x), tok
+
+
 # one sequence, block by block -------------------------------------------------------------------
 
 def plan_blocks(prefix_len: int, total: int, grid: int, one_tail: bool = False,
@@ -456,14 +478,15 @@ def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: in
                      naive: bool = False, row: int = 0, clock: Clock | None = None,
                      stats: Stats | None = None, revise: float = 0.0,
                      step_events: bool = True, prefix_cache: bool = False,
-                     sub_block: int | None = None, schedule: str = "even") -> Iterator[Event]:
+                     sub_block: int | None = None, schedule: str = "even", edit: float | None = None,
+                     post_steps: int = 16) -> Iterator[Event]:
     """Events of one sequence, block by block; counts forwards, steps, canvases and new tokens in `stats`
     (and, with revise > 0, the tokens sent back to <mask> in stats.extra["revisions"]).
     step_events: a Step event (the canvas, read back from the device) after every denoising step."""
     state = Denoising(model, job, mask_id, naive, prefix_cache)
     program = _program(state, rule, steps, mask_id, eos_id, temperature=temperature, top_k=top_k, top_p=top_p,
                        gen=gen, row=row, clock=clock, stats=stats, revise=revise, step_events=step_events,
-                       sub_block=sub_block, schedule=schedule)
+                       sub_block=sub_block, schedule=schedule, edit=edit, post_steps=post_steps)
     yield from drive(program, lambda need: state.logits(need.s, need.e))
 
 
@@ -471,7 +494,7 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
              temperature: float, top_k: int, top_p: float, gen: torch.Generator | None, row: int = 0,
              clock: Clock | None = None, stats: Stats | None = None, revise: float = 0.0,
              step_events: bool = True, sub_block: int | None = None,
-             schedule: str = "even") -> Iterator[Event | Need]:
+             schedule: str = "even", edit: float | None = None, post_steps: int = 16) -> Iterator[Event | Need]:
     """One sequence as a row program: its events, and a Need whenever it needs a denoising pass (the logits
     of that pass are sent back in). The one-row driver (denoise_sequence) and a batch (Batch) run the same code."""
     stats = stats if stats is not None else Stats()
@@ -485,13 +508,24 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
         masked = hole[s:e].clone()  # (Lb,)
         n = int(masked.sum())
         budget = step_budget(n, steps or n) if n else []
+        if n and schedule == "block":  # LLaDA 2: the block's length over the steps, prompt positions included
+            budget = step_budget(e - s, steps or (e - s))
         step = 0
         g = max(s, P)  # the block's generated part starts here
         left = torch.full_like(masked, MAX_REVISIONS, dtype=torch.long) if revise > 0 else None
         # shift, and the position before the block is not recomputed with it (block-causal context, or the prefix
         # cache): the block's first token is committed alone on its first pass
         ar_first = job.shift and (not job.full_context or not state.naive) and s > 0 and bool(masked[0])
-        while bool(masked.any()):
+        post = 0  # editing: passes after the block's last hole
+        while True:
+            holes = bool(masked.any())
+            if not holes:
+                if edit is None or not n:
+                    break
+                post += 1
+                if post > post_steps:
+                    break
+            was = masked.clone()
             logits = yield Need(s, e)  # (Lb, V)
             stats.forwards += 1
             # (mask proposals: a position whose proposal is <mask> stays a hole, as in the public generate functions;
@@ -539,9 +573,19 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
                 ends = (chosen & is_eos(x, stop)).nonzero()
                 if len(ends):
                     masked[int(ends[0]) + 1:] = False
+            edited = False
+            if edit is not None:  # token editing: committed tokens (before this pass) the model now replaces
+                editable = hole[s:e] & ~was & (seq[s:e] != mask_id)
+                changes = select_edits(logits, seq[s:e], editable, edit)
+                if bool(changes[0].any()):
+                    seq[s:e] = torch.where(changes[0], changes[1], seq[s:e])
+                    stats.extra["edits"] = stats.extra.get("edits", 0) + int(changes[0].sum())
+                    edited = True
             step += 1
             if step_events:
                 yield Step(seq[g:e].tolist(), (seq[g:e] != mask_id).tolist(), step, index, ent, row, g - P)
+            if not holes and not edited:
+                break
         if n:
             index += 1
             stats.canvases += 1
@@ -582,7 +626,12 @@ def check_options(cfg) -> Rule:
     check(cfg.remasking == "low_confidence" or sampler == "confidence",
           f"--remasking random goes with --sampler confidence, got --sampler {sampler}")
     check(cfg.sub_block is None or cfg.sub_block > 0, f"--sub-block must be > 0, got {cfg.sub_block}")
-    check(cfg.schedule in ("even", "dream"), f"--schedule must be even or dream, got {cfg.schedule!r}")
+    check(cfg.schedule in ("even", "dream", "block"), f"--schedule must be even, dream or block, got {cfg.schedule!r}")
+    edit = getattr(cfg, "editing_threshold", None)
+    check(edit is None or 0 <= edit < 1, f"--editing-threshold must be in [0, 1), got {edit}")
+    check(edit is None or cfg.temperature == 0,
+          f"--editing-threshold edits by the model's most likely token: it needs --temperature 0, got {cfg.temperature}")
+    check(getattr(cfg, "max_post_steps", 16) >= 0, f"--max-post-steps must be >= 0, got {cfg.max_post_steps}")
     check(cfg.confidence in ("model", "sampled"), f"--confidence must be model or sampled, got {cfg.confidence!r}")
     revise = getattr(cfg, "revise", 0.0)
     check(0 <= revise < 1, f"--revise must be in [0, 1) (0 = off), got {revise}")
@@ -673,7 +722,9 @@ def _run_in_turn(model, jobs: list[Job], rule: Rule, cfg, mask_id: int, eos_id: 
                                     clock=clock, stats=stats, revise=getattr(cfg, "revise", 0.0),
                                     step_events=step_events, prefix_cache=getattr(cfg, "prefix_cache", False),
                                     sub_block=getattr(cfg, "sub_block", None),
-                                    schedule=getattr(cfg, "schedule", "even"))
+                                    schedule=getattr(cfg, "schedule", "even"),
+                                    edit=getattr(cfg, "editing_threshold", None),
+                                    post_steps=getattr(cfg, "max_post_steps", 16))
     stats.extra["forwards_per_canvas"] = stats.forwards / stats.canvases if stats.canvases else 0.0
     yield clock.finish(stats)
 
@@ -766,5 +817,6 @@ def batch_row(model, job: Job, rule: Rule, cfg, row: int, stats: Stats, mask_id:
     program = _program(state, rule, cfg.steps, mask_id, eos_id, temperature=cfg.temperature,
                        top_k=cfg.top_k, top_p=cfg.top_p, gen=gen, row=row, clock=clock, stats=stats,
                        revise=getattr(cfg, "revise", 0.0), step_events=step_events,
-                       sub_block=getattr(cfg, "sub_block", None), schedule=getattr(cfg, "schedule", "even"))
+                       sub_block=getattr(cfg, "sub_block", None), schedule=getattr(cfg, "schedule", "even"),
+                       edit=getattr(cfg, "editing_threshold", None), post_steps=getattr(cfg, "max_post_steps", 16))
     return program, lambda need: state.window(need.s, need.e), lambda need, out: out[0]

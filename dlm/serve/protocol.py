@@ -135,6 +135,8 @@ class DlmFields(_Strict):
     block_size: int | None = None
     remasking: str | None = None
     revise: float | None = None
+    editing_threshold: float | None = None
+    max_post_steps: int | None = None
     preset: str | None = None
     prefix_cache: bool | None = None
     sub_block: int | None = None
