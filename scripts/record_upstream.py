@@ -4,12 +4,16 @@
     python scripts/record_upstream.py llada --code PATH/TO/LLaDA --code PATH/TO/Fast-dLLM
     python scripts/record_upstream.py sdar  --code PATH/TO/SDAR
     python scripts/record_upstream.py fast-dllm-v2 --code PATH/TO/FOLDER   # configuration.py + modeling.py
+    python scripts/record_upstream.py llada2 --code PATH/TO/LLaDA2.0-FOLDER --code PATH/TO/LLaDA2.1-FOLDER   # transformers 4.x
 
 Each PATH is the user's own checkout of a public repository: Dream's modeling code and `diffusion_generate` come
 from Fast-dLLM's `dream/model/` (a copy of Dream's remote code), LLaDA's `generate` from ML-GSAI/LLaDA's
 `generate.py` with the modeling code of Fast-dLLM's `llada/model/`, SDAR's `block_diffusion_generate` and
 modeling code from JetAstra/SDAR (`generate.py`, `training/model/SDAR-4B-Chat/`), Fast-dLLM v2's `generate` from
-the remote code its model folder ships (`configuration.py`, `modeling.py`: Fast_dLLM_QwenForCausalLM). Nothing of
+the remote code its model folder ships (`configuration.py`, `modeling.py`: Fast_dLLM_QwenForCausalLM), LLaDA 2.0's
+and 2.1's `LLaDA2MoeModelLM.generate` from their model folders' `configuration_llada2_moe.py` /
+`modeling_llada2_moe.py` (ZHZisZZ/dllm keeps copies: dllm/pipelines/llada2/models/, dllm/pipelines/llada21/models/;
+that remote code imports transformers 4.x APIs, so it records under transformers 4.57). Nothing of
 them is copied: this script imports them from the checkout. The shims written here are to the environment
 (transformers 5.x dropped the default RoPE initialiser and APIs the older remote code uses; SDAR's flash-attn
 kernels, on a CPU, as the computation they implement), never a change to a model's computation.
@@ -457,7 +461,128 @@ def record_fast_dllm_v2(code: list[Path], out: Path) -> None:
                                             "mask_token": "<|mask|>"}, rec)
 
 
-FAMILIES = {"dream": record_dream, "llada": record_llada, "sdar": record_sdar, "fast-dllm-v2": record_fast_dllm_v2}
+# LLaDA 2.0 / 2.1 (the remote code of the model folders: configuration_llada2_moe.py, modeling_llada2_moe.py with
+# LLaDA2MoeModelLM.generate; 2.1's generate adds token editing) -------------------------------------------------
+
+LLADA2_SPECIALS = ["<|endoftext|>", "<|startoftext|>", "<|role_end|>", "<|mask|>"]
+# config.json's keys as LLaDA2.0-mini's (configuration_llada2_moe.py)
+LLADA2_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "first_k_dense_replace", "hidden_act",
+               "max_position_embeddings", "moe_intermediate_size", "norm_topk_prob", "num_experts_per_tok",
+               "norm_head", "num_attention_heads", "num_experts", "num_key_value_heads", "rope_theta",
+               "rope_scaling", "tie_word_embeddings", "use_bias", "use_rmsnorm", "rms_norm_eps", "head_dim",
+               "num_shared_experts", "use_cache", "use_qkv_bias", "embedding_dropout", "output_dropout",
+               "vocab_size", "rotary_dim", "router_dtype", "moe_router_enable_expert_bias", "routed_scaling_factor",
+               "n_group", "topk_group", "score_function", "initializer_range", "output_router_logits",
+               "pad_token_id", "eos_token_id", "mask_token_id", "partial_rotary_factor", "use_sliding_window",
+               "attention_dropout", "use_qk_norm")
+
+
+def llada2_classes(folder: Path, name: str):
+    """(config class, LLaDA2MoeModelLM) from a folder of LLaDA 2 remote code: configuration_*.py and modeling_*.py
+    (the hub's folders name them *_llada2_moe.py; a copy may name 2.1's *_llada21_moe.py)."""
+    load_package(name, folder)
+    (cfg_path,) = folder.glob("configuration_llada2*_moe.py")
+    (mod_path,) = folder.glob("modeling_llada2*_moe.py")
+    cfg_mod = load_module(f"{name}.{cfg_path.stem}", cfg_path)
+    mod = load_module(f"{name}.{mod_path.stem}", mod_path)
+    return cfg_mod.LLaDA2MoeConfig, mod.LLaDA2MoeModelLM
+
+
+def float_mask(model) -> None:
+    """LLaDA 2's generate builds its block mask (0 / -inf) in bfloat16, the dtype of the published weights; SDPA
+    wants the queries' dtype, so the mask reaches a float32 model as float32 (the same 0 / -inf values)."""
+    fwd = model.forward
+
+    def forward(*a, attention_mask=None, **k):
+        if attention_mask is not None and attention_mask.dim() == 4:
+            attention_mask = attention_mask.float()
+        return fwd(*a, attention_mask=attention_mask, **k)
+    model.forward = forward
+
+
+def record_llada2(code: list[Path], out: Path) -> None:
+    """code: a folder with LLaDA 2.0's remote code (its generate: threshold decoding), then one with LLaDA 2.1's
+    (its generate: threshold decoding with token editing). Needs transformers 4.x (the remote code imports
+    transformers.modeling_attn_mask_utils, gone in 5.x): run this with transformers 4.57."""
+    v20, v21 = code
+    Config, Model20 = llada2_classes(v20, "llada2_upstream")
+    _, Model21 = llada2_classes(v21, "llada21_upstream")
+    tok = word_tokenizer(LLADA2_SPECIALS)
+    V = tok.get_vocab_size()
+    eos, mask = 0, 3
+    cfg = Config(vocab_size=V, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                 num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS,
+                 moe_intermediate_size=16, num_experts=8, num_shared_experts=1, num_experts_per_tok=3, n_group=4,
+                 topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, use_qkv_bias=False, use_bias=False,
+                 use_qk_norm=True, use_rmsnorm=True, norm_head=False, rms_norm_eps=1e-6, max_position_embeddings=256,
+                 rope_theta=600000, rope_scaling=None, partial_rotary_factor=0.5, rotary_dim=(HIDDEN // HEADS) // 2,
+                 embedding_dropout=0.0, attention_dropout=0.0, output_dropout=0.0, pad_token_id=eos,
+                 eos_token_id=eos, mask_token_id=mask, moe_router_enable_expert_bias=True, score_function="sigmoid",
+                 router_dtype="fp32", norm_topk_prob=True, tie_word_embeddings=False, use_cache=False,
+                 output_router_logits=False, use_sliding_window=False, initializer_range=0.02, hidden_act="silu")
+    cfg._attn_implementation = "sdpa"
+    model = Model20(cfg).eval()
+    head = model.lm_head.weight
+    randomize(model, head, eos, mask, eos_gain=2.5, head_std=0.6)  # (flatter: thresholds and edits both matter)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in model.model.layers[cfg.first_k_dense_replace:]:
+            layer.mlp.gate.expert_bias.copy_(0.3 * torch.randn(layer.mlp.gate.expert_bias.shape, generator=g))
+    model21 = Model21(cfg).eval()
+    model21.load_state_dict(model.state_dict())
+    for m in (model, model21):
+        float_mask(m)
+    prompts = [[len(LLADA2_SPECIALS) + i for i in p] for p in PROMPTS]
+
+    # 2.0: generate(gen_length, block_length, steps, threshold, temperature 0; the step's quota when fewer are above
+    # the threshold); steps above gen_length shrink to it; eos_early_stop changes when it returns, not what
+    v20_settings = [{"gen_length": n, "block_length": b, "steps": st, "threshold": t}
+                    for n, b, st, t in ((16, 8, 8, 0.95), (16, 8, 8, 0.5), (16, 8, 8, 1.0), (24, 8, 4, 0.9),
+                                        (12, 4, 4, 0.7), (16, 8, 32, 0.9), (20, 8, 2, 0.8))]
+    v20_settings.append({**v20_settings[1], "eos_early_stop": True})
+    # 2.1: generate(gen_length, block_length, threshold, editing_threshold, max_post_steps, num_to_transfer): masks
+    # committed above `threshold` (else the num_to_transfer most confident), and in the same pass every committed,
+    # non-prompt token of the block whose re-prediction differs with probability above `editing_threshold` replaced;
+    # after the block's last mask, up to max_post_steps passes that only edit
+    v21_settings = [{"gen_length": n, "block_length": b, "threshold": t, "editing_threshold": et,
+                     "max_post_steps": mp, "num_to_transfer": k}
+                    for n, b, t, et, mp, k in ((16, 8, 0.7, 0.5, 16, 1), (16, 8, 0.5, 0.0, 16, 1),
+                                               (16, 8, 0.95, 0.9, 16, 1), (16, 8, 0.7, 0.5, 0, 1),
+                                               (12, 4, 0.5, 0.3, 4, 2), (24, 8, 0.9, 0.6, 2, 1))]
+    cases = []
+    for case, p, kw in each_case(head, eos, [{**s, "version": "2.0"} for s in v20_settings], prompts):
+        kw.pop("version")
+        x = model.generate(torch.tensor([p]), temperature=0.0, eos_id=eos, mask_id=mask, **kw)
+        cases.append({**case, "ids": x[0].tolist()})
+    for case, p, kw in each_case(model21.lm_head.weight, eos, [{**s, "version": "2.1"} for s in v21_settings],
+                                 prompts):
+        kw.pop("version")
+        x = model21.generate(torch.tensor([p]), temperature=0.0, eos_id=eos, mask_id=mask, **kw)
+        cases.append({**case, "ids": x[0].tolist()})
+    with torch.no_grad():
+        ids = torch.tensor([prompts[1]])
+        full = torch.zeros(1, 1, len(prompts[1]), len(prompts[1]))  # every position attending to every other
+        logits = model(ids, attention_mask=full).logits[0]
+        assert torch.equal(logits, model21(ids, attention_mask=full).logits[0])  # (2.0's and 2.1's classes agree)
+    hf = json.loads(cfg.to_json_string(use_diff=False))
+    config = {**{k: hf[k] for k in LLADA2_KEYS if k in hf}, "architectures": ["LLaDA2MoeModelLM"],
+              "model_type": "llada2_moe", "torch_dtype": "float32",
+              "auto_map": {"AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
+                           "AutoModel": "modeling_llada2_moe.LLaDA2MoeModel",
+                           "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM"}}
+    live_eos = sum(c["eos"] == "live" and eos in c["ids"] for c in cases)
+    rec = {"family": "llada2", "upstream": {"repo": "ZHZisZZ/dllm", "files": "dllm/pipelines/llada2/models/, "
+                                            "dllm/pipelines/llada21/models/ (the LLaDA2.0 / LLaDA2.1 model folders' "
+                                            "remote code)", "commit": commit_of(v20) if commit_of(v20) == commit_of(v21)
+                                            else [commit_of(v20), commit_of(v21)]},
+           "eos_id": eos, "mask_id": mask, "prompts": prompts, "logits": logits_summary(logits), "cases": cases}
+    print(f"llada2: {len(cases)} cases, <eos> generated in {live_eos} of the live ones")
+    write_fixture(out, model, tok, config, {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+                                            "mask_token": "<|mask|>"}, rec)
+
+
+FAMILIES = {"dream": record_dream, "llada": record_llada, "sdar": record_sdar, "fast-dllm-v2": record_fast_dllm_v2,
+            "llada2": record_llada2}
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from dlm.sampling.common import Commit, Prompt, Step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FIXTURES = Path(__file__).parent / "fixtures" / "upstream"
-FAMILIES = ("dream", "llada", "sdar", "fast-dllm-v2")
+FAMILIES = ("dream", "llada", "sdar", "fast-dllm-v2", "llada2")
 
 
 def recordings(family: str) -> dict:
@@ -75,9 +75,28 @@ def fast_dllm_v2_options(a: dict) -> SampleConfig:
                         sub_block=a["small_block_size"], threshold=a["threshold"])
 
 
-OPTIONS = {"dream": dream_options, "llada": llada_options, "sdar": sdar_options, "fast-dllm-v2": fast_dllm_v2_options}
+def llada2_options(a: dict) -> SampleConfig:
+    """LLaDA 2.0's generate(gen_length, block_length, steps, threshold, temperature 0): the llada2 preset with its
+    block, steps (its generate shrinks them to gen_length) and threshold. LLaDA 2.1's generate(gen_length,
+    block_length, threshold, editing_threshold, max_post_steps, num_to_transfer): the llada2.1 preset with those, and
+    num_to_transfer k as steps of k positions (block / k). The preset's settings are spelled out (preset none) so
+    that a value equal to SampleConfig's default still counts."""
+    from dlm.sampling.mdlm import PRESETS
+
+    if a["version"] == "2.0":
+        return SampleConfig(**{**PRESETS["llada2"], "preset": "none", "max_new_tokens": a["gen_length"],
+                               "block_size": a["block_length"], "steps": min(a["steps"], a["gen_length"]),
+                               "threshold": a["threshold"]})
+    return SampleConfig(**{**PRESETS["llada2.1"], "preset": "none", "max_new_tokens": a["gen_length"],
+                           "block_size": a["block_length"], "steps": -(-a["block_length"] // a["num_to_transfer"]),
+                           "threshold": a["threshold"], "editing_threshold": a["editing_threshold"],
+                           "max_post_steps": a["max_post_steps"]})
+
+
+OPTIONS = {"dream": dream_options, "llada": llada_options, "sdar": sdar_options, "fast-dllm-v2": fast_dllm_v2_options,
+           "llada2": llada2_options}
 # how the recorder ran the prompt's one forward
-CONTEXT = {"dream": "full", "llada": "full", "sdar": "causal", "fast-dllm-v2": "causal"}
+CONTEXT = {"dream": "full", "llada": "full", "sdar": "causal", "fast-dllm-v2": "causal", "llada2": "full"}
 
 
 # the imported fixtures ----------------------------------------------------------------------------------------
@@ -297,3 +316,22 @@ def test_dream_canvas_after_every_step_equals_the_recording(index, imported):
     history = case["steps"]
     assert canvases == history[:len(canvases)]
     assert all(h == history[-1] for h in history[len(canvases) - 1:])
+
+
+def test_llada21_recordings_exercise_token_editing(imported):
+    """LLaDA 2.1's recordings hold the editing itself: dlm without --editing-threshold differs from some of them
+    (the edits are what makes them equal), and editing at temperature > 0 is refused in one line."""
+    from dlm.errors import DlmError
+
+    rec = recordings("llada2")
+    model, ck = imported["llada2"]
+    cases = [c for c in rec["cases"] if c["args"]["version"] == "2.1"]
+    differ = 0
+    for c in cases:
+        cfg = llada2_options(c["args"]).replace(editing_threshold=None)
+        with eos_row(model, rec["eos_id"], c["eos"] == "live"):
+            got = dlm_ids(model, ck, rec["prompts"][c["prompt"]], cfg)
+        differ += got != until_eos(c["ids"][:c["args"]["gen_length"]], eos_ids(rec))
+    assert differ >= len(cases) // 4, differ
+    with pytest.raises(DlmError, match="--editing-threshold .* needs --temperature 0"):
+        dlm_ids(model, ck, rec["prompts"][0], llada2_options(cases[0]["args"]).replace(temperature=0.5))
