@@ -478,13 +478,16 @@ def export_cmd(model: str, out: str, format: str = "hf", dtype: str = "float32",
     from dlm.checkpoint import export_dlm, load_model
     from dlm.hf import export_drafter, export_hf, prenorm_warning
     from dlm.hf_gemma import is_gemma
+    from dlm.hf_mdlm import finetuned_meta
 
     dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     net, ck = load_model(model, dtype=None)  # as stored: each tensor is cast as it is written
     if format == "dlm":
         path = export_dlm(net, ck, out, dtypes[dtype], overwrite)
-    elif ck.objective == "ar" or (ck.objective == "usdm" and is_gemma(net.cfg)) or ck.config.get("family"):
-        # usdm: DiffusionGemma's layout; an imported LLaDA / Dream / SDAR / Fast-dLLM v2 (family): its own
+    elif (ck.objective == "ar" or (ck.objective == "usdm" and is_gemma(net.cfg)) or ck.config.get("family")
+          or finetuned_meta(ck.config)):
+        # usdm: DiffusionGemma's layout; an imported LLaDA / Dream / SDAR / Fast-dLLM v2 (family): its own; a
+        # fine-tuned SDAR / LLaDA 2: its family's
         path = export_hf(net, ck.tokenizer, out, dtypes[dtype], overwrite, inputs=(ck.path,))
     elif ck.objective == "dflash":  # the layout of the public DFlash drafters (vLLM, SGLang)
         path = export_drafter(net, ck, out, dtypes[dtype], overwrite)

@@ -50,6 +50,7 @@ def export_hf(model: Transformer, tok: Tokenizer, out: str | os.PathLike, dtype:
         with write_folder(out, overwrite=overwrite, inputs=inputs) as tmp:
             hf_joint.export_folder(model, tok, tmp, dtype, meta, src)
         return Path(out)
+    meta = hf_mdlm.finetuned_meta(meta) or meta  # a fine-tuned SDAR / LLaDA 2: its family's layout again
     if meta.get("family") in hf_mdlm.BY_NAME:  # an imported LLaDA / Dream / SDAR / Fast-dLLM v2: its own layout
         with write_folder(out, overwrite=overwrite, inputs=inputs) as tmp:
             hf_mdlm.export_folder(model, tok, tmp, dtype, meta, src)

@@ -441,6 +441,21 @@ def hf_tensors(model, cfg: ModelConfig, fam: Family, dtype: torch.dtype) -> dict
     return {("" if k.startswith("lm_head.") else "model.") + k: v for k, v in state.items()}
 
 
+def finetuned_meta(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """A checkpoint dlm fine-tuned from an imported family (`dlm train --objective mdlm --init-from`: the import's
+    hf_config travels on) whose convention is the one dlm trains (block-causal, unshifted: SDAR, LLaDA 2): the meta
+    its export writes the family's layout from (the family named, the trained block and <mask>). Else None: a family
+    read shifted or with full attention (Dream, Fast-dLLM v2, LLaDA) is no longer that family once dlm fine-tunes it
+    its own way."""
+    hf = meta.get("hf_config")
+    if meta.get("objective") != "mdlm" or meta.get("family") or not isinstance(hf, dict):
+        return None
+    fam = FAMILIES.get(hf.get("model_type"))
+    if fam is None or fam.context != "block" or fam.shift or meta.get("mask_id") is None:
+        return None
+    return {**meta, "family": fam.name}
+
+
 def export_folder(model, tok, tmp: Path, dtype: torch.dtype, meta: dict[str, Any], side_dir: Path | None) -> None:
     """Write an imported mdlm checkpoint back in its family's layout into tmp."""
     fam = BY_NAME[meta["family"]]

@@ -382,6 +382,7 @@ def _train_main(cfg: TrainConfig, out: Path, resume: bool, quiet: bool, explicit
                 for name in SIDE_FILES:
                     if (Path(cfg.init_from) / name).is_file():
                         shutil.copyfile(Path(cfg.init_from) / name, out / name)
+                copy_remote_code(Path(cfg.init_from), out)
         _loop(run, quiet, par)
     except BaseException:
         if fresh and find_state(out) is None:  # a new run that failed before its first checkpoint: nothing to resume
@@ -394,6 +395,16 @@ def _train_main(cfg: TrainConfig, out: Path, resume: bool, quiet: bool, explicit
         if created and out.is_dir() and not any(out.iterdir()):  # a refused or failed run leaves nothing behind
             out.rmdir()
     return out
+
+
+def copy_remote_code(src: Path, out: Path) -> None:
+    """An imported model's remote code (kept beside its checkpoint by the import) travels into the fine-tuned
+    checkpoint, so that its export is a folder the authors' code loads."""
+    from dlm.hf_layout import remote_code
+
+    hf = read_json(src / "config.json").get("hf_config") if (src / "config.json").is_file() else None
+    for name in remote_code(src, hf) if isinstance(hf, dict) else []:
+        shutil.copyfile(src / name, out / name)
 
 
 def _loop(run: Run, quiet: bool, par: Dist = Dist()) -> None:

@@ -438,25 +438,57 @@ def test_published_configs_map_to_their_sizes(sizes, total, active, tmp_path):
 
 def test_fine_tuning_keeps_the_frozen_router(imported, tmp_path, capsys):
     """`dlm train --init-from` an imported LLaDA 2 with --freeze-router: the experts and the rest learn, the routers
-    (weights and selection bias) keep theirs; the result, no longer in LLaDA 2's conventions, is refused by the
-    export in one line."""
+    (weights and selection bias) keep theirs. Without it the router weights learn and expert_bias still stays as
+    imported: a buffer, as LLaDA 2's own fine-tuning code keeps it (inclusionAI/dFactory registers it as a buffer
+    and updates it nowhere). The fine-tuned checkpoint exports in LLaDA 2's layout (its config.json, the remote code
+    beside it, expert_bias unchanged), and imports back to the same logits."""
     from dlm.cli import main
 
-    _, _, _, _, ck = imported
+    _, _, hf, _, ck = imported
     docs = tmp_path / "docs"
     docs.mkdir()
     for i in range(16):
         (docs / f"{i}.txt").write_text("def f(x):\n    return x + %d\n" % i * 8)
-    assert main(["train", "--objective", "mdlm", "--init-from", str(ck.path), "--data", str(docs), "--seq-len", "64",
-                 "--block-size", "32", "--batch-size", "2", "--max-steps", "2", "--eval-every", "2",
-                 "--eval-batches", "1", "--freeze-router", "--quiet", "--out", str(tmp_path / "ft")]) == 0
-    a, b = load_file(ck.path / "model.safetensors"), load_file(tmp_path / "ft" / "model.safetensors")
-    changed = {k for k in a if not torch.equal(a[k], b[k])}
-    assert any(".experts." in k for k in changed) and not any(".mlp.gate." in k for k in changed)
+    common = ["--data", str(docs), "--seq-len", "64", "--block-size", "32", "--batch-size", "2", "--max-steps", "2",
+              "--eval-every", "2", "--eval-batches", "1", "--quiet"]
+    assert main(["train", "--objective", "mdlm", "--init-from", str(ck.path), *common, "--freeze-router",
+                 "--out", str(tmp_path / "ft")]) == 0
+    assert main(["train", "--objective", "mdlm", "--init-from", str(ck.path), *common, "--out", str(tmp_path / "ft2")]) == 0
+    a = load_file(ck.path / "model.safetensors")
+    for ft, router_learns in (("ft", False), ("ft2", True)):
+        b = load_file(tmp_path / ft / "model.safetensors")
+        changed = {k for k in a if not torch.equal(a[k], b[k])}
+        assert any(".experts." in k for k in changed)
+        assert any(k.endswith(".mlp.gate.weight") for k in changed) == router_learns
+        assert not any(k.endswith("expert_bias") for k in changed)
     capsys.readouterr()
-    assert main(["export", "--model", str(tmp_path / "ft"), "--out", str(tmp_path / "hf")]) == 2
-    err = capsys.readouterr().err
-    assert "no transformers layout" in err and err.strip().count("\n") == 0
+    assert main(["export", "--model", str(tmp_path / "ft2"), "--out", str(tmp_path / "hf")]) == 0
+    out = tmp_path / "hf"
+    assert json.loads((out / "config.json").read_text()) == hf  # (the backbone's shape is the import's)
+    assert all((out / f).is_file() for f in ("configuration_llada2_moe.py", "modeling_llada2_moe.py"))
+    src, got = load_file(ck.path.parent / "hf" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert set(got) == set(src)
+    assert all(torch.equal(got[k], src[k]) for k in src if k.endswith("expert_bias"))
+    assert not all(torch.equal(got[k], src[k]) for k in src)
+    model, _ = load_model(tmp_path / "ft2", dtype=torch.float32)
+    back, _ = load_model(import_hf(out, tmp_path / "back"), dtype=torch.float32)
+    ids = torch.arange(5, 21)[None]
+    with torch.no_grad():
+        assert torch.equal(model(ids, pos=torch.arange(16), mask="full").logits,
+                           back(ids, pos=torch.arange(16), mask="full").logits)
+
+
+def test_a_fine_tuned_model_read_another_way_keeps_no_family_layout():
+    """Fine-tuning trains dlm's convention (block-causal, unshifted): SDAR and LLaDA 2 are read that way and export
+    in their layout again; Dream, Fast-dLLM v2 (shifted) and LLaDA (full attention) do not."""
+    from dlm.hf_mdlm import finetuned_meta
+
+    meta = {"objective": "mdlm", "mask_id": 3, "block_size": 32}
+    assert finetuned_meta({**meta, "hf_config": {"model_type": "llada2_moe"}})["family"] == "llada2"
+    assert finetuned_meta({**meta, "hf_config": {"model_type": "sdar"}})["family"] == "sdar"
+    for mt in ("Dream", "Fast_dLLM_Qwen", "llada", "qwen3"):
+        assert finetuned_meta({**meta, "hf_config": {"model_type": mt}}) is None
+    assert finetuned_meta({**meta, "objective": "ar", "hf_config": {"model_type": "llada2_moe"}}) is None
 
 
 @pytest.mark.parametrize("change,msg", [
