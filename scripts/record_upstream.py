@@ -540,6 +540,11 @@ def record_llada2(code: list[Path], out: Path) -> None:
                     for n, b, st, t in ((16, 8, 8, 0.95), (16, 8, 8, 0.5), (16, 8, 8, 1.0), (24, 8, 4, 0.9),
                                         (12, 4, 4, 0.7), (16, 8, 32, 0.9), (20, 8, 2, 0.8))]
     v20_settings.append({**v20_settings[1], "eos_early_stop": True})
+    # sampled (torch.manual_seed(S) before it): a multinomial draw for every position of the block, the threshold read
+    # on the drawn token's probability under the tempered, top-k / top-p distribution
+    v20_settings += [{"gen_length": 16, "block_length": 8, "steps": 8, "threshold": 0.9, **s, "seed": 5}
+                     for s in ({"temperature": 0.8, "top_p": 0.95}, {"temperature": 1.0, "top_k": 20},
+                               {"temperature": 0.7})]
     # 2.1: generate(gen_length, block_length, threshold, editing_threshold, max_post_steps, num_to_transfer): masks
     # committed above `threshold` (else the num_to_transfer most confident), and in the same pass every committed,
     # non-prompt token of the block whose re-prediction differs with probability above `editing_threshold` replaced;
@@ -552,7 +557,7 @@ def record_llada2(code: list[Path], out: Path) -> None:
     cases = []
     for case, p, kw in each_case(head, eos, [{**s, "version": "2.0"} for s in v20_settings], prompts):
         kw.pop("version")
-        x = model.generate(torch.tensor([p]), temperature=0.0, eos_id=eos, mask_id=mask, **kw)
+        x = model.generate(torch.tensor([p]), eos_id=eos, mask_id=mask, **{"temperature": 0.0, **kw})
         cases.append({**case, "ids": x[0].tolist()})
     for case, p, kw in each_case(model21.lm_head.weight, eos, [{**s, "version": "2.1"} for s in v21_settings],
                                  prompts):

@@ -541,7 +541,7 @@ def test_presets_fill_only_what_was_not_given():
     assert set(PRESETS) == {"llada", "fast-dllm", "dream", "sdar", "fast-dllm-v2", "llada2", "llada2.1"}
     l2 = apply_preset(base, "llada2")
     assert (l2.sampler, l2.threshold, l2.block_size, l2.steps, l2.whole_blocks) == ("threshold", 0.95, 32, 32, True)
-    assert (l2.schedule, l2.mask_proposals, l2.editing_threshold) == ("block", True, None)
+    assert (l2.schedule, l2.mask_proposals, l2.confidence, l2.editing_threshold) == ("block", True, "sampled", None)
     l21 = apply_preset(base, "llada2.1")
     assert (l21.threshold, l21.editing_threshold, l21.max_post_steps, l21.schedule) == (0.7, 0.5, 16, "block")
     with pytest.raises(DlmError, match="--preset must be one of"):

@@ -142,13 +142,14 @@ PRESETS: dict[str, dict] = {
     "fast-dllm-v2": {"sampler": "threshold", "threshold": 0.9, "block_size": 32, "sub_block": 8,
                      "whole_blocks": True},
     # LLaDA 2: blocks of 32 over the KV cache, 32 steps per block, every position above 0.95 (else the step's quota,
-    # the block's length over the steps), <mask> among the candidates
+    # the block's length over the steps), <mask> among the candidates, sampled: the drawn token's probability
     "llada2": {"sampler": "threshold", "threshold": 0.95, "block_size": 32, "steps": 32, "whole_blocks": True,
-               "schedule": "block", "mask_proposals": True},
+               "schedule": "block", "mask_proposals": True, "confidence": "sampled"},
     # LLaDA 2.1 (quality mode, its model card): LLaDA 2's recipe with masks committed above 0.7 and token editing
     # above 0.5, up to 16 editing passes after a block's last mask
     "llada2.1": {"sampler": "threshold", "threshold": 0.7, "block_size": 32, "steps": 32, "whole_blocks": True,
-                 "schedule": "block", "mask_proposals": True, "editing_threshold": 0.5, "max_post_steps": 16},
+                 "schedule": "block", "mask_proposals": True, "confidence": "sampled", "editing_threshold": 0.5,
+                 "max_post_steps": 16},
 }
 
 
