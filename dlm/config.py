@@ -613,7 +613,7 @@ class SampleConfig:
         mask_proposals: mdlm: keep <mask> among the candidates a step proposes (a position whose proposal is <mask> stays masked), as LLaDA's, Dream's and SDAR's own generate functions do (their presets set it); off: <mask> is never proposed
         draw_holes: mdlm at temperature > 0: a draw only for the positions still masked, one each in order (torch's categorical draw), the confidence, entropy and margin read from the distribution drawn from (Dream's sample_tokens; the dream preset's); default: a draw for every position of the block, the scores from the model's own distribution
         sub_block: mdlm: commit only in the first stretch of this many positions of the block that still has holes (Fast-dLLM v2: 8); default: the whole block
-        editing_threshold: mdlm token editing (LLaDA 2.1): every pass also replaces a token the block has committed when the model's most likely token there differs with probability above this; greedy only; default off
+        editing_threshold: mdlm token editing (LLaDA 2.1): every pass also replaces a token the block has committed when the model's most likely token there differs with probability above this; default off
         max_post_steps: mdlm token editing: passes that only edit after a block's last mask (LLaDA 2.1's max_post_steps)
         revise: mdlm revision (ReMDM-style): a committed token whose probability under a later pass falls below this goes back to <mask> and is predicted again (at most 3 times per position); 0 = off
         canvas_length: usdm: tokens per canvas (default: the checkpoint's)

@@ -554,6 +554,9 @@ def record_llada2(code: list[Path], out: Path) -> None:
                     for n, b, t, et, mp, k in ((16, 8, 0.7, 0.5, 16, 1), (16, 8, 0.5, 0.0, 16, 1),
                                                (16, 8, 0.95, 0.9, 16, 1), (16, 8, 0.7, 0.5, 0, 1),
                                                (12, 4, 0.5, 0.3, 4, 2), (24, 8, 0.9, 0.6, 2, 1))]
+    # sampled: one draw for every position of the block, read by the mask commits and the edits alike
+    v21_settings += [{**v21_settings[0], **s, "seed": 5} for s in ({"temperature": 0.8, "top_p": 0.95},
+                                                                    {"temperature": 1.0, "top_k": 20})]
     cases = []
     for case, p, kw in each_case(head, eos, [{**s, "version": "2.0"} for s in v20_settings], prompts):
         kw.pop("version")
@@ -562,7 +565,7 @@ def record_llada2(code: list[Path], out: Path) -> None:
     for case, p, kw in each_case(model21.lm_head.weight, eos, [{**s, "version": "2.1"} for s in v21_settings],
                                  prompts):
         kw.pop("version")
-        x = model21.generate(torch.tensor([p]), temperature=0.0, eos_id=eos, mask_id=mask, **kw)
+        x = model21.generate(torch.tensor([p]), eos_id=eos, mask_id=mask, **{"temperature": 0.0, **kw})
         cases.append({**case, "ids": x[0].tolist()})
     with torch.no_grad():
         ids = torch.tensor([prompts[1]])

@@ -79,8 +79,8 @@ def llada2_options(a: dict) -> SampleConfig:
     """LLaDA 2.0's generate(gen_length, block_length, steps, threshold, temperature, top_k, top_p),
     torch.manual_seed(seed) before it: the llada2 preset with its block, steps (its generate shrinks them to
     gen_length), threshold and sampling (the same seed: dlm's row generator draws what torch's global one draws). LLaDA 2.1's generate(gen_length,
-    block_length, threshold, editing_threshold, max_post_steps, num_to_transfer): the llada2.1 preset with those, and
-    num_to_transfer k as steps of k positions (block / k). The preset's settings are spelled out (preset none) so
+    block_length, threshold, editing_threshold, max_post_steps, num_to_transfer, temperature, top_k, top_p): the
+    llada2.1 preset with those, and num_to_transfer k as steps of k positions (block / k). The preset's settings are spelled out (preset none) so
     that a value equal to SampleConfig's default still counts."""
     from dlm.sampling.mdlm import PRESETS
 
@@ -93,7 +93,8 @@ def llada2_options(a: dict) -> SampleConfig:
     return SampleConfig(**{**PRESETS["llada2.1"], "preset": "none", "max_new_tokens": a["gen_length"],
                            "block_size": a["block_length"], "steps": -(-a["block_length"] // a["num_to_transfer"]),
                            "threshold": a["threshold"], "editing_threshold": a["editing_threshold"],
-                           "max_post_steps": a["max_post_steps"]})
+                           "max_post_steps": a["max_post_steps"], "temperature": a.get("temperature", 0.0),
+                           "top_k": a.get("top_k") or 0, "top_p": a.get("top_p") or 1.0, "seed": a.get("seed", 0)})
 
 
 OPTIONS = {"dream": dream_options, "llada": llada_options, "sdar": sdar_options, "fast-dllm-v2": fast_dllm_v2_options,
@@ -322,10 +323,8 @@ def test_dream_canvas_after_every_step_equals_the_recording(index, imported):
 
 
 def test_llada21_recordings_exercise_token_editing(imported):
-    """LLaDA 2.1's recordings hold the editing itself: dlm without --editing-threshold differs from some of them
-    (the edits are what makes them equal), and editing at temperature > 0 is refused in one line."""
-    from dlm.errors import DlmError
-
+    """LLaDA 2.1's recordings hold the editing itself: dlm without --editing-threshold differs from most of them
+    (the edits are what makes them equal)."""
     rec = recordings("llada2")
     model, ck = imported["llada2"]
     cases = [c for c in rec["cases"] if c["args"]["version"] == "2.1"]
@@ -335,6 +334,4 @@ def test_llada21_recordings_exercise_token_editing(imported):
         with eos_row(model, rec["eos_id"], c["eos"] == "live"):
             got = dlm_ids(model, ck, rec["prompts"][c["prompt"]], cfg)
         differ += got != until_eos(c["ids"][:c["args"]["gen_length"]], eos_ids(rec))
-    assert differ >= len(cases) // 4, differ
-    with pytest.raises(DlmError, match="--editing-threshold .* needs --temperature 0"):
-        dlm_ids(model, ck, rec["prompts"][0], llada2_options(cases[0]["args"]).replace(temperature=0.5))
+    assert differ >= len(cases) // 2, differ

@@ -46,7 +46,9 @@ holds the prompt's tail commits the same number per step as any other).
 block has already committed (not the prompt's): where the model's most likely token differs from the committed one
 with probability above E, it replaces it, in the same pass that commits masks. Once the block has no hole left,
 up to `--max-post-steps` more passes only edit; the block ends at the first of them that changes nothing (LLaDA
-2.1's generate, step for step). Greedy only (--temperature 0). Off (no E): committed tokens stay.
+2.1's generate, step for step). With editing, every pass proposes (at temperature > 0: draws) a token for every
+position of the block, and the masks and the edits read the same proposals, as LLaDA 2.1 does. Off (no E): committed
+tokens stay.
 
 `--mask-proposals` (the llada, dream and sdar presets): <mask> stays among the tokens a step proposes, as in those
 families' own generate functions (a position whose proposal is <mask> stays a hole; a trained model rarely proposes
@@ -339,12 +341,11 @@ def select_revisions(logits: Tensor, x: Tensor, committed: Tensor, threshold: fl
     return committed & (left > 0) & (p < threshold)
 
 
-def select_edits(logits: Tensor, x: Tensor, editable: Tensor, threshold: float) -> tuple[Tensor, Tensor]:
-    """Token editing (LLaDA 2.1): logits (N, V), tokens x (N,), editable (N,) bool -> (edit (N,) bool, the new tokens
-    (N,)): the editable positions whose most likely token differs from x with probability above threshold."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    conf, tok = probs.max(dim=-1)
-    return editable & (conf > threshold) & (tok != x), tok
+def select_edits(cand: Tensor, conf: Tensor, x: Tensor, editable: Tensor, threshold: float) -> Tensor:
+    """Token editing (LLaDA 2.1): the pass's proposals cand (N,) and their confidence conf (N,), the tokens x (N,),
+    editable (N,) bool -> bool (N,): the editable positions whose proposal differs from x with confidence above
+    threshold."""
+    return editable & (conf > threshold) & (cand != x)
 
 
 # one sequence, block by block -------------------------------------------------------------------
@@ -557,10 +558,18 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
             if sub_block and bool(free.any()):  # commit only in the first sub-block that still has holes
                 part = torch.arange(len(free), device=free.device) // sub_block
                 free = free & (part == part[free][0])
+            proposed = None
+            if edit is not None:  # (LLaDA 2.1: one proposal for every position of the block, for the masks and edits)
+                proposed = propose(logits, temperature, top_k, top_p, gen, rule.sampled)
             if bool(free.any()):
                 # (full context: random remasking draws over the whole sequence, as LLaDA's generate)
                 span = (s, len(seq)) if job.full_context else None
-                x, chosen, ent = denoise_step(logits, seq[s:e], free, rule, k, temperature, top_k, top_p, gen, span)
+                if proposed is None:
+                    x, chosen, ent = denoise_step(logits, seq[s:e], free, rule, k, temperature, top_k, top_p, gen,
+                                                  span)
+                else:
+                    margin = top_margin(logits) if rule.kind == "margin" else None
+                    x, chosen, ent = _commit(rule, seq[s:e], free, k, gen, span, *proposed, margin)
                 at = chosen.nonzero()[:, 0]  # the model's log-probability of what it commits (best-of-N reads it)
                 stats.extra["logprob"] = stats.extra.get("logprob", 0.0) + float(
                     torch.log_softmax(logits[at].float(), -1).gather(-1, x[at, None]).sum())
@@ -575,12 +584,12 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
                 if len(ends):
                     masked[int(ends[0]) + 1:] = False
             edited = False
-            if edit is not None:  # token editing: committed tokens (before this pass) the model now replaces
+            if proposed is not None:  # token editing: committed tokens (before this pass) the model now replaces
                 editable = hole[s:e] & ~was & (seq[s:e] != mask_id)
-                changes = select_edits(logits, seq[s:e], editable, edit)
-                if bool(changes[0].any()):
-                    seq[s:e] = torch.where(changes[0], changes[1], seq[s:e])
-                    stats.extra["edits"] = stats.extra.get("edits", 0) + int(changes[0].sum())
+                changes = select_edits(proposed[0], proposed[1], seq[s:e], editable, edit)
+                if bool(changes.any()):
+                    seq[s:e] = torch.where(changes, proposed[0], seq[s:e])
+                    stats.extra["edits"] = stats.extra.get("edits", 0) + int(changes.sum())
                     edited = True
             step += 1
             if step_events:
@@ -630,8 +639,6 @@ def check_options(cfg) -> Rule:
     check(cfg.schedule in ("even", "dream", "block"), f"--schedule must be even, dream or block, got {cfg.schedule!r}")
     edit = getattr(cfg, "editing_threshold", None)
     check(edit is None or 0 <= edit < 1, f"--editing-threshold must be in [0, 1), got {edit}")
-    check(edit is None or cfg.temperature == 0,
-          f"--editing-threshold edits by the model's most likely token: it needs --temperature 0, got {cfg.temperature}")
     check(getattr(cfg, "max_post_steps", 16) >= 0, f"--max-post-steps must be >= 0, got {cfg.max_post_steps}")
     check(cfg.confidence in ("model", "sampled"), f"--confidence must be model or sampled, got {cfg.confidence!r}")
     revise = getattr(cfg, "revise", 0.0)
