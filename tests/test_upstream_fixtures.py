@@ -335,3 +335,21 @@ def test_llada21_recordings_exercise_token_editing(imported):
             got = dlm_ids(model, ck, rec["prompts"][c["prompt"]], cfg)
         differ += got != until_eos(c["ids"][:c["args"]["gen_length"]], eos_ids(rec))
     assert differ >= len(cases) // 2, differ
+
+
+def test_llada21_rows_in_one_batch_equal_each_row_alone(imported):
+    """Token editing in a batch (the server's and eval's rows): each row's tokens are the ones it gets alone."""
+    from dlm.sampling import stream_rows
+
+    rec = recordings("llada2")
+    model, ck = imported["llada2"]
+    case = next(c for c in rec["cases"] if c["args"]["version"] == "2.1" and "seed" in c["args"])
+    cfg = llada2_options(case["args"])
+    cfgs = [cfg, cfg.replace(temperature=0.0), cfg.replace(seed=9)]
+    prompts = [rec["prompts"][0], rec["prompts"][1], rec["prompts"][1]]
+    together: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for ev in stream_rows(model, ck, [Prompt(p) for p in prompts], cfgs):
+        if isinstance(ev, Commit):
+            together[ev.row] += ev.tokens
+    for r, (p, c) in enumerate(zip(prompts, cfgs)):
+        assert together[r] == dlm_ids(model, ck, p, c), r
