@@ -26,7 +26,7 @@ from torch import nn
 
 from dlm.config import ModelConfig
 from dlm.files import (
-    mmap_tensors, read_json, read_tensors, tensor_shapes, write_folder, write_json, write_tensors,
+    Stacked, mmap_tensors, read_json, read_tensors, tensor_shapes, write_folder, write_json, write_tensors,
 )
 from dlm.drafter import build_drafter, drafter_shapes
 from dlm.errors import DlmError
@@ -82,6 +82,9 @@ def state_tensors(model: nn.Module | dict[str, torch.Tensor], dtype: torch.dtype
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, t in (model if isinstance(model, dict) else model.state_dict()).items():
+        if isinstance(t, Stacked):  # written part by part (an import's stacked experts)
+            out[name] = t.to(dtype) if dtype is not None else t
+            continue
         if t.data_ptr() in seen and t.numel() > 0:
             continue
         seen.add(t.data_ptr())

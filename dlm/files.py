@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import shutil
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -42,9 +44,37 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
 _DTYPES_BY_NAME = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
-def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+class Stacked:
+    """A tensor that exists only as its parts laid end to end (row-major): a stack of experts stored one by one, written
+    part by part (write_tensors) so that the whole is never in memory. parts: tensors whose elements, in order, are
+    the whole's; dtype: what the whole is written as (each part is converted as it is written)."""
+
+    def __init__(self, parts: list[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype | None = None):
+        self.parts, self.shape = list(parts), torch.Size(shape)
+        self.dtype = dtype if dtype is not None else parts[0].dtype
+        if sum(p.numel() for p in self.parts) != self.shape.numel():
+            raise ValueError(f"parts of {sum(p.numel() for p in self.parts)} elements cannot make a {tuple(shape)}")
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def to(self, dtype: torch.dtype) -> "Stacked":
+        return Stacked(self.parts, self.shape, dtype)
+
+    def materialize(self) -> torch.Tensor:  # (B, ...) the whole, in memory: for tests and small models only
+        return torch.cat([p.reshape(-1).to(self.dtype) for p in self.parts]).view(self.shape)
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor | Stacked], metadata: dict[str, str] | None = None) -> None:
     """A safetensors file, written tensor by tensor from the tensors' own memory: no copy of the whole model is
-    made (a real-size checkpoint is written with one tensor in flight at a time)."""
+    made (a real-size checkpoint is written with one tensor in flight at a time; a Stacked one part by part).
+    The pages of a memory-mapped import source are released once written (release)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
@@ -60,16 +90,46 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
     with open(tmp, "wb") as fh:
         fh.write(len(head).to_bytes(8, "little") + head)
         for name, t in sorted(tensors.items()):
-            if t.numel():
-                fh.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+            for part in (t.parts if isinstance(t, Stacked) else [t]):
+                if part.numel():
+                    data = part.detach().cpu().to(t.dtype).contiguous()
+                    fh.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+                    del data
+                    release(part)
     _fsync_replace(tmp, path)
 
 
-def mmap_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file, memory-mapped (copy-on-write): nothing is read until it is used, and
-    pages the process never writes stay the file's (the kernel may drop and reread them)."""
-    import mmap
+class _Mapping(mmap.mmap):
+    """A memory map of an import's source file (mmap_tensors(transient=True)): read once, then let go."""
 
+
+_TRANSIENT: "weakref.WeakKeyDictionary[_Mapping, int]" = weakref.WeakKeyDictionary()  # mapping -> its address
+
+
+def release(t: torch.Tensor | Stacked) -> None:
+    """Drop the resident pages of a tensor memory-mapped by mmap_tensors(transient=True) (MADV_DONTNEED: they
+    leave this process's resident set; the file's pages stay in the page cache and are reread if touched again).
+    Nothing happens to any other tensor. Such a mapping must only be read: a page written would be lost."""
+    if isinstance(t, Stacked):
+        for p in t.parts:
+            release(p)
+        return
+    if not _TRANSIENT or t.device.type != "cpu" or t.numel() == 0:
+        return
+    s = t.untyped_storage()
+    ptr, n = s.data_ptr(), s.nbytes()
+    for m, base in list(_TRANSIENT.items()):
+        if base <= ptr < base + len(m):
+            start = (ptr - base) // mmap.PAGESIZE * mmap.PAGESIZE
+            end = min(len(m), ptr - base + n)
+            m.madvise(mmap.MADV_DONTNEED, start, end - start)
+            return
+
+
+def mmap_tensors(path: Path, transient: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, memory-mapped (copy-on-write): nothing is read until it is used, and
+    pages the process never writes stay the file's (the kernel may drop and reread them). transient: an import's
+    source, read once: release(t) drops a tensor's pages from the resident set once it has been used."""
     path = Path(path)
     bad = f"{path}: truncated or corrupt safetensors file"
     if not path.is_file():
@@ -81,11 +141,14 @@ def mmap_tensors(path: Path) -> dict[str, torch.Tensor]:
             if size < 8 or n > size - 8:
                 raise DlmError(f"{bad} (header of {n} bytes in a file of {size})")
             header = json.loads(fh.read(n))
-            buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if size > 8 + n else b""
+            buf = (_Mapping if transient else mmap.mmap)(fh.fileno(), 0, access=mmap.ACCESS_COPY) \
+                if size > 8 + n else b""
     except (json.JSONDecodeError, UnicodeDecodeError, OSError, ValueError) as e:
         raise DlmError(f"{bad} ({str(e).splitlines()[0][:160]})") from None
     if not isinstance(header, dict):
         raise DlmError(f"{bad} (its header is not an object)")
+    if isinstance(buf, _Mapping):
+        _TRANSIENT[buf] = torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr()
     out = {}
     for name, info in header.items():
         if name == "__metadata__":

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from dlm.checkpoint import Checkpoint, all_finite, check_shapes, import_tokenizer, save_checkpoint, state_tensors
-from dlm.files import read_json, tensor_shapes, write_folder, write_json, write_tensors
+from dlm.files import read_json, release, tensor_shapes, write_folder, write_json, write_tensors
 from dlm import hf_gemma, hf_joint, hf_mdlm
 from dlm.hf_layout import (  # noqa: F401  (the layout's functions, here where they have always been importable)
     ARCHITECTURES, assemble, dlm_name, hf_config, hf_family, model_config_from_hf, read_hf_weights, weight_files,
@@ -264,7 +264,8 @@ def import_drafter(folder: str | os.PathLike, target: str | os.PathLike | None, 
     for k, v in raw.items():
         if not all_finite(v):
             raise DlmError(f"{src}: tensor {k} holds NaN or infinite values")
-    net, _ = load_model(tck.path)
+        release(v)
+    net, _ = load_model(tck.path, dtype=None)  # as stored, memory-mapped (the fingerprint reads 16 rows in fp32)
     dflash["target"] = {"name": tck.path.name, "model": tc.to_dict(), "tokenizer_sha256": tck.tokenizer.sha256,
                         "fingerprint": target_fingerprint(net)}
     dtype = next(iter(raw.values())).dtype

@@ -172,7 +172,7 @@ def import_folder(src, out, overwrite: bool, hf: dict[str, Any], read_weights) -
     import torch
 
     from dlm.checkpoint import SIDE_FILES, all_finite, check_shapes, import_tokenizer, save_checkpoint
-    from dlm.files import write_folder
+    from dlm.files import release, write_folder
     from dlm.model import Transformer, param_shapes
 
     src, out = Path(src), Path(out)
@@ -203,6 +203,7 @@ def import_folder(src, out, overwrite: bool, hf: dict[str, Any], read_weights) -
     for k, v in state.items():
         if not all_finite(v):
             raise DlmError(f"{src}: tensor {k} holds NaN or infinite values")
+        release(v)  # (its mapped pages leave the resident set: the import streams)
     tok = import_tokenizer(src, hf)
     with torch.device("meta"):
         model = Transformer(cfg)

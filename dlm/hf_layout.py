@@ -13,7 +13,7 @@ import torch
 
 from dlm.config import ModelConfig
 from dlm.errors import DlmError
-from dlm.files import mmap_tensors, read_json
+from dlm.files import Stacked, mmap_tensors, read_json, release
 from dlm.tokenizer import Tokenizer
 
 
@@ -209,10 +209,11 @@ def weight_files(folder: Path) -> list[str]:
 
 
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a transformers folder, memory-mapped (nothing is read until it is used)."""
+    """Every tensor of a transformers folder, memory-mapped (nothing is read until it is used; an import reads each
+    once and releases its pages: files.release)."""
     tensors: dict[str, torch.Tensor] = {}
     for f in weight_files(folder):
-        for name, t in mmap_tensors(folder / f).items():
+        for name, t in mmap_tensors(folder / f, transient=True).items():
             if not t.is_floating_point():
                 raise DlmError(f"{folder / f}: tensor {name} holds {str(t.dtype).removeprefix('torch.')} values; "
                                "weights are floating point (F32, F16, BF16)")
@@ -231,17 +232,22 @@ def dlm_name(name: str, cfg: ModelConfig, src: Path) -> str | None:
     raise DlmError(f"{src}: unexpected tensor {name!r}")
 
 
-def assemble(cfg: ModelConfig, state: dict[str, torch.Tensor], src: Path):
+def assemble(cfg: ModelConfig, state: dict[str, torch.Tensor | Stacked], src: Path):
     """A Transformer on the meta device holding `state` (dlm names) as its weights, after the names and shapes are
-    held against the config's and every tensor is checked finite (an imported folder's weights, as they are)."""
+    held against the config's and every tensor is checked finite (an imported folder's weights, as they are; each
+    tensor's mapped pages released once checked). A state holding Stacked tensors (experts stored one by one) is
+    returned as it is, checked: save_checkpoint writes it part by part, never stacking it in memory."""
     from dlm.checkpoint import all_finite, check_shapes
     from dlm.model import Transformer, param_shapes
 
     expected, aliases = param_shapes(cfg)
     check_shapes(expected, {k: tuple(v.shape) for k, v in state.items()}, src, aliases)
     for k, v in state.items():
-        if not all_finite(v):
+        if not all(all_finite(p) for p in (v.parts if isinstance(v, Stacked) else [v])):
             raise DlmError(f"{src}: tensor {k} holds NaN or infinite values")
+        release(v)
+    if any(isinstance(v, Stacked) for v in state.values()):
+        return state
     with torch.device("meta"):
         model = Transformer(cfg)
     tied = {"lm_head.weight": state["embed_tokens.weight"]} if cfg.tie_embeddings else {}

@@ -40,7 +40,7 @@ import torch
 from dlm.checkpoint import import_tokenizer, save_checkpoint, state_tensors
 from dlm.config import ModelConfig
 from dlm.errors import DlmError
-from dlm.files import write_folder, write_json, write_tensors
+from dlm.files import Stacked, write_folder, write_json, write_tensors
 from dlm.hf_layout import assemble, dlm_name, hf_config, model_config_from_hf, remote_code
 
 
@@ -247,22 +247,38 @@ def llada2_to_dlm(raw: dict[str, torch.Tensor], cfg: ModelConfig, source: Path) 
             for name, t in zip("qkv", fused.split(_qkv_sizes(cfg), 0)):
                 out[f"layers.{i}.self_attn.{name}_proj.{kind}"] = t
         if is_moe_layer(cfg, i):
-            gu, down = [], []
-            for e in range(cfg.moe.n_experts):
-                q = f"{p}mlp.experts.{e}."
-                try:
-                    g, u, dn = (raw.pop(f"{q}{w}_proj.weight") for w in ("gate", "up", "down"))
-                except KeyError as err:
-                    raise DlmError(f"{source}: tensor {err.args[0]} is missing") from None
-                gu.append(torch.cat((g, u), 0))
-                down.append(dn)
-            out[f"layers.{i}.mlp.experts.gate_up_proj"] = torch.stack(gu)
-            out[f"layers.{i}.mlp.experts.down_proj"] = torch.stack(down)
+            gu, down = stacked_experts(raw, p, cfg, source)
+            out[f"layers.{i}.mlp.experts.gate_up_proj"] = gu
+            out[f"layers.{i}.mlp.experts.down_proj"] = down
     for name, t in raw.items():
         if name not in inv:
             raise DlmError(f"{source}: unexpected tensor {name!r} for LLaDA 2's layout")
         out[inv[name]] = t
     return out
+
+
+def stacked_experts(raw: dict[str, torch.Tensor], p: str, cfg: ModelConfig, source: Path) -> tuple[Stacked, Stacked]:
+    """The experts of one MoE layer (p: its prefix), stored one module each, as dlm's fused expert tensors
+    gate_up_proj (E, 2I, D) = per expert [gate ; up] and down_proj (E, D, I), taken out of raw. Lazily: a Stacked
+    tensor is its experts' mapped tensors in order (the bytes of the stack), written part by part, so that importing
+    never holds a layer's experts, let alone the model's, in memory."""
+    E, I, D = cfg.moe.n_experts, cfg.moe.ffn_dim, cfg.dim
+    gu, down = [], []
+    for e in range(E):
+        q = f"{p}mlp.experts.{e}."
+        for w, shape in (("gate", (I, D)), ("up", (I, D)), ("down", (D, I))):
+            t = raw.pop(f"{q}{w}_proj.weight", None)
+            if t is None:
+                raise DlmError(f"{source}: tensor {q}{w}_proj.weight is missing")
+            if tuple(t.shape) != shape:
+                raise DlmError(f"{source}: tensor {q}{w}_proj.weight has shape {tuple(t.shape)}, config.json implies "
+                               f"{shape}")
+            (down if w == "down" else gu).append(t)
+    dtypes = {t.dtype for t in gu + down}
+    if len(dtypes) > 1:
+        raise DlmError(f"{source}: the experts of {p[:-1]} are stored in several dtypes "
+                       f"({', '.join(sorted(str(d).removeprefix('torch.') for d in dtypes))})")
+    return Stacked(gu, (E, 2 * I, D)), Stacked(down, (E, D, I))
 
 
 def dlm_to_llada2(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
