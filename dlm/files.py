@@ -107,22 +107,21 @@ _TRANSIENT: "weakref.WeakKeyDictionary[_Mapping, int]" = weakref.WeakKeyDictiona
 
 
 def release(t: torch.Tensor | Stacked) -> None:
-    """Drop the resident pages of a tensor memory-mapped by mmap_tensors(transient=True) (MADV_DONTNEED: they
-    leave this process's resident set; the file's pages stay in the page cache and are reread if touched again).
-    Nothing happens to any other tensor. Such a mapping must only be read: a page written would be lost."""
+    """Drop the resident pages of the file a tensor was memory-mapped from by mmap_tensors(transient=True)
+    (MADV_DONTNEED over the whole mapping: the kernel maps a touched page's neighbours too, up to 64 KiB around it,
+    so dropping the tensor's own pages would leave its neighbours' behind; they leave this process's resident set,
+    stay in the page cache and are reread if touched again). Nothing happens to a tensor mapped otherwise. Such a
+    mapping must only be read: a page written would be lost."""
     if isinstance(t, Stacked):
         for p in t.parts:
             release(p)
         return
     if not _TRANSIENT or t.device.type != "cpu" or t.numel() == 0:
         return
-    s = t.untyped_storage()
-    ptr, n = s.data_ptr(), s.nbytes()
+    ptr = t.untyped_storage().data_ptr()
     for m, base in list(_TRANSIENT.items()):
         if base <= ptr < base + len(m):
-            start = (ptr - base) // mmap.PAGESIZE * mmap.PAGESIZE
-            end = min(len(m), ptr - base + n)
-            m.madvise(mmap.MADV_DONTNEED, start, end - start)
+            m.madvise(mmap.MADV_DONTNEED)
             return
 
 

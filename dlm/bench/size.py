@@ -137,13 +137,13 @@ def hf_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return {("" if k.startswith("lm_head.") else "model.") + k: s for k, s in expected.items()}
 
 
-def _shard(shapes: dict[str, tuple[int, ...]], itemsize: int) -> list[list[str]]:
-    """Tensors in order, cut into shards of at most SHARD_BYTES (a larger tensor alone in its shard)."""
+def _shard(shapes: dict[str, tuple[int, ...]], itemsize: int, shard_bytes: int) -> list[list[str]]:
+    """Tensors in order, cut into shards of at most shard_bytes (a larger tensor alone in its shard)."""
     shards: list[list[str]] = [[]]
     size = 0
     for k, s in shapes.items():
         n = math.prod(s) * itemsize
-        if shards[-1] and size + n > SHARD_BYTES:
+        if shards[-1] and size + n > shard_bytes:
             shards.append([])
             size = 0
         shards[-1].append(k)
@@ -173,15 +173,18 @@ def write_shard(path: Path, shapes: dict[str, tuple[int, ...]], pool: torch.Tens
                 left, at = left - n, 0
 
 
-def write(name: str, folder: str | os.PathLike, layers: int = 0, seed: int = 0) -> dict[str, Any]:
-    """A synthetic transformers folder at CONFIGS[name] (`layers`: that depth instead of the published one)."""
+def write(name: str | dict[str, Any], folder: str | os.PathLike, layers: int = 0, seed: int = 0,
+          shard_bytes: int = SHARD_BYTES) -> dict[str, Any]:
+    """A synthetic transformers folder at CONFIGS[name] (`layers`: that depth instead of the published one), or at
+    the config.json `name` is (a dict)."""
     folder = Path(folder)
-    hf = config_of(name, layers)
+    hf = config_of(name, layers) if isinstance(name, str) else dict(name)
+    name = name if isinstance(name, str) else hf["model_type"]
     shapes = hf_shapes(hf)
     torch.manual_seed(seed)
     pool = (torch.randn(POOL) * 0.02).to(torch.bfloat16)
     rng = random.Random(seed)
-    shards = _shard(shapes, pool.dtype.itemsize)
+    shards = _shard(shapes, pool.dtype.itemsize, shard_bytes)
     folder.mkdir(parents=True, exist_ok=False)
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     t0 = time.perf_counter()
