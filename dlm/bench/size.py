@@ -3,6 +3,7 @@
     python -m dlm.bench.size write NAME FOLDER [--layers N]      a transformers folder in the hub's sharded layout
     python -m dlm.bench.size measure NAME WORK [--layers N] [--target CK] [--keep]
                                                                  write, `dlm import --hf`, `dlm generate`; one JSON line
+    python -m dlm.bench.size table RESULTS.jsonl                 measure's lines as a markdown table
 
 `write` lays out random bf16 weights at the named public config (CONFIGS: the config.json of the public checkpoint,
 its shape keys as published) in the hub's layout: model-0000i-of-0000n.safetensors shards of at most 5 GB,
@@ -266,6 +267,10 @@ def measure(name: str, work: str | os.PathLike, layers: int = 0, target: str | N
         if imp["rc"]:
             raise DlmError(f"import failed: {imp['stderr']}")
         row["import"] = {k: v for k, v in imp.items() if k not in ("stdout", "stderr")}
+        from dlm.files import tensor_shapes
+
+        row["largest_output_bytes"] = max(math.prod(s) for s in tensor_shapes(ck / "model.safetensors").values()) \
+            * row["bytes"] // row["params"]  # (LLaDA 2: a layer's stacked experts)
         shutil.rmtree(src)  # (the disk: only the checkpoint is needed from here on)
         gen_model = ["--model", target, "--draft", str(ck)] if target else ["--model", str(ck)]
         gen = run_measured(dlm + ["generate"] + gen_model + GENERATE, env)
@@ -281,17 +286,47 @@ def measure(name: str, work: str | os.PathLike, layers: int = 0, target: str | N
     return row
 
 
+FAMILY = {"qwen3-1.7b": "AR (Qwen3)", "qwen3-8b": "AR (Qwen3)", "llada-8b": "LLaDA", "dream-7b": "Dream",
+          "sdar-1.7b": "SDAR", "fast-dllm-v2-1.5b": "Fast-dLLM v2", "llada2.0-mini": "LLaDA 2 (MoE)",
+          "qwen3-8b-dflash": "DFlash drafter"}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """measure's JSON lines as the markdown table of docs/BENCHMARKS.md."""
+    G = 2**30
+    out = ["| family | config (depth) | params | bytes (bf16) | largest tensor (read or written) | import: wall, peak RSS (anon / mapped) "
+           "| generate: TTFT, peak RSS (anon / mapped) | date |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "import" not in r:
+            continue
+        i, g = r["import"], r["generate"]
+        depth = CONFIGS[r["name"]].get(LAYER_KEY.get(CONFIGS[r["name"]]["model_type"], "num_hidden_layers"))
+        layers = f"{r['layers']} of {depth} layers" if r["layers"] != depth else f"{depth} layers"
+        largest = max(r["largest_tensor_bytes"], r.get("largest_output_bytes", 0))
+        out.append(f"| {FAMILY.get(r['name'], r['name'])} | {r['name']} ({layers}) | {r['params'] / 1e9:.2f}B "
+                   f"| {r['bytes'] / G:.2f} GiB | {largest / G:.2f} GiB "
+                   f"| {i['seconds']:.0f} s, {i['peak_rss'] / G:.2f} GiB ({i['peak_anon'] / G:.2f} / "
+                   f"{i['peak_file'] / G:.2f}) | {g['ttft']:.1f} s, {g['peak_rss'] / G:.2f} GiB "
+                   f"({g['peak_anon'] / G:.2f} / {g['peak_file'] / G:.2f}) | {r['date']} |")
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("write", "measure"))
-    ap.add_argument("name", choices=tuple(CONFIGS))
-    ap.add_argument("folder")
+    ap.add_argument("what", choices=("write", "measure", "table"))
+    ap.add_argument("name", help="a config (CONFIGS); table: the JSON lines file measure's output was collected in")
+    ap.add_argument("folder", nargs="?")
     ap.add_argument("--layers", type=int, default=0)
     ap.add_argument("--target", default=None, help="measure a DFlash drafter: the dlm checkpoint of its target")
     ap.add_argument("--keep", action="store_true", help="measure: keep the folders")
     a = ap.parse_args()
+    if a.what == "table":
+        print(table([json.loads(line) for line in Path(a.name).read_text().splitlines() if line.strip()]))
+        sys.exit(0)
+    if a.name not in CONFIGS or not a.folder:
+        ap.error(f"give a config ({', '.join(CONFIGS)}) and a folder")
     try:
         out = write(a.name, a.folder, a.layers) if a.what == "write" else measure(a.name, a.folder, a.layers,
                                                                                   a.target, a.keep)
