@@ -448,9 +448,9 @@ def drafter_shapes(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]], 
     return out, {}
 
 
-def target_fingerprint(target: Transformer) -> list[float]:
-    """A cheap, dtype-tolerant identity of a target: sums of 16 embedding rows."""
-    E = target.embed_tokens.weight
+def target_fingerprint(target: Transformer | torch.Tensor) -> list[float]:
+    """A cheap, dtype-tolerant identity of a target (or of its embedding, (V, D)): sums of 16 embedding rows."""
+    E = target if isinstance(target, torch.Tensor) else target.embed_tokens.weight
     idx = torch.linspace(0, E.shape[0] - 1, 16).long()
     return [float(x) for x in E[idx].detach().float().sum(-1)]
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from dlm.checkpoint import Checkpoint, all_finite, check_shapes, import_tokenizer, save_checkpoint, state_tensors
-from dlm.files import read_json, release, tensor_shapes, write_folder, write_json, write_tensors
+from dlm.files import mmap_tensors, read_json, release, tensor_shapes, write_folder, write_json, write_tensors
 from dlm import hf_gemma, hf_joint, hf_mdlm
 from dlm.hf_layout import (  # noqa: F401  (the layout's functions, here where they have always been importable)
     ARCHITECTURES, assemble, dlm_name, hf_config, hf_family, model_config_from_hf, read_hf_weights, weight_files,
@@ -203,7 +203,7 @@ def import_drafter(folder: str | os.PathLike, target: str | os.PathLike | None, 
     """Read a public DFlash drafter folder (config.json with dflash_config, model.safetensors) into a dlm dflash
     checkpoint for `target` (a dlm AR checkpoint: the drafter has no embedding, head or tokenizer of its own).
     Hidden size, vocabulary, the target layers it reads and its mask token are checked against the target."""
-    from dlm.checkpoint import load_model, open_checkpoint
+    from dlm.checkpoint import open_checkpoint
     from dlm.drafter import drafter_shapes, target_fingerprint
 
     src, out = Path(folder), Path(out)
@@ -265,9 +265,14 @@ def import_drafter(folder: str | os.PathLike, target: str | os.PathLike | None, 
         if not all_finite(v):
             raise DlmError(f"{src}: tensor {k} holds NaN or infinite values")
         release(v)
-    net, _ = load_model(tck.path, dtype=None)  # as stored, memory-mapped (the fingerprint reads 16 rows in fp32)
+    # the fingerprint reads 16 rows of the target's embedding, memory-mapped: the target is not loaded (an 8B
+    # target's every page would be read to check it, or copied to fp32)
+    embed = mmap_tensors(tck.path / "model.safetensors").get("embed_tokens.weight")
+    if embed is None or tuple(embed.shape) != (tc.vocab_size, tc.dim):
+        raise DlmError(f"--target {target}: its model.safetensors has no embed_tokens.weight of shape "
+                       f"{(tc.vocab_size, tc.dim)}")
     dflash["target"] = {"name": tck.path.name, "model": tc.to_dict(), "tokenizer_sha256": tck.tokenizer.sha256,
-                        "fingerprint": target_fingerprint(net)}
+                        "fingerprint": target_fingerprint(embed)}
     dtype = next(iter(raw.values())).dtype
     with write_folder(out, overwrite=overwrite, inputs=(src,)) as tmp:
         save_checkpoint(tmp, raw, tck.tokenizer, meta, dtype=dtype)
