@@ -67,9 +67,6 @@ class Stacked:
     def to(self, dtype: torch.dtype) -> "Stacked":
         return Stacked(self.parts, self.shape, dtype)
 
-    def materialize(self) -> torch.Tensor:  # (B, ...) the whole, in memory: for tests and small models only
-        return torch.cat([p.reshape(-1).to(self.dtype) for p in self.parts]).view(self.shape)
-
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor | Stacked], metadata: dict[str, str] | None = None) -> None:
     """A safetensors file, written tensor by tensor from the tensors' own memory: no copy of the whole model is

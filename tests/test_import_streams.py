@@ -18,10 +18,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from dlm.bench.size import hf_shapes, write
-from dlm.files import mmap_tensors
+from dlm.files import Stacked, mmap_tensors, write_tensors
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,3 +88,15 @@ def test_a_sharded_moe_import_stays_within_one_tensor_of_memory(tmp_path):
     assert torch.equal(got["layers.2.mlp.experts.gate_up_proj"], gu)
     assert torch.equal(got["layers.2.mlp.experts.down_proj"], down)
     assert got["layers.2.mlp.experts.gate_up_proj"].dtype == torch.bfloat16
+
+
+def test_a_stacked_tensor_is_written_as_its_parts_laid_end_to_end(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(3, 4, generator=g) for _ in range(6)]  # fp32 parts of a (3, 6, 4) stack, written as bf16
+    whole = Stacked(parts, (3, 6, 4)).to(torch.bfloat16)
+    write_tensors(tmp_path / "w.safetensors", {"a": torch.ones(2), "s": whole})
+    got = mmap_tensors(tmp_path / "w.safetensors")
+    assert torch.equal(got["s"], torch.cat(parts).view(3, 6, 4).to(torch.bfloat16))
+    assert torch.equal(got["a"], torch.ones(2))
+    with pytest.raises(ValueError, match="cannot make"):
+        Stacked(parts, (3, 6, 5))
