@@ -16,7 +16,7 @@ from dlm.checkpoint import load_model
 from dlm.config import preset
 from dlm.errors import DlmError
 from dlm.masks import block_causal_mask, block_diffusion_train_mask
-from dlm.model import Transformer
+from dlm.model import Output, Transformer
 from dlm.objectives.mdlm import (
     MDLM, elbo_nll, noisy_hidden, stratified_t,
 )
@@ -357,10 +357,13 @@ class EosAt(torch.nn.Module):
     def new_cache(self, *a, **kw):
         return self.inner.new_cache(*a, **kw)
 
-    def forward(self, tokens, *, pos, **kw):
+    def head(self, h):  # (its final hidden states are the logits)
+        return h
+
+    def forward(self, tokens, *, pos, head=True, **kw):
         out = self.inner(tokens, pos=pos, **kw)
         out.logits[:, pos == self.at, self.eos] = 1e4
-        return out
+        return Output(out.logits if head else None, out.logits, out.taps)
 
 
 def test_generation_stops_at_eos(mdlm64):

@@ -43,6 +43,9 @@ class Fickle(torch.nn.Module):
     def new_cache(self, *a, **kw):
         return None
 
+    def head(self, h):  # (its final hidden states are its logits)
+        return h
+
     def forward(self, tokens, *, pos, **kw):
         x = tokens[0]
         logits = torch.zeros(1, len(x), V)
@@ -58,7 +61,7 @@ class Fickle(torch.nn.Module):
                 logits[0, j, B if p == PB else D] = 5.0 if p == PB else 2.0
             else:
                 logits[0, j, x[j]] = 12.0
-        return SimpleNamespace(logits=logits)
+        return SimpleNamespace(logits=logits, last=logits, taps={})
 
 
 def run(model, revise: float):

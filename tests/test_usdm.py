@@ -15,6 +15,7 @@ from dlm.errors import DlmError
 from dlm.model import Transformer, canvas_embeds
 from dlm.objectives.usdm import USDM, choose_canvas, fill_after_eos, joint_forward, uniform_elbo_integrand
 from dlm.sampling import SampleConfig, encode, generate, stream
+from dlm.sampling import rows
 from dlm.sampling import usdm as us
 from dlm.sampling.common import Commit, Done, Prompt, Step
 
@@ -258,7 +259,9 @@ def test_renoise_keeps_accepted_and_pins():
 
 
 class FakeDenoiser:
-    """Stands in for `denoise`: logits peaked at a known sequence (token = position + 10), sharper each call."""
+    """Stands in for the model's denoiser passes: logits peaked at a known sequence (token = position + 10), sharper
+    each call. `alone` stands in for usdm's one-row answer: the canvas passes go to the fake, the prefills to the
+    model."""
 
     def __init__(self, V: int, peak: float = 30.0, sharpen: float = 0.0, eos_at: tuple[int, int] | None = None,
                  eos_id: int = 2):
@@ -266,7 +269,17 @@ class FakeDenoiser:
         self.calls: list[tuple[int, int, bool]] = []  # (first position, length, self-conditioned)
         self.canvas = -1
 
-    def __call__(self, model, cache, canvas, pos, prev_probs):
+    def alone(self, model, cache):
+        real = rows.alone(model, cache)
+
+        def answer(w):
+            if not w.canvas:
+                return real(w)
+            return self(w.tokens[None], torch.arange(cache.length, cache.length + w.length), w.probs)
+
+        return answer
+
+    def __call__(self, canvas, pos, prev_probs):
         n = canvas.shape[1]
         first = int(pos[0])
         if not self.calls or prev_probs is None:
@@ -287,7 +300,7 @@ def test_adaptive_stopping_and_canvas_extension(tiny_usdm, monkeypatch):
     prompt = "def f(x):\n"
     P = len(ck.tokenizer.encode(prompt))
     fake = FakeDenoiser(V)
-    monkeypatch.setattr(us, "denoise", fake)
+    monkeypatch.setattr(us, "alone", fake.alone)
     cfg = SampleConfig(max_new_tokens=40, canvas_length=16, last_canvas="whole")
     res = generate(model, ck, prompt, cfg, keep_events=True)
     s = res.stats.as_dict()
@@ -305,16 +318,16 @@ def test_adaptive_stopping_and_canvas_extension(tiny_usdm, monkeypatch):
     assert all(e.entropy is not None and e.entropy < 0.005 for e in steps)
     # fixed steps: adaptive off runs every step
     fake2 = FakeDenoiser(V)
-    monkeypatch.setattr(us, "denoise", fake2)
+    monkeypatch.setattr(us, "alone", fake2.alone)
     res2 = generate(model, ck, prompt, cfg.replace(adaptive=False, steps=7))
     assert res2.stats.extra["steps_per_canvas"] == [7, 7, 7] and res2.tokens == res.tokens
     # stability threshold 3: three unchanged argmax canvases after the first
-    monkeypatch.setattr(us, "denoise", FakeDenoiser(V))
+    monkeypatch.setattr(us, "alone", FakeDenoiser(V).alone)
     assert generate(model, ck, prompt, cfg.replace(stability_threshold=3)).stats.extra["steps_per_canvas"] == [4, 4, 4]
     # last_canvas fit (the default of dlm's own checkpoints): the last canvas holds only the 8 positions left, the
     # same tokens here (the fake reads positions)
     fake3 = FakeDenoiser(V)
-    monkeypatch.setattr(us, "denoise", fake3)
+    monkeypatch.setattr(us, "alone", fake3.alone)
     res3 = generate(model, ck, prompt, cfg.replace(last_canvas=None))
     assert [(c[0], c[1]) for c in fake3.calls if not c[2]] == [(P, 16), (P + 16, 16), (P + 32, 8)]
     assert res3.tokens == res.tokens
@@ -323,7 +336,7 @@ def test_adaptive_stopping_and_canvas_extension(tiny_usdm, monkeypatch):
 def test_stop_waits_for_confidence(tiny_usdm, monkeypatch):
     """The argmax is stable from step 2, but the canvas stops only once the mean entropy is below the threshold."""
     model, ck = load_model(tiny_usdm)
-    monkeypatch.setattr(us, "denoise", FakeDenoiser(model.cfg.vocab_size, peak=8.0, sharpen=0.1))  # sharper each call
+    monkeypatch.setattr(us, "alone", FakeDenoiser(model.cfg.vocab_size, peak=8.0, sharpen=0.1).alone)  # sharper each call
     res = generate(model, ck, "x = 1\n", SampleConfig(max_new_tokens=8, canvas_length=8, steps=10),
                    keep_events=True)
     ents = [e.entropy for e in res.events if isinstance(e, Step)]
@@ -335,7 +348,7 @@ def test_eos_ends_generation(tiny_usdm, monkeypatch):
     model, ck = load_model(tiny_usdm)
     eos = ck.tokenizer.eos_id
     fake = FakeDenoiser(model.cfg.vocab_size, eos_at=(1, 5), eos_id=eos)  # canvas 2 has <eos> at its position 5
-    monkeypatch.setattr(us, "denoise", fake)
+    monkeypatch.setattr(us, "alone", fake.alone)
     res = generate(model, ck, "y = 2\n", SampleConfig(max_new_tokens=64, canvas_length=16))
     assert len(res.tokens[0]) == 16 + 6 and res.tokens[0][-1] == eos  # cut after the first <eos>
     assert res.stats.canvases == 2
@@ -385,14 +398,20 @@ def test_self_conditioning_input(tiny_usdm, monkeypatch, mode):
     """Step k + 1 is self-conditioned on step k's softmax: of the temperature-scaled logits (tempered, the
     reference) or of the raw logits (untempered, what training feeds)."""
     model, ck = load_model(tiny_usdm)
-    real, seen = us.denoise, []
+    seen = []
 
-    def spy(model, cache, canvas, pos, prev_probs):
-        out = real(model, cache, canvas, pos, prev_probs)
-        seen.append((prev_probs, out[0].clone()))
-        return out
+    def spy(model, cache):
+        real = rows.alone(model, cache)
 
-    monkeypatch.setattr(us, "denoise", spy)
+        def answer(w):
+            out = real(w)
+            if w.canvas:
+                seen.append((w.probs, out[0].clone()))
+            return out
+
+        return answer
+
+    monkeypatch.setattr(us, "alone", spy)
     cfg = SampleConfig(max_new_tokens=8, canvas_length=8, steps=3, adaptive=False, self_cond_input=mode)
     generate(model, ck, "x = 1\n", cfg)
     assert len(seen) == 3 and seen[0][0] is None
@@ -400,7 +419,7 @@ def test_self_conditioning_input(tiny_usdm, monkeypatch, mode):
     raw1 = seen[0][1]
     want = torch.softmax(raw1 / T1 if mode == "tempered" else raw1, -1)
     other = torch.softmax(raw1 if mode == "tempered" else raw1 / T1, -1)
-    got = seen[1][0][0]
+    got = seen[1][0]
     assert torch.allclose(got, want, atol=1e-6) and not torch.allclose(got, other, atol=1e-3)
 
 

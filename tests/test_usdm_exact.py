@@ -27,7 +27,7 @@ from dlm.objectives.usdm import USDM
 from dlm.sampling import SampleConfig
 from dlm.sampling import usdm as us
 from dlm.sampling.common import Step, entropy_bound_accept
-from dlm.sampling.rows import drive
+from dlm.sampling.rows import Window, drive
 
 NOISE = 8  # noise tokens 0..7
 VOCAB = 40
@@ -52,14 +52,14 @@ def rule_logits(canvas: torch.Tensor) -> torch.Tensor:
 
 
 class RuleDenoiser:
-    """Answers the canvas program's Denoise requests in place of the model; records the canvases it was shown."""
+    """Answers the canvas program's denoiser passes (Windows) in place of the model; records the canvases it was shown."""
 
     def __init__(self):
         self.seen: list[list[int]] = []
 
-    def __call__(self, req: us.Denoise) -> torch.Tensor:
-        self.seen.append(req.canvas.tolist())
-        return rule_logits(req.canvas)[None]
+    def __call__(self, req: Window) -> torch.Tensor:
+        self.seen.append(req.tokens.tolist())
+        return rule_logits(req.tokens)[None]
 
 
 def sample_cfg(**kw):
@@ -140,7 +140,7 @@ def test_stop_needs_confidence_as_well_as_stability():
     """A position that never becomes certain (its rule looks at a left neighbour that is always noise)
     keeps the mean entropy at log 3 / 5 (> 0.2) from step 3 on: the argmax is stable from step 1, yet the canvas never stops."""
     def stubborn(req):
-        logits = rule_logits(req.canvas)
+        logits = rule_logits(req.tokens)
         logits[4] = -math.inf
         logits[4, SUPPORT[4]] = 0.0  # always uncertain
         return logits[None]

@@ -117,7 +117,7 @@ from dlm.sampling.common import (
     Clock, Commit, Eos, Event, Prompt, Stats, Step, check_fits, check_sampling, draw, entropy, entropy_bound_accept,
     eos_index, eos_set, is_eos, make_generator, probs_from_logits,
 )
-from dlm.sampling.rows import Programs, Window, batch_stats, batchable, drive
+from dlm.sampling.rows import Crop, Programs, Window, alone, batch_stats, batchable, drive, finish
 
 RULES = ("confidence", "threshold", "entropy_bound", "entropy", "margin", "origin")
 MAX_REVISIONS = 3  # --revise: times one position may be sent back to <mask> (so a block always ends)
@@ -403,19 +403,13 @@ class Denoising:
         self.before = None  # shift: the output (V,) at the position before the block, from its first pass
 
     def logits(self, s: int, e: int) -> Tensor:
-        """One denoising pass over block [s, e): the logits (e - s, V) that predict its positions (with shift:
-        the outputs one position earlier)."""
-        rows, r0 = self.forward(s, e)  # the outputs at positions r0, r0 + 1, ...
-        if not self.job.shift:
-            return rows[s - r0:e - r0]
-        if s == 0:  # nothing before position 0: its own output predicts it
-            return torch.cat([rows[:1], rows[:e - 1]])
-        if r0 <= s - 1:
-            self.before = rows[s - 1 - r0]
-        return torch.cat([self.before[None], rows[s - r0:e - 1 - r0]])
+        """One denoising pass over block [s, e) run alone, over this sequence's own cache: the logits (e - s, V) that
+        predict its positions (with shift: the outputs one position earlier)."""
+        return finish(self.denoise(s, e), alone(self.model, self.cache))
 
-    def forward(self, s: int, e: int) -> tuple[Tensor, int]:
-        """One forward for block [s, e): (outputs (N, V), the position of the first).
+    def denoise(self, s: int, e: int) -> Iterator[Window | Crop]:
+        """One denoising pass over block [s, e) as the requests of a row program (served alone or by a RowBatch that
+        holds this row's cache); returns the logits (e - s, V) that predict the block's positions.
 
         Full context: the whole sequence, every position seeing every other (with the prefix cache: the whole
         sequence on the block's first pass, its prefix's K/V kept; then the block and everything after it,
@@ -423,55 +417,35 @@ class Denoising:
 
         naive: the whole sequence so far, every finished block block-causal, this one last. Cached:
         the finished blocks not yet in the cache are written in this same pass (block-causal, blind
-        to this block), then this block's K/V are dropped; else the block reads the cache only.
-        """
-        model, dev, seq, block_of = self.model, self.seq.device, self.seq, self.block_of
-        if self.job.full_context:  # the LM head only on the rows the block reads (the sequence may be long)
-            total, lo = len(seq), max(s - 1, 0)
-            if self.naive or self.block != s:
-                if not self.naive:
-                    self.cache.crop(0)
-                out = model(seq[None], pos=torch.arange(total, device=dev), mask="full", cache=self.cache, head=False)
-                if not self.naive:
-                    self.cache.crop(s)
-                    self.block = s
-                return model.head(out.last[0, lo:e]), lo
-            out = model(seq[None, s:], pos=torch.arange(s, total, device=dev), cache=self.cache, mask="full",
-                        write=False, head=False)
-            return model.head(out.last[0, :e - s]), s
-        if self.naive:
-            start = 0
-            out = model(seq[None, :e], pos=torch.arange(e, device=dev),
-                        mask=mdlm_denoise_mask(block_of, 0, e, self.job.causal_context))
-        elif self.cached < s:
-            start = self.cached
-            out = model(seq[None, start:e], pos=torch.arange(start, e, device=dev), cache=self.cache,
-                        mask=mdlm_denoise_mask(block_of, start, e, self.job.causal_context))
-            self.cache.crop(s)
-            self.cached = s
-        else:
-            start = s
-            out = model(seq[None, s:e], pos=torch.arange(s, e, device=dev), cache=self.cache, mask="full",
-                        write=False)
-        return out.logits[0], start
-
-    def window(self, s: int, e: int) -> Window:
-        """The same pass as `logits` as a request to a RowBatch (this row's cache lives there): the finished
-        blocks not yet cached (kept, block-causal) and block [s, e) (read only); the block's logits come back."""
-        start = min(self.cached, s)
+        to this block, kept); else the block reads the cache only."""
+        seq, job = self.seq, self.job
         mask = None
-        if start < s:
-            mask = mdlm_denoise_mask(self.block_of, start, e, self.job.causal_context)[:, start:]  # (T, T)
-        self.cached = s
-        return Window(tokens=self.seq[start:e], mask=mask, keep=s - start, out=(s - start, e - start))
-
-
-@dataclass
-class Need:
-    """A row program's request: the logits (e - s, V) of this denoising pass over block [s, e)."""
-
-    s: int
-    e: int
+        if job.full_context:
+            start, stop, keep = s, len(seq), 0
+            if self.naive or self.block != s:
+                start = 0
+                if not self.naive:
+                    yield Crop(0)
+                    keep, self.block = s, s
+        elif self.naive:
+            start, stop, keep = 0, e, 0
+            mask = mdlm_denoise_mask(self.block_of, 0, e, job.causal_context)  # (e, e)
+        else:
+            start, stop = min(self.cached, s), e
+            keep = s - start
+            if start < s:
+                mask = mdlm_denoise_mask(self.block_of, start, e, job.causal_context)[:, start:]  # (T, T)
+            self.cached = s
+        lo = max(start, s - 1) if job.shift else s  # the first position whose output is read
+        rows = (yield Window(tokens=seq[start:stop], mask=mask, keep=keep, out=(lo - start, e - start)))[0]
+        if not job.shift:
+            return rows
+        if s == 0:  # nothing before position 0: its own output predicts it
+            return torch.cat([rows[:1], rows[:e - 1]])
+        if lo == s - 1:
+            self.before = rows[0]
+            rows = rows[1:]
+        return torch.cat([self.before[None], rows[:e - 1 - s]])
 
 
 @torch.inference_mode()
@@ -489,16 +463,17 @@ def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: in
     program = _program(state, rule, steps, mask_id, eos_id, temperature=temperature, top_k=top_k, top_p=top_p,
                        gen=gen, row=row, clock=clock, stats=stats, revise=revise, step_events=step_events,
                        sub_block=sub_block, schedule=schedule, edit=edit, post_steps=post_steps)
-    yield from drive(program, lambda need: state.logits(need.s, need.e))
+    yield from drive(program, alone(model, state.cache))
 
 
 def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_id: Eos, *,
              temperature: float, top_k: int, top_p: float, gen: torch.Generator | None, row: int = 0,
              clock: Clock | None = None, stats: Stats | None = None, revise: float = 0.0,
              step_events: bool = True, sub_block: int | None = None,
-             schedule: str = "even", edit: float | None = None, post_steps: int = 16) -> Iterator[Event | Need]:
-    """One sequence as a row program: its events, and a Need whenever it needs a denoising pass (the logits
-    of that pass are sent back in). The one-row driver (denoise_sequence) and a batch (Batch) run the same code."""
+             schedule: str = "even", edit: float | None = None,
+             post_steps: int = 16) -> Iterator[Event | Window | Crop]:
+    """One sequence as a row program: its events, and the requests of each denoising pass (Denoising.denoise: the
+    outputs are sent back in). The one-row driver (denoise_sequence) and a batch (Batch) run the same code."""
     stats = stats if stats is not None else Stats()
     if revise > 0:
         stats.extra.setdefault("revisions", 0)
@@ -528,7 +503,7 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
                 if post > post_steps:
                     break
             was = masked.clone()
-            logits = yield Need(s, e)  # (Lb, V)
+            logits = yield from state.denoise(s, e)  # (Lb, V)
             stats.forwards += 1
             # (mask proposals: a position whose proposal is <mask> stays a hole, as in the public generate functions;
             # past the planned steps <mask> is never proposed, so a block always ends)
@@ -820,11 +795,12 @@ class Batch(Programs):
 
 def batch_row(model, job: Job, rule: Rule, cfg, row: int, stats: Stats, mask_id: int, eos_id: int,
               gen: torch.Generator, clock: Clock | None = None, step_events: bool = False) -> tuple:
-    """A job as a row of a Programs batch: its program, and how its requests become Windows and its outputs answers."""
+    """A job as a row of a Programs batch: its program, and how its requests become Windows and its outputs answers
+    (as they are: the program asks Windows and reads their outputs)."""
     state = Denoising(model, job, mask_id, naive=False, own_cache=False)
     program = _program(state, rule, cfg.steps, mask_id, eos_id, temperature=cfg.temperature,
                        top_k=cfg.top_k, top_p=cfg.top_p, gen=gen, row=row, clock=clock, stats=stats,
                        revise=getattr(cfg, "revise", 0.0), step_events=step_events,
                        sub_block=getattr(cfg, "sub_block", None), schedule=getattr(cfg, "schedule", "even"),
                        edit=getattr(cfg, "editing_threshold", None), post_steps=getattr(cfg, "max_post_steps", 16))
-    return program, lambda need: state.window(need.s, need.e), lambda need, out: out[0]
+    return program, lambda w: w, lambda w, out: out

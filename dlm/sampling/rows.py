@@ -105,34 +105,50 @@ def _call(model, x: Tensor | None, embeds: Tensor | None, pos: Tensor, cache: KV
     return out.last, out.taps
 
 
-def run_one(model, cache: KVCache, w: Window):
-    """Answer one row's request with a forward of that row alone over its own cache (slots == positions): its outputs
-    (1, n, V|D), with the taps over the window (T, F) beside them when it asked for taps."""
+def run_one(model, cache: KVCache | None, w: Window):
+    """Answer one row's request with a forward of that row alone over its own cache (slots == positions; None: no
+    cache, the window alone): its outputs (1, n, V|D), with the taps over the window (T, F) beside them when it asked
+    for taps."""
     dev = (w.tokens if w.tokens is not None else w.embeds).device
-    L0 = cache.length
+    L0 = 0 if cache is None else cache.length
     T = w.length
     C = 0 if w.ctx is None else w.ctx.shape[0]
     pos = w.pos if w.pos is not None else torch.arange(L0 + C, L0 + C + T, device=dev)
     mask: Tensor | str
     if w.mask is None:
         mask = "full"
-    elif isinstance(w.mask, str):
+    elif isinstance(w.mask, str) or not L0:
         mask = w.mask
     else:
         mask = torch.cat([torch.ones(T, L0, dtype=torch.bool, device=dev), w.mask], 1)
     write = w.keep > 0
-    x = w.tokens[None] if w.tokens is not None else None
+    x = w.tokens[None] if w.tokens is not None and not w.canvas else None
     e = w.embeds[None] if w.embeds is not None else None
+    if w.canvas:  # a usdm canvas, self-conditioned on the previous step's distribution
+        e = canvas_embeds(model, w.tokens[None], None if w.probs is None else w.probs[None])
     ctx = w.ctx[None] if C else None
     ctx_pos = torch.arange(L0, L0 + C, device=dev) if C else None
     last, taps = _call(model, x, e, pos, cache, mask, write, ctx, ctx_pos, w.taps)
-    if write:
+    if write and cache is not None:
         cache.crop(L0 + C + w.keep)
     a, b = w.out
     res = last[:, a:b] if w.hidden else model.head(last[:, a:b])
     if w.taps:
         return res, torch.cat([taps[i][0] for i in w.taps], -1)
     return res
+
+
+def alone(model, cache: KVCache | None) -> Callable:
+    """The answer to one row's requests when it runs by itself (drive's `answer`): a Window by run_one over the row's
+    own cache, a Crop by cutting that cache."""
+
+    def answer(req):
+        if isinstance(req, Crop):
+            cache.crop(req.length)
+            return None
+        return run_one(model, cache, req)
+
+    return answer
 
 
 def drive(program: Iterator, answer) -> Iterator:

@@ -43,19 +43,18 @@ calls and extra["rows"] holds each row's own counters (its forwards: as many as 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 from torch import Tensor
 
 from dlm.errors import DlmError, check
-from dlm.model import Transformer, align_canvas_logits, canvas_embeds
+from dlm.model import Transformer, align_canvas_logits
 from dlm.sampling.common import (
     Clock, Commit, Eos, Event, Prompt, Stats, Step, check_fits, check_sampling, entropy,
     eos_set, make_generator, probs_from_logits, sample_from, through_eos,
 )
-from dlm.sampling.rows import Programs, Window, batch_stats, batchable, drive
+from dlm.sampling.rows import Programs, Window, alone, batch_stats, batchable, drive
 
 DEFAULT_STEPS = 48  # DiffusionGemma's max_denoising_steps
 # the SampleConfig fields this sampler reads (see dlm.sampling.OPTIONS); --temperature is read to be refused with
@@ -123,19 +122,6 @@ def span(p: Prompt, L: int, total: int, ctx: int, last_canvas: str) -> int:
     return min(ctx, len(p.ids) + -(-total // L) * L)
 
 
-def denoise(model: Transformer, cache, canvas: Tensor, pos: Tensor, prev_probs: Tensor | None) -> Tensor:
-    """One denoiser pass over canvas (B, n) at positions pos (n,), reading the cache; logits (B, n, V) fp32."""
-    x = canvas_embeds(model, canvas, prev_probs)
-    return model(embeds=x, pos=pos, cache=cache, mask="full", write=False).logits.float()
-
-
-def prefill(model: Transformer, cache, ids: list[int]) -> Tensor | None:
-    """Append ids to the cache (causal); the next-token logits after them (1, 1, V) when the model has
-    canvas_shift (they predict the next canvas's first token), else None (no head is computed)."""
-    out = model(torch.tensor([ids], device=model.device), cache=cache, head=False)
-    return model.head(out.last[:, -1:]).float() if model.cfg.canvas_shift else None
-
-
 # options -------------------------------------------------------------------------------------
 
 def check_options(model: Transformer, ck, cfg) -> tuple[int, int]:
@@ -192,23 +178,6 @@ def row_prompt(ck, model: Transformer, p: Prompt, cfg) -> Prompt:
     return p
 
 
-@dataclass
-class Prefill:
-    """A row program's request: append ids to the row's cache (causal); the next-token logits after them (1, 1, V)
-    come back for a canvas_shift model, else None."""
-
-    ids: list[int]
-
-
-@dataclass
-class Denoise:
-    """A row program's request: one denoiser pass over canvas (n,) at the row's next positions, self-conditioned
-    on prev_probs (1, n, V) or nothing; its logits (1, n, V) fp32 come back."""
-
-    canvas: Tensor
-    prev_probs: Tensor | None
-
-
 def row_seed(seed: int | None, row: int) -> int | None:
     """Row r of a call samples with its own generator seeded seed + r (as the server's n choices)."""
     return None if seed is None else seed + row
@@ -232,14 +201,8 @@ def _generate_in_turn(model: Transformer, jobs: list[Prompt], L: int, steps: int
         total = len(p.canvas) if p.canvas is not None else cfg.max_new_tokens
         cache = model.new_cache(1, span(p, L, total, model.cfg.max_seq_len, cfg.last_canvas))
 
-        def answer(req, cache=cache):
-            if isinstance(req, Prefill):
-                return prefill(model, cache, req.ids)
-            pos = torch.arange(cache.length, cache.length + req.canvas.shape[0], device=model.device)
-            return denoise(model, cache, req.canvas[None], pos, req.prev_probs)
-
         yield from drive(_row(p, L, steps, N, eos_id, cfg, gen, row, clock, stats, step_events, model.device,
-                                  model.cfg.max_seq_len), answer)
+                              model.cfg.max_seq_len, model.cfg.canvas_shift), alone(model, cache))
     yield clock.finish(stats)
 
 
@@ -297,32 +260,25 @@ class Batch(Programs):
         model = self.model
         gen = gen if gen is not None else make_generator(row_seed(cfg.seed, row), model.device)
         program = _row(p, L, steps, N, eos_id, cfg, gen, row, clock, stats, step_events, model.device,
-                                  model.cfg.max_seq_len)
-        shift = bool(model.cfg.canvas_shift)
+                       model.cfg.max_seq_len, model.cfg.canvas_shift)
+        return super().add(program, lambda w: w, lambda w, out: out, tag)
 
-        def window(req) -> Window:
-            if isinstance(req, Prefill):
-                m = len(req.ids)
-                return Window(tokens=torch.tensor(req.ids, device=model.device), mask="causal", keep=m,
-                              out=(m - 1, m) if shift else (0, 0))
-            n = req.canvas.shape[0]
-            return Window(tokens=req.canvas, canvas=True, probs=None if req.prev_probs is None else req.prev_probs[0],
-                          out=(0, n))
 
-        def answer(req, out: Tensor) -> Tensor | None:
-            if isinstance(req, Prefill):
-                return out.float() if shift else None
-            return out.float()
-
-        return super().add(program, window, answer, tag)
+def prefill(ids: list[int], shift: bool, dev: torch.device) -> Iterator[Window]:
+    """A row program's request to append ids to its cache (causal); returns the next-token logits after them (1, 1, V)
+    fp32 for a canvas_shift model (they predict the next canvas's first token), else None (no head is computed)."""
+    m = len(ids)
+    out = yield Window(tokens=torch.tensor(ids, device=dev), mask="causal", keep=m, out=(m - 1, m) if shift else (0, 0))
+    return out.float() if shift else None
 
 
 def _row(p: Prompt, L: int, steps: int, N: int, eos_id: Eos, cfg, gen: torch.Generator, row: int,
-         clock: Clock | None, stats: Stats, step_events: bool, dev: torch.device, ctx: int):
-    """One row as a program: its events, and a Prefill or Denoise request whenever it needs the model (the answer
-    is sent back in). The one-row driver and a batch run the same code."""
+         clock: Clock | None, stats: Stats, step_events: bool, dev: torch.device, ctx: int, shift: bool):
+    """One row as a program: its events, and a Window whenever it needs the model (its outputs are sent back in): the
+    prefill of its prompt and of each committed canvas, a denoiser pass per step. The one-row driver and a batch run
+    the same code."""
     total = len(p.canvas) if p.canvas is not None else cfg.max_new_tokens
-    first = yield Prefill(list(p.ids))  # the prompt
+    first = yield from prefill(list(p.ids), shift, dev)  # the prompt
     stats.forwards += 1
     done = 0  # tokens of this row committed
     canvas_index = 0
@@ -351,14 +307,16 @@ def _row(p: Prompt, L: int, steps: int, N: int, eos_id: Eos, cfg, gen: torch.Gen
         canvas_index += 1
         if p.canvas is not None or ended or done >= total:
             break
-        first = yield Prefill(tokens)  # incremental causal prefill
+        first = yield from prefill(tokens, shift, dev)  # incremental causal prefill
         stats.forwards += 1
 
 
 def _canvas_program(holes: Tensor, pins: Tensor, N: int, eos_id: Eos, no_eos: bool, canvas_index: int, row: int,
                     offset: int, S: int, cfg, gen: torch.Generator, first: Tensor | None, step_events: bool,
                     dev: torch.device, stats: Stats | None = None):
-    """One canvas as a program: Step events and a Denoise request per step; returns (committed tokens, steps used).
+    """One canvas as a program: Step events and a denoiser pass per step (bidirectional over the canvas, reading the
+    row's cache without writing it, self-conditioned on the previous step's distribution: its logits (1, n, V) come
+    back); returns (committed tokens, steps used).
     stats: the model's log-probability (T = 1) of the committed holes at the last step is added to extra["logprob"]
     (what --best-of ranks draws by)."""
     n = holes.shape[0]
@@ -369,7 +327,8 @@ def _canvas_program(holes: Tensor, pins: Tensor, N: int, eos_id: Eos, no_eos: bo
     stable = 0
     for step in range(1, S + 1):
         T = temperature(step, S, cfg.t_max, cfg.t_min)
-        raw = align_canvas_logits((yield Denoise(canvas, prev_probs)), first)[0]  # (n, V) clean
+        out = yield Window(tokens=canvas, canvas=True, probs=prev_probs, out=(0, n))  # (1, n, V)
+        raw = align_canvas_logits(out.float(), first)[0]  # (n, V) clean
         if no_eos:  # a hole inside a template: the text goes on after it
             raw[holes.nonzero(), torch.tensor(stop, dtype=torch.long, device=dev)] = float("-inf")  # (holes, EOS ids)
         logits = raw / T  # processed logits
@@ -386,9 +345,9 @@ def _canvas_program(holes: Tensor, pins: Tensor, N: int, eos_id: Eos, no_eos: bo
         # self-conditioning of the next step: the tempered softmax (the reference sampler), or the T = 1 softmax
         # that training feeds (untempered)
         if cfg.self_cond_input == "tempered" and plain:
-            prev_probs = probs[None]  # (the same softmax of the same logits: probs_from_logits divides by 1.0)
+            prev_probs = probs  # (the same softmax of the same logits: probs_from_logits divides by 1.0)
         else:
-            prev_probs = torch.softmax(logits if cfg.self_cond_input == "tempered" else raw, -1)[None]
+            prev_probs = torch.softmax(logits if cfg.self_cond_input == "tempered" else raw, -1)
         mean_ent = ent[holes].mean()
         if step_events:
             yield Step(canvas.tolist(), (accepted | ~holes).tolist(), step, canvas_index, float(mean_ent), row, offset)
