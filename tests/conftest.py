@@ -6,11 +6,14 @@ downloaded. The token cache goes to a temporary folder.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -32,6 +35,20 @@ def random_transformer(seed: int, std: float, **config):
             if p.dim() >= 2:
                 p.normal_(0, std)
     return m
+
+
+TINY_SHAPE = dict(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32, max_seq_len=64)  # the tests' tiny models
+
+
+def tiny_model(seed: int, vocab: int, std: float = 0.5, *, dtype: torch.dtype = torch.float64, **config):
+    """The tests' tiny random Transformer: random_transformer's weights for TINY_SHAPE (config overrides it) in eval mode
+    and `dtype` (float64: no rounding tips a comparison); a self-conditioned one (self_cond=True) with its norm's
+    weights drawn away from 1."""
+    m = random_transformer(seed, std, **{**TINY_SHAPE, "vocab_size": vocab, **config})
+    if config.get("self_cond"):
+        with torch.no_grad():
+            m.self_cond.norm.weight.normal_(1.0, 0.5)
+    return m.to(dtype).eval()
 
 
 def assert_greedy_continuation(model, ck, row: dict, max_new_tokens: int) -> None:
@@ -67,8 +84,46 @@ CORPUS_FILES = [
 ]
 
 
+class Ran(NamedTuple):
+    """What a `dlm` command did: its exit code as the console script returns it, and what it wrote."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def cli(*args: str, check: bool = False, stdin: bytes | None = None, env: dict | None = None) -> Ran:
+    """`dlm ARGS` in this process: no interpreter to start and no torch to import again (a subprocess pays 4-8 s for
+    them). check: fail the test unless it exits 0. stdin: what the command reads; env: variables set while it runs."""
+    from dlm.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = (sys.stdin, {k: os.environ.get(k) for k in env or {}})
+    if stdin is not None:
+        sys.stdin = io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8", errors="surrogateescape")
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as e:
+                code = e.code
+    finally:
+        sys.stdin = saved[0]
+        for k, v in saved[1].items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    ran = Ran(0 if code is None else code, out.getvalue(), err.getvalue())
+    if check and ran.returncode != 0:
+        raise AssertionError(f"dlm {' '.join(args)} failed ({ran.returncode}):\n{ran.stdout}\n{ran.stderr}")
+    return ran
+
+
 def run_cli(*args: str, check: bool = False, env: dict | None = None, timeout: float = 300, **kw):
-    """Run `python -m dlm.cli ARGS` in a subprocess; returns CompletedProcess (text)."""
+    """`python -m dlm.cli ARGS` in a process of its own, for what only a real process shows (the console it draws
+    on, what it imports, how it exits); returns CompletedProcess (text). Everything else: `cli`."""
     e = {**os.environ, **(env or {})}
     proc = subprocess.run([sys.executable, "-m", "dlm.cli", *args], capture_output=True, text=True, env=e,
                           timeout=timeout, **kw)

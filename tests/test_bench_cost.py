@@ -4,14 +4,14 @@ import json
 
 import pytest
 
-from conftest import run_cli
-from test_cli import _one_line_error, cli
+from conftest import cli
+from test_cli import _one_line_error
 
 
 def test_cost_curve_of_a_named_shape_through_the_cli(tmp_path):
     out = tmp_path / "cost.json"
-    p = run_cli("bench", "--shape", "ar-small", "--points", "4", "2", "--context", "32", "--repeat", "1",
-                "--out", str(out), check=True, env={"OMP_NUM_THREADS": "1"})
+    p = cli("bench", "--shape", "ar-small", "--points", "4", "2", "--context", "32", "--repeat", "1",
+            "--out", str(out), check=True)
     assert "break-even tau" in p.stdout and "bandwidth limit" in p.stdout
     r = json.loads(out.read_text())
     assert r["shape"] == "ar-small" and r["context"] == 32 and r["params"] == 3_803_904

@@ -1,17 +1,18 @@
-"""The `dlm` command line, run as a user runs it: real subprocesses, real files."""
+"""The `dlm` command line, run as a user runs it, on real files: in this process (conftest.cli), and in a process of
+its own where only that shows the behaviour (the console it draws on, what it imports)."""
 
 import json
 
 import pytest
 
-from conftest import run_cli
+from conftest import cli, run_cli
 
 
 def test_help_lists_the_commands():
-    p = run_cli("--help", check=True)
+    p = cli("--help", check=True)
     for cmd in ("train", "generate", "eval", "export", "import", "bench", "demo"):
         assert cmd in p.stdout
-    assert "--max-new-tokens" in run_cli("generate", "--help", check=True).stdout
+    assert "--max-new-tokens" in cli("generate", "--help", check=True).stdout
 
 
 def test_train_from_a_yaml_config_then_generate_eval_bench(corpus_dir, tokenizer_path, tmp_path):
@@ -19,23 +20,23 @@ def test_train_from_a_yaml_config_then_generate_eval_bench(corpus_dir, tokenizer
     cfg.write_text(f"objective: ar\npreset: tiny\ndata: {corpus_dir}\ntokenizer: {tokenizer_path}\n"
                    "seq_len: 64\nbatch_size: 4\nmax_steps: 12\neval_every: 6\nsave_every: 6\nlog_every: 3\n")
     out = tmp_path / "m"
-    run_cli("train", "--config", str(cfg), "--max-steps", "8", "--out", str(out), "--quiet", check=True)
+    cli("train", "--config", str(cfg), "--max-steps", "8", "--out", str(out), "--quiet", check=True)
     assert json.loads((out / "config.json").read_text())["step"] == 8  # the command line overrides the file
 
-    g = run_cli("generate", "--model", str(out), "--prompt", "def main(", "--max-new-tokens", "12", "--json",
-                check=True)
+    g = cli("generate", "--model", str(out), "--prompt", "def main(", "--max-new-tokens", "12", "--json",
+            check=True)
     res = json.loads(g.stdout)
     assert {"text", "new_tokens", "forwards", "tokens_per_forward", "seconds", "tokens_per_second"} <= set(res)
     assert res["new_tokens"] == res["forwards"] <= 12 and res["tokens_per_forward"] == 1.0
 
-    e = run_cli("eval", "--model", str(out), "--data", str(corpus_dir), "--split", "test", "--json", check=True)
+    e = cli("eval", "--model", str(out), "--data", str(corpus_dir), "--split", "test", "--json", check=True)
     ev = json.loads(e.stdout)
     assert set(ev) >= {"loss", "perplexity", "tokens"} and ev["tokens"] > 0
     assert ev["perplexity"] == pytest.approx(2.718281828 ** ev["loss"], rel=1e-6)
 
     report = tmp_path / "bench.json"
-    b = run_cli("bench", "--model", str(out), "--data", str(corpus_dir), "--prompts", "2", "--max-new-tokens", "8",
-                "--out", str(report), check=True)
+    b = cli("bench", "--model", str(out), "--data", str(corpus_dir), "--prompts", "2", "--max-new-tokens", "8",
+            "--out", str(report), check=True)
     assert "ar (KV cache)" in b.stdout
     rep = json.loads(report.read_text())
     names = [s["method"] for s in rep["summaries"]]
@@ -44,36 +45,15 @@ def test_train_from_a_yaml_config_then_generate_eval_bench(corpus_dir, tokenizer
 
 
 def test_export_and_import_round_trip_through_the_cli(tiny_ar, tmp_path):
-    run_cli("export", "--model", str(tiny_ar), "--format", "hf", "--out", str(tmp_path / "hf"), check=True)
+    cli("export", "--model", str(tiny_ar), "--format", "hf", "--out", str(tmp_path / "hf"), check=True)
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["model_type"] == "qwen3" and cfg["architectures"] == ["Qwen3ForCausalLM"]
-    run_cli("import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back"), check=True)
-    a = run_cli("generate", "--model", str(tiny_ar), "--prompt", "import ", "--json", "--max-new-tokens", "10",
-                check=True)
-    b = run_cli("generate", "--model", str(tmp_path / "back"), "--prompt", "import ", "--json",
-                "--max-new-tokens", "10", check=True)
+    cli("import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back"), check=True)
+    a = cli("generate", "--model", str(tiny_ar), "--prompt", "import ", "--json", "--max-new-tokens", "10",
+            check=True)
+    b = cli("generate", "--model", str(tmp_path / "back"), "--prompt", "import ", "--json",
+            "--max-new-tokens", "10", check=True)
     assert json.loads(a.stdout)["text"] == json.loads(b.stdout)["text"]
-
-
-class _Proc:
-    def __init__(self, returncode, stdout, stderr):
-        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
-
-
-def cli(*args):
-    """`dlm ARGS` in this process (fast); the exit code as the console script would return it."""
-    import contextlib
-    import io
-
-    from dlm.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(args))
-        except SystemExit as e:
-            code = e.code
-    return _Proc(code, out.getvalue(), err.getvalue())
 
 
 def _one_line_error(p, *needles):

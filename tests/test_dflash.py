@@ -17,7 +17,7 @@ from dlm.drafter import DFlashDrafter, DynamicConv, default_draft_layers, target
 from dlm.objectives.dflash import DFlash, gamma_w, slot_weights
 from dlm.sampling.common import Commit
 from dlm.sampling.speculative import DFlashDraft, Sampling, _taps, speculate, target_greedy
-from conftest import assert_greedy_continuation, run_cli, tiny_train_config
+from conftest import assert_greedy_continuation, cli, tiny_train_config
 
 
 def test_target_layer_ids_follow_the_paper_and_handle_small_targets():
@@ -136,8 +136,8 @@ def test_incremental_drafting_matches_a_fresh_forward(injection, features):
 @pytest.fixture(scope="module")
 def tiny_draft_data(tiny_ar, corpus_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("distill") / "gen.jsonl"
-    run_cli("distill", "--target", str(tiny_ar), "--data", str(corpus_dir), "--out", str(out), "--prompts", "192",
-            "--max-new-tokens", "64", "--batch-size", "64", "--quiet", check=True)
+    cli("distill", "--target", str(tiny_ar), "--data", str(corpus_dir), "--out", str(out), "--prompts", "192",
+        "--max-new-tokens", "64", "--batch-size", "64", "--quiet", check=True)
     return out
 
 
@@ -190,8 +190,8 @@ def test_dflash_trains_on_tiny_and_drafts_with_tau_above_one(tiny_ar, tiny_dflas
 
 def test_generate_json_and_check_lossless(tiny_ar, tiny_dflash):
     for draft, extra in ((str(tiny_dflash), ["--gamma", "4"]), ("lookup", []), (str(tiny_ar), [])):
-        r = run_cli("generate", "--model", str(tiny_ar), "--prompt", "def main(self):\n", "--max-new-tokens", "24",
-                    "--draft", draft, "--json", "--check-lossless", *extra, check=True)
+        r = cli("generate", "--model", str(tiny_ar), "--prompt", "def main(self):\n", "--max-new-tokens", "24",
+                "--draft", draft, "--json", "--check-lossless", *extra, check=True)
         out = json.loads(r.stdout)
         assert out["lossless"] is True and 1 <= out["tau"] <= out["gamma"]
         assert sum(out["acceptance_histogram"]) == out["cycles"] and len(out["acceptance_histogram"]) == out["gamma"] + 1
@@ -203,7 +203,7 @@ def test_export_matches_the_public_dflash_layout(tiny_dflash, tiny_ar, tmp_path)
     from safetensors.torch import load_file
 
     out = tmp_path / "hf"
-    run_cli("export", "--model", str(tiny_dflash), "--out", str(out), "--format", "hf", check=True)
+    cli("export", "--model", str(tiny_dflash), "--out", str(out), "--format", "hf", check=True)
     cfg = json.loads((out / "config.json").read_text())
     drafter, ck = load_model(tiny_dflash)
     mc = drafter.cfg
@@ -240,7 +240,7 @@ def test_public_engines_draft_what_dlm_drafts(tiny_dflash, tiny_ar, tmp_path):
 
     transformers = pytest.importorskip("transformers")
     for src, name in ((tiny_ar, "target"), (tiny_dflash, "drafter")):
-        run_cli("export", "--model", str(src), "--out", str(tmp_path / name), "--format", "hf", check=True)
+        cli("export", "--model", str(src), "--out", str(tmp_path / name), "--format", "hf", check=True)
     cfg = json.loads((tmp_path / "drafter" / "config.json").read_text())
     w = load_file(str(tmp_path / "drafter" / "model.safetensors"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "target", dtype=torch.float32).eval()
@@ -290,9 +290,9 @@ def test_drafters_without_the_flag_keep_the_prenorm_reading_and_export_with_a_wa
         assert torch.equal(drafter.features(target, x, taps), torch.cat([taps[i] for i in drafter.layer_ids], -1))
         drafter.last_layer = "normed"
         assert not torch.equal(drafter.features(target, x, taps), torch.cat([taps[i] for i in drafter.layer_ids], -1))
-    r = run_cli("export", "--model", str(old), "--out", str(tmp_path / "hf-old"), "--format", "hf", check=True)
+    r = cli("export", "--model", str(old), "--out", str(tmp_path / "hf-old"), "--format", "hf", check=True)
     assert "dlm: warning:" in r.stderr and "before the final norm" in r.stderr and (tmp_path / "hf-old").is_dir()
-    r = run_cli("export", "--model", str(tiny_dflash), "--out", str(tmp_path / "hf-new"), "--format", "hf", check=True)
+    r = cli("export", "--model", str(tiny_dflash), "--out", str(tmp_path / "hf-new"), "--format", "hf", check=True)
     assert r.stderr == ""
 
 
@@ -352,7 +352,7 @@ def test_ablations_train_and_stay_lossless(tiny_ar, tiny_draft_data, corpus_dir,
         out_t = [t for e in speculate(target, DFlashDraft(drafter, target, Sampling(), 256), ids, block_size=8,
                                       max_new_tokens=20) if hasattr(e, "tokens") for t in e.tokens]
         assert out_t == target_greedy(target, ids, 20, None)
-    r = run_cli("export", "--model", str(tmp_path / "nofeat"), "--out", str(tmp_path / "x"), "--format", "hf")
+    r = cli("export", "--model", str(tmp_path / "nofeat"), "--out", str(tmp_path / "x"), "--format", "hf")
     assert r.returncode == 2 and "ablation" in r.stderr
 
 
@@ -363,7 +363,7 @@ def test_bad_input_is_one_clear_error(tiny_ar, tiny_dflash, tmp_path, corpus_dir
     from dlm.train import train
 
     def err(*args):  # through the CLI: one line on stderr, exit code 2
-        r = run_cli(*args)
+        r = cli(*args)
         assert r.returncode == 2, r.stderr
         assert r.stderr.startswith("dlm: error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
         return r.stderr
@@ -585,11 +585,11 @@ def test_distill_logits_reads_the_targets_next_token_distribution(tiny_ar, tiny_
 def test_dflash2_trains_by_the_cli_and_drafts_losslessly(tiny_ar, tiny_dflash, tiny_draft_data, corpus_dir,
                                                          tokenizer_path, tmp_path):
     out = tmp_path / "d2"
-    run_cli("train", "--objective", "dflash", "--target", str(tiny_ar), "--data", str(tiny_draft_data),
-            "--init-from", str(tiny_dflash), "--block-size", "8", "--seq-len", "96", "--batch-size", "4",
-            "--max-steps", "4", "--eval-every", "4", "--eval-batches", "1", "--save-every", "4", "--log-every", "2",
-            "--conv-kernel-size", "2", "--selector-rank", "8", "--selector-top-k", "4", "--distill-logits",
-            "--out", str(out), "--quiet", check=True)
+    cli("train", "--objective", "dflash", "--target", str(tiny_ar), "--data", str(tiny_draft_data),
+        "--init-from", str(tiny_dflash), "--block-size", "8", "--seq-len", "96", "--batch-size", "4",
+        "--max-steps", "4", "--eval-every", "4", "--eval-batches", "1", "--save-every", "4", "--log-every", "2",
+        "--conv-kernel-size", "2", "--selector-rank", "8", "--selector-top-k", "4", "--distill-logits",
+        "--out", str(out), "--quiet", check=True)
     cfg = json.loads((out / "config.json").read_text())
     d = cfg["dflash"]
     assert (d["conv_kernel_size"], d["conv_group_size"], d["selector_rank"], d["selector_top_k"]) == (2, 16, 8, 4)
@@ -604,17 +604,17 @@ def test_dflash2_trains_by_the_cli_and_drafts_losslessly(tiny_ar, tiny_dflash, t
            for t in e.tokens]
     assert got == target_greedy(target, ids, 24, None)
     # continuing it needs its own DFlash 2 options; options of another objective are refused
-    r = run_cli("train", "--objective", "dflash", "--target", str(tiny_ar), "--data", str(tiny_draft_data),
-                "--init-from", str(out), "--block-size", "8", "--seq-len", "96", "--max-steps", "2",
-                "--out", str(tmp_path / "d3"), "--quiet")
+    r = cli("train", "--objective", "dflash", "--target", str(tiny_ar), "--data", str(tiny_draft_data),
+            "--init-from", str(out), "--block-size", "8", "--seq-len", "96", "--max-steps", "2",
+            "--out", str(tmp_path / "d3"), "--quiet")
     assert r.returncode == 2 and "conv_kernel_size 2" in r.stderr and "Traceback" not in r.stderr
     # continued, it keeps its candidates per slot unless the run gives others (they are no weights)
     for extra, want in (([], 4), (["--selector-top-k", "6"], 6)):
         more = tmp_path / f"d{want}"
-        run_cli("train", "--objective", "dflash", "--target", str(tiny_ar), "--data", str(tiny_draft_data),
-                "--init-from", str(out), "--block-size", "8", "--seq-len", "96", "--batch-size", "2",
-                "--max-steps", "1", "--eval-every", "1", "--eval-batches", "1", "--conv-kernel-size", "2", "--selector-rank", "8", *extra,
-                "--out", str(more), "--quiet", check=True)
+        cli("train", "--objective", "dflash", "--target", str(tiny_ar), "--data", str(tiny_draft_data),
+            "--init-from", str(out), "--block-size", "8", "--seq-len", "96", "--batch-size", "2",
+            "--max-steps", "1", "--eval-every", "1", "--eval-batches", "1", "--conv-kernel-size", "2", "--selector-rank", "8", *extra,
+            "--out", str(more), "--quiet", check=True)
         assert json.loads((more / "config.json").read_text())["dflash"]["selector_top_k"] == want
     # a wider selector (rank 8 -> 12): the old codes kept, the new successor codes zero, the same drafts
     w = _objective(tiny_ar, tiny_draft_data, corpus_dir, tokenizer_path, init_from=str(out), conv_kernel_size=2,
@@ -631,16 +631,16 @@ def test_dflash2_trains_by_the_cli_and_drafts_losslessly(tiny_ar, tiny_dflash, t
                                                  max_new_tokens=24, sampling=s) if hasattr(e, "tokens")])
     assert runs[0] == runs[1]
     wide = tmp_path / "wide"
-    run_cli("train", "--objective", "dflash", "--target", str(tiny_ar), "--data", str(tiny_draft_data),
-            "--init-from", str(out), "--block-size", "8", "--seq-len", "96", "--batch-size", "2", "--max-steps", "1",
-            "--eval-every", "1", "--eval-batches", "1", "--conv-kernel-size", "2", "--selector-rank", "12",
-            "--out", str(wide), "--quiet", check=True)
-    r = run_cli("train", "--objective", "dflash", "--target", str(tiny_ar), "--data", str(tiny_draft_data),
-                "--init-from", str(wide), "--block-size", "8", "--seq-len", "96", "--max-steps", "1",
-                "--conv-kernel-size", "2", "--selector-rank", "8", "--out", str(tmp_path / "narrow"), "--quiet")
+    cli("train", "--objective", "dflash", "--target", str(tiny_ar), "--data", str(tiny_draft_data),
+        "--init-from", str(out), "--block-size", "8", "--seq-len", "96", "--batch-size", "2", "--max-steps", "1",
+        "--eval-every", "1", "--eval-batches", "1", "--conv-kernel-size", "2", "--selector-rank", "12",
+        "--out", str(wide), "--quiet", check=True)
+    r = cli("train", "--objective", "dflash", "--target", str(tiny_ar), "--data", str(tiny_draft_data),
+            "--init-from", str(wide), "--block-size", "8", "--seq-len", "96", "--max-steps", "1",
+            "--conv-kernel-size", "2", "--selector-rank", "8", "--out", str(tmp_path / "narrow"), "--quiet")
     assert r.returncode == 2 and "selector_rank 12" in r.stderr and "Traceback" not in r.stderr
-    r = run_cli("train", "--objective", "ar", "--data", str(corpus_dir), "--selector-rank", "4", "--max-steps", "1",
-                "--out", str(tmp_path / "a"), "--quiet")
+    r = cli("train", "--objective", "ar", "--data", str(corpus_dir), "--selector-rank", "4", "--max-steps", "1",
+            "--out", str(tmp_path / "a"), "--quiet")
     assert r.returncode == 2 and "--selector-rank applies to --objective dflash" in r.stderr
 
 
@@ -649,10 +649,10 @@ def test_a_uniform_noise_drafter_trains_revises_and_stays_lossless(tiny_ar, tiny
     the first draft pass; later passes feed every slot's guess back (revision). Recorded in the checkpoint, loaded
     back, and the output is the target's."""
     out = tmp_path / "u"
-    run_cli("train", "--objective", "dflash", "--target", str(tiny_ar), "--data", str(tiny_draft_data),
-            "--init-from", str(tiny_dflash), "--block-size", "8", "--seq-len", "96", "--batch-size", "4",
-            "--max-steps", "3", "--eval-every", "3", "--eval-batches", "1", "--log-every", "1",
-            "--block-noise", "uniform", "--out", str(out), "--quiet", check=True)
+    cli("train", "--objective", "dflash", "--target", str(tiny_ar), "--data", str(tiny_draft_data),
+        "--init-from", str(tiny_dflash), "--block-size", "8", "--seq-len", "96", "--batch-size", "4",
+        "--max-steps", "3", "--eval-every", "3", "--eval-batches", "1", "--log-every", "1",
+        "--block-noise", "uniform", "--out", str(out), "--quiet", check=True)
     assert json.loads((out / "config.json").read_text())["dflash"]["block_noise"] == "uniform"
     target, ck = load_model(tiny_ar)
     drafter, _ = load_model(out)
@@ -664,6 +664,6 @@ def test_a_uniform_noise_drafter_trains_revises_and_stays_lossless(tiny_ar, tiny
                for t in e.tokens]
         assert got == target_greedy(target, ids, 24, None)
         assert dd.forwards >= passes * 2  # every cycle ran its passes (at least two cycles)
-    r = run_cli("train", "--objective", "ar", "--data", str(tiny_draft_data), "--block-noise", "uniform",
-                "--max-steps", "1", "--out", str(tmp_path / "a"), "--quiet")
+    r = cli("train", "--objective", "ar", "--data", str(tiny_draft_data), "--block-noise", "uniform",
+            "--max-steps", "1", "--out", str(tmp_path / "a"), "--quiet")
     assert r.returncode == 2 and "--block-noise applies to --objective dflash" in r.stderr

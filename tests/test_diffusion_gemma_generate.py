@@ -22,11 +22,12 @@ from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from transformers.models.diffusion_gemma import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion  # noqa: E402
 
+from conftest import cli  # noqa: E402
 from dlm.checkpoint import load_model  # noqa: E402
 from dlm.sampling import SampleConfig, stream  # noqa: E402
 from dlm.sampling.common import Commit  # noqa: E402
 from test_diffusion_gemma import TINY_VISION, F, S  # noqa: E402
-from test_hf_gemma import run_cli, save_tokenizer  # noqa: E402
+from test_hf_gemma import save_tokenizer  # noqa: E402
 
 V = 97  # save_tokenizer's vocabulary: pad 0, eos 1, bos 2, control tokens up to 6
 
@@ -51,7 +52,7 @@ def imported(m, eos, folder):
     save_tokenizer(folder / "src")
     (folder / "src" / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "bos_token_id": 2,
                                                                       "pad_token_id": 0}))
-    run_cli("import", "--hf", str(folder / "src"), "--out", str(folder / "ck"))
+    cli("import", "--hf", str(folder / "src"), "--out", str(folder / "ck"), check=True)
     net, ck = load_model(str(folder / "ck"))
     with torch.no_grad():  # the checkpoint's tensors are memory-mapped at the file's offsets: align them as m's
         for p in net.parameters():

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+from conftest import cli  # noqa: E402
 from dlm.checkpoint import load_model, open_checkpoint, shipped  # noqa: E402
 from dlm.sampling import SampleConfig, generate  # noqa: E402
 from dlm.sampling.common import before_eos, eos_index, is_eos, through_eos  # noqa: E402
 from test_diffusion_gemma import S, F, hf_diffusion_gemma  # noqa: E402
 from test_gemma4 import hf_model  # noqa: E402
-from test_hf_gemma import run_cli, save_tokenizer  # noqa: E402
+from test_hf_gemma import save_tokenizer  # noqa: E402
 
 PROMPT = "a b c d e f g"
 AR = SampleConfig(max_new_tokens=12)
@@ -35,7 +36,7 @@ def import_with(root, which: str, eos) -> str:
                                                             "pad_token_id": 0}))
     out = root / f"{which}-{'-'.join(map(str, eos if isinstance(eos, list) else [eos]))}"
     if not out.exists():
-        run_cli("import", "--hf", str(src), "--out", str(out))
+        cli("import", "--hf", str(src), "--out", str(out), check=True)
     return str(out)
 
 
@@ -130,33 +131,31 @@ def test_the_server_stream_stops_at_the_second_eos_id(pair):
 @pytest.mark.parametrize("which", ["ar", "usdm"])
 def test_export_writes_the_list_back(pair, tmp_path, which):
     one, ref, two, k, t = pair[which]
-    run_cli("export", "--model", two, "--out", str(tmp_path / "hf"), "--format", "hf")
+    cli("export", "--model", two, "--out", str(tmp_path / "hf"), "--format", "hf", check=True)
     assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == [1, t]
-    run_cli("import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back"))
+    cli("import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back"), check=True)
     assert open_checkpoint(tmp_path / "back").tokenizer.eos_ids == (1, t)
     # without the generation_config.json kept beside the weights, the export writes the list itself
     (open_checkpoint(two).path / "generation_config.json").rename(tmp_path / "kept.json")
     try:
         assert open_checkpoint(two).tokenizer.eos_ids == (1, t)  # config.json records it
-        run_cli("export", "--model", two, "--out", str(tmp_path / "hf2"), "--format", "hf")
+        cli("export", "--model", two, "--out", str(tmp_path / "hf2"), "--format", "hf", check=True)
     finally:
         (tmp_path / "kept.json").rename(open_checkpoint(two).path / "generation_config.json")
     assert json.loads((tmp_path / "hf2" / "generation_config.json").read_text())["eos_token_id"] == [1, t]
-    run_cli("import", "--hf", str(tmp_path / "hf2"), "--out", str(tmp_path / "back2"))
+    cli("import", "--hf", str(tmp_path / "hf2"), "--out", str(tmp_path / "back2"), check=True)
     assert open_checkpoint(tmp_path / "back2").tokenizer.eos_ids == (1, t)
 
 
-def test_a_bad_eos_id_is_a_one_line_error(tmp_path, capsys):
-    from dlm.cli import main
-
+def test_a_bad_eos_id_is_a_one_line_error(tmp_path):
     src = tmp_path / "ar-src"
     c, m = hf_model("moe-kv")
     m.save_pretrained(src)
     save_tokenizer(src)
     (src / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 500]}))
-    capsys.readouterr()
-    assert main(["import", "--hf", str(src), "--out", str(tmp_path / "ck")]) == 2
-    err = capsys.readouterr().err.strip()
+    code, _, err = cli("import", "--hf", str(src), "--out", str(tmp_path / "ck"))
+    assert code == 2
+    err = err.strip()
     assert "eos_token_id" in err and "500" in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "ck").exists()
 
@@ -177,9 +176,9 @@ def test_a_plain_checkpoint_keeps_its_one_eos_id(tmp_path):
     want = [t for e in ar.decode(net, [ids], 24, eos_id=tok.eos_id, pad_id=tok.pad_id) if hasattr(e, "tokens")
             for t in e.tokens]
     assert generate(net, ck, "def main(", SampleConfig(max_new_tokens=24)).tokens[0] == want
-    run_cli("export", "--model", str(path), "--out", str(tmp_path / "hf"), "--format", "hf")
+    cli("export", "--model", str(path), "--out", str(tmp_path / "hf"), "--format", "hf", check=True)
     assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == tok.eos_id
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == tok.eos_id
-    run_cli("import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back"))
+    cli("import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back"), check=True)
     back = open_checkpoint(tmp_path / "back")
     assert back.tokenizer.eos_ids == (tok.eos_id,) and "eos_ids" not in back.config["tokenizer"]

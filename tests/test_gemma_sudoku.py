@@ -18,8 +18,8 @@ from tokenizers import decoders, models  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
 from transformers.models.diffusion_gemma import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion  # noqa: E402
 
+from conftest import cli  # noqa: E402
 from dlm.checkpoint import load_model  # noqa: E402
-from dlm.cli import main  # noqa: E402
 from dlm.model import canvas_embeds  # noqa: E402
 from test_diffusion_gemma import F, S, TINY_VISION  # noqa: E402
 
@@ -54,31 +54,25 @@ def save_sudoku_diffusion_gemma(folder) -> None:
                                                                "pad_token_id": 0}))
 
 
-def cli(capsys, *args) -> str:
-    """Run `dlm ARGS` in this process; its standard output."""
-    capsys.readouterr()
-    assert main(list(args)) in (0, None), args
-    return capsys.readouterr().out
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("gemma-sudoku")
     (root / "src").mkdir()
     save_sudoku_diffusion_gemma(root / "src")
-    assert main(["task", "sudoku", "--n", "300", "--clues", "40-50", "--seed", "0", "--out", str(root / "train.csv")]) == 0
-    assert main(["task", "sudoku", "--n", "40", "--clues", "40-50", "--seed", "1", "--out", str(root / "test.csv")]) == 0
-    assert main(["import", "--hf", str(root / "src"), "--out", str(root / "ck")]) == 0
+    cli("task", "sudoku", "--n", "300", "--clues", "40-50", "--seed", "0", "--out", str(root / "train.csv"), check=True)
+    cli("task", "sudoku", "--n", "40", "--clues", "40-50", "--seed", "1", "--out", str(root / "test.csv"), check=True)
+    cli("import", "--hf", str(root / "src"), "--out", str(root / "ck"), check=True)
     return root
 
 
-def scores(capsys, root, model: str) -> tuple[float, float]:
+def scores(root, model: str) -> tuple[float, float]:
     """(held-out loss: the usdm likelihood bound in nats per token on 16 puzzles of test.csv, cell accuracy on 12).
     test.csv is held out as a whole (another seed than train.csv): its split 'train' is most of it."""
-    loss = json.loads(cli(capsys, "eval", "--model", model, "--data", str(root / "test.csv"), "--split", "train",
-                          "--seq-len", "164", "--max-batches", "2", "--samples", "1", "--json").strip().splitlines()[-1])
-    task = json.loads(cli(capsys, "eval", "--model", model, "--task", "sudoku", "--data", str(root / "test.csv"),
-                          "--n", "12", "--steps", "8", "--json").strip().splitlines()[-1])
+    loss = cli("eval", "--model", model, "--data", str(root / "test.csv"), "--split", "train", "--seq-len", "164",
+               "--max-batches", "2", "--samples", "1", "--json", check=True).stdout
+    loss = json.loads(loss.strip().splitlines()[-1])
+    task = json.loads(cli("eval", "--model", model, "--task", "sudoku", "--data", str(root / "test.csv"), "--n", "12",
+                          "--steps", "8", "--json", check=True).stdout.strip().splitlines()[-1])
     return loss["bound_nats"], task["cell_accuracy"]
 
 
@@ -87,14 +81,14 @@ VARIANTS = {"full-router-frozen": ["--freeze-router", "--lr", "1e-2"], "full": [
 STEPS = 40
 
 
-def fine_tune_and_export(capsys, root, variant: str, steps: int) -> None:
+def fine_tune_and_export(root, variant: str, steps: int) -> None:
     ck, ft, hf = str(root / "ck"), root / f"ft-{variant}", root / f"hf-{variant}"
-    loss0, cells0 = scores(capsys, root, ck)
-    cli(capsys, "train", "--objective", "usdm", "--init-from", ck, "--data", str(root / "train.csv"), "--answer-sep",
-        "=", "--seq-len", "164", "--canvas-length", "81", "--batch-size", "8", "--max-steps", str(steps),
-        "--eval-every", str(steps), "--eval-batches", "1", "--log-every", "10", "--quiet", "--out", str(ft),
-        *VARIANTS[variant])
-    loss1, cells1 = scores(capsys, root, str(ft))
+    loss0, cells0 = scores(root, ck)
+    cli("train", "--objective", "usdm", "--init-from", ck, "--data", str(root / "train.csv"), "--answer-sep", "=",
+        "--seq-len", "164", "--canvas-length", "81", "--batch-size", "8", "--max-steps", str(steps), "--eval-every",
+        str(steps), "--eval-batches", "1", "--log-every", "10", "--quiet", "--out", str(ft), *VARIANTS[variant],
+        check=True)
+    loss1, cells1 = scores(root, str(ft))
     assert loss1 < loss0 - 0.5, (loss0, loss1)  # the held-out loss falls ...
     assert cells1 > cells0 + 0.03, (cells0, cells1)  # ... and more cells are right than the untrained import gets
     a, b = load_file(root / "ck" / "model.safetensors"), load_file(ft / "model.safetensors")
@@ -102,7 +96,7 @@ def fine_tune_and_export(capsys, root, variant: str, steps: int) -> None:
     assert changed and any(".router." in k for k in changed) == (variant == "full"), sorted(changed)[:8]
     assert json.loads((ft / "config.json").read_text())["tokenizer"]["eos_ids"] == [1, 6]
 
-    cli(capsys, "export", "--model", str(ft), "--out", str(hf), "--format", "hf")
+    cli("export", "--model", str(ft), "--out", str(hf), "--format", "hf", check=True)
     exported, source = (json.loads((p / "config.json").read_text()) for p in (hf, root / "src"))
     assert exported["vision_config"] == source["vision_config"] and exported["canvas_length"] == 81  # kept, not reset
     back = DiffusionGemmaForBlockDiffusion.from_pretrained(hf).eval()
@@ -126,15 +120,15 @@ def fine_tune_and_export(capsys, root, variant: str, steps: int) -> None:
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_fine_tune_an_imported_diffusion_gemma_on_sudoku(setup, capsys):
+def test_fine_tune_an_imported_diffusion_gemma_on_sudoku(setup):
     """Full fine-tuning with the routers frozen (the fast variant)."""
-    fine_tune_and_export(capsys, setup, "full-router-frozen", STEPS)
+    fine_tune_and_export(setup, "full-router-frozen", STEPS)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["full", "lora"])
-def test_fine_tune_on_sudoku_routers_trained_and_lora(setup, capsys, variant):
+def test_fine_tune_on_sudoku_routers_trained_and_lora(setup, variant):
     """The routers trained with the rest; LoRA adapters through peft (the routers untouched)."""
     if variant == "lora":
         pytest.importorskip("peft")
-    fine_tune_and_export(capsys, setup, variant, STEPS)
+    fine_tune_and_export(setup, variant, STEPS)

@@ -13,8 +13,8 @@ from tokenizers import models, pre_tokenizers  # noqa: E402
 from transformers.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion  # noqa: E402
 from transformers.models.gemma4 import Gemma4ForCausalLM  # noqa: E402
 
+from conftest import cli  # noqa: E402
 from dlm.checkpoint import load_model  # noqa: E402
-from dlm.cli import main  # noqa: E402
 from test_diffusion_gemma import S, F, hf_diffusion_gemma  # noqa: E402
 from test_gemma4 import hf_model  # noqa: E402
 
@@ -35,16 +35,8 @@ def save_tokenizer(folder, vocab=97):
                                                                "pad_token_id": 0}))
 
 
-def run_cli(*args):
-    try:
-        code = main(list(args))
-    except SystemExit as e:
-        code = e.code
-    assert code in (0, None), args
-
-
 @pytest.mark.parametrize("which", ["ar", "usdm"])
-def test_import_export_round_trip(tmp_path, capsys, which):
+def test_import_export_round_trip(tmp_path, which):
     if which == "ar":
         c, m = hf_model("moe-kv")
     else:
@@ -52,8 +44,7 @@ def test_import_export_round_trip(tmp_path, capsys, which):
     src = tmp_path / "src"
     m.save_pretrained(src)
     save_tokenizer(src)
-    run_cli("import", "--hf", str(src), "--out", str(tmp_path / "ck"))
-    err = capsys.readouterr().err
+    err = cli("import", "--hf", str(src), "--out", str(tmp_path / "ck"), check=True).stderr
     assert (err.count("vision_tower") == 1) == (which == "usdm")  # the vision tower is left out, said once
     net, ck = load_model(str(tmp_path / "ck"))
     assert ck.objective == which
@@ -68,7 +59,7 @@ def test_import_export_round_trip(tmp_path, capsys, which):
             enc = m.model.encoder(input_ids=ids)
             torch.testing.assert_close(net(ids).logits, torch.tanh(m.lm_head(enc.last_hidden_state) / 30) * 30,
                                        atol=1e-5, rtol=1e-5)
-    run_cli("export", "--model", str(tmp_path / "ck"), "--out", str(tmp_path / "hf"), "--format", "hf")
+    cli("export", "--model", str(tmp_path / "ck"), "--out", str(tmp_path / "hf"), "--format", "hf", check=True)
     cls = Gemma4ForCausalLM if which == "ar" else DiffusionGemmaForBlockDiffusion
     back = cls.from_pretrained(tmp_path / "hf").eval()
     ref = {k: v for k, v in m.state_dict().items() if "vision" not in k}
@@ -76,7 +67,7 @@ def test_import_export_round_trip(tmp_path, capsys, which):
     for k, v in ref.items():  # every text tensor of the source, bit for bit
         assert torch.equal(got[k], v), k
     assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["chat_template"] == CHAT
-    run_cli("import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ck2"))
+    cli("import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ck2"), check=True)
     a, b = load_file(tmp_path / "ck" / "model.safetensors"), load_file(tmp_path / "ck2" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -94,7 +85,7 @@ def test_generate_matches_transformers_generate(tmp_path, seed, steps, bound):
     src = tmp_path / "src"
     m.save_pretrained(src)
     save_tokenizer(src)
-    run_cli("import", "--hf", str(src), "--out", str(tmp_path / "ck"))
+    cli("import", "--hf", str(src), "--out", str(tmp_path / "ck"), check=True)
     net, ck = load_model(str(tmp_path / "ck"))
     prompt = [2, 10, 11, 12, 13, 14, 15, 16]  # longer than the sliding window (5)
     torch.manual_seed(seed)
@@ -122,7 +113,7 @@ def test_fine_tune_an_imported_diffusion_gemma_and_export_it(tmp_path, lora):
     src = tmp_path / "src"
     m.save_pretrained(src)
     save_tokenizer(src)
-    run_cli("import", "--hf", str(src), "--out", str(tmp_path / "ck"))
+    cli("import", "--hf", str(src), "--out", str(tmp_path / "ck"), check=True)
     rng = random.Random(0)  # a task with structure: runs of consecutive letters
     lines = []
     for _ in range(300):
@@ -130,10 +121,10 @@ def test_fine_tune_an_imported_diffusion_gemma_and_export_it(tmp_path, lora):
         lines.append(" ".join(chr(ord("a") + a + i) for i in range(12)))
     (tmp_path / "abc.txt").write_text("\n".join(lines))
     extra = ["--lora-rank", "8", "--lr", "3e-2"] if lora else ["--freeze-router", "--lr", "1e-2"]
-    run_cli("train", "--objective", "usdm", "--init-from", str(tmp_path / "ck"), "--data", str(tmp_path / "abc.txt"),
-            "--seq-len", "32", "--canvas-length", "4", "--batch-size", "8", "--max-steps", "30",
-            "--eval-every", "30", "--eval-batches", "2", "--log-every", "10", "--quiet", "--out", str(tmp_path / "ft"),
-            *extra)
+    cli("train", "--objective", "usdm", "--init-from", str(tmp_path / "ck"), "--data", str(tmp_path / "abc.txt"),
+        "--seq-len", "32", "--canvas-length", "4", "--batch-size", "8", "--max-steps", "30",
+        "--eval-every", "30", "--eval-batches", "2", "--log-every", "10", "--quiet", "--out", str(tmp_path / "ft"),
+        *extra, check=True)
     rows = [json.loads(x) for x in (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert losses[-1] < 0.9 * losses[0], losses  # it learns the task
@@ -146,7 +137,7 @@ def test_fine_tune_an_imported_diffusion_gemma_and_export_it(tmp_path, lora):
             [k for k in changed if not k.rsplit(".", 2)[-2].endswith("_proj") or ".experts." in k]
         assert json.loads((tmp_path / "ft" / "config.json").read_text())["lora"]["rank"] == 8
     assert json.loads((tmp_path / "ft" / "generation_config.json").read_text())["eos_token_id"] == [1, 6]
-    run_cli("export", "--model", str(tmp_path / "ft"), "--out", str(tmp_path / "hf"), "--format", "hf")
+    cli("export", "--model", str(tmp_path / "ft"), "--out", str(tmp_path / "hf"), "--format", "hf", check=True)
     back = DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path / "hf").eval()
     net, _ = load_model(str(tmp_path / "ft"))
     ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(3))
@@ -173,7 +164,7 @@ def test_an_imported_diffusion_gemma_is_served_beside_its_ar_sibling(tmp_path):
     for name, (c, m) in (("dg", hf_diffusion_gemma((S, F, S, F), canvas=6)), ("g4", hf_model("moe-kv"))):
         m.save_pretrained(tmp_path / f"{name}-src")
         save_tokenizer(tmp_path / f"{name}-src")
-        run_cli("import", "--hf", str(tmp_path / f"{name}-src"), "--out", str(tmp_path / name))
+        cli("import", "--hf", str(tmp_path / f"{name}-src"), "--out", str(tmp_path / name), check=True)
     engine = Engine([str(tmp_path / "dg"), str(tmp_path / "g4")])
     try:
         s = engine.get("dg")
@@ -221,14 +212,14 @@ def test_a_dflash_drafter_on_an_imported_gemma4_target(tmp_path):
     c, m = hf_model("moe-kv")
     m.save_pretrained(tmp_path / "src")
     save_tokenizer(tmp_path / "src")
-    run_cli("import", "--hf", str(tmp_path / "src"), "--out", str(tmp_path / "g4"))
+    cli("import", "--hf", str(tmp_path / "src"), "--out", str(tmp_path / "g4"), check=True)
     (tmp_path / "t").mkdir()
     for f in range(20):
         (tmp_path / "t" / f"{f}.txt").write_text(
             "\n".join(" ".join("abcdefgh"[(i + j) % 8] for j in range(10)) for i in range(f, f + 10)))
-    run_cli("train", "--objective", "dflash", "--target", str(tmp_path / "g4"), "--data", str(tmp_path / "t"),
-            "--seq-len", "32", "--batch-size", "4", "--block-size", "4", "--max-steps", "4", "--quiet",
-            "--distill-logits", "--out", str(tmp_path / "df"))
+    cli("train", "--objective", "dflash", "--target", str(tmp_path / "g4"), "--data", str(tmp_path / "t"),
+        "--seq-len", "32", "--batch-size", "4", "--block-size", "4", "--max-steps", "4", "--quiet",
+        "--distill-logits", "--out", str(tmp_path / "df"), check=True)
     d = json.loads((tmp_path / "df" / "config.json").read_text())
     assert not d["model"]["layer_types"] and not d["model"]["sandwich_norm"] and d["model"]["moe"] is None
     assert d["dflash"]["input_embedding_scale"] == pytest.approx(c.hidden_size ** 0.5)
@@ -258,7 +249,7 @@ def test_concurrent_requests_to_an_imported_gemma4_share_forwards(tmp_path):
     c, m = hf_model("moe-kv")
     m.save_pretrained(tmp_path / "src")
     save_tokenizer(tmp_path / "src")
-    run_cli("import", "--hf", str(tmp_path / "src"), "--out", str(tmp_path / "g4"))
+    cli("import", "--hf", str(tmp_path / "src"), "--out", str(tmp_path / "g4"), check=True)
     first = ["a b", "c d e f g h i", "j k l"]
     later = ["m n o p q r s t u v w x y z a b c d e", "f", "g h i j k l m n o p"]
     budget = {p: 10 + 3 * i for i, p in enumerate(first + later)}  # rows end at different steps

@@ -13,21 +13,13 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import Ministral3Config, Ministral3ForCausalLM  # noqa: E402
 
+from conftest import cli  # noqa: E402
 from dlm.checkpoint import load_model  # noqa: E402
-from dlm.cli import main  # noqa: E402
 from dlm.sampling import SampleConfig, generate  # noqa: E402
 from test_hf_gemma import save_tokenizer  # noqa: E402
 
 ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=8, beta_fast=32.0,
             beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
-
-
-def run_cli(*args):
-    try:
-        code = main(list(args))
-    except SystemExit as e:
-        code = e.code
-    return code
 
 
 def nemotron_folder(tmp_path, **extra):
@@ -57,7 +49,7 @@ def nemotron_folder(tmp_path, **extra):
 
 def test_import_ar_mode_matches_transformers_and_the_modes_decode(tmp_path):
     src, m = nemotron_folder(tmp_path)
-    assert run_cli("import", "--hf", str(src), "--out", str(tmp_path / "ck")) in (0, None)
+    cli("import", "--hf", str(src), "--out", str(tmp_path / "ck"), check=True)
     net, ck = load_model(str(tmp_path / "ck"))
     assert ck.objective == "joint" and ck.mask_id == 4 and ck.block_size == 8
     assert ck.config["family"] == "nemotron-labs-diffusion" and (tmp_path / "ck" / "modeling_ministral_dlm.py").exists()
@@ -73,34 +65,33 @@ def test_import_ar_mode_matches_transformers_and_the_modes_decode(tmp_path):
     assert out.stats.new_tokens > 0 and "<mask>" not in out.text
 
 
-def test_export_is_the_same_folder_and_bad_folders_are_refused(tmp_path, capsys):
+def test_export_is_the_same_folder_and_bad_folders_are_refused(tmp_path):
     src, _ = nemotron_folder(tmp_path)
-    assert run_cli("import", "--hf", str(src), "--out", str(tmp_path / "ck")) in (0, None)
-    assert run_cli("export", "--model", str(tmp_path / "ck"), "--format", "hf", "--out", str(tmp_path / "back")) in (0, None)
+    cli("import", "--hf", str(src), "--out", str(tmp_path / "ck"), check=True)
+    cli("export", "--model", str(tmp_path / "ck"), "--format", "hf", "--out", str(tmp_path / "back"), check=True)
     a, b = load_file(src / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     want, got = json.loads((src / "config.json").read_text()), json.loads((tmp_path / "back" / "config.json").read_text())
     assert {k: v for k, v in got.items() if k not in ("torch_dtype", "dtype")} == \
         {k: v for k, v in want.items() if k not in ("torch_dtype", "dtype")}
     assert (tmp_path / "back" / "modeling_ministral_dlm.py").exists()
-    capsys.readouterr()
     for i, (extra, needle) in enumerate((({"dlm_paradigm": "bidirectional"}, "dlm_paradigm 'bidirectional'"),
                                          ({"dlm_type": "dream"}, "dlm_type 'dream'"),
                                          ({"mask_token_id": 500}, "outside the vocabulary"))):
         bad, _ = nemotron_folder(tmp_path / f"bad{i}", **extra)
-        assert run_cli("import", "--hf", str(bad), "--out", str(tmp_path / "x")) == 2
-        err = capsys.readouterr().err
+        code, _, err = cli("import", "--hf", str(bad), "--out", str(tmp_path / "x"))
+        assert code == 2
         assert needle in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
 
 
-def test_an_imported_model_evaluates_its_ar_mode_as_transformers_scores_it(tmp_path, capsys):
+def test_an_imported_model_evaluates_its_ar_mode_as_transformers_scores_it(tmp_path):
     """`dlm eval` of the imported joint checkpoint reports its AR mode's held-out perplexity (library and CLI), and
     that mode's next-token cross-entropy on a sequence equals transformers' Ministral3ForCausalLM's."""
     from dlm.data.corpus import Corpus
     from dlm.evaluate import evaluate
 
     src, m = nemotron_folder(tmp_path)
-    assert run_cli("import", "--hf", str(src), "--out", str(tmp_path / "ck")) in (0, None)
+    cli("import", "--hf", str(src), "--out", str(tmp_path / "ck"), check=True)
     net, ck = load_model(str(tmp_path / "ck"))
     data = tmp_path / "docs"
     data.mkdir()
@@ -113,6 +104,6 @@ def test_an_imported_model_evaluates_its_ar_mode_as_transformers_scores_it(tmp_p
         want = torch.nn.functional.cross_entropy(m(ids).logits[0, :-1], ids[0, 1:])
         got = torch.nn.functional.cross_entropy(net(ids).logits[0, :-1], ids[0, 1:])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert run_cli("eval", "--model", str(tmp_path / "ck"), "--data", str(data), "--split", "test", "--seq-len", "32",
-                   "--json") in (0, None)
-    assert "ar_mode_perplexity" in capsys.readouterr().out
+    out = cli("eval", "--model", str(tmp_path / "ck"), "--data", str(data), "--split", "test", "--seq-len", "32",
+              "--json", check=True).stdout
+    assert "ar_mode_perplexity" in out

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import run_cli, tiny_train_config
+from conftest import cli, run_cli, tiny_train_config
 from dlm.checkpoint import load_model
 from dlm.config import preset
 from dlm.errors import DlmError
@@ -414,8 +414,8 @@ def test_template_pins_everything_but_the_markers(mdlm64):
 # the command line ------------------------------------------------------------------------------
 
 def test_cli_generate_json(tiny_mdlm):
-    p = run_cli("generate", "--model", str(tiny_mdlm), "--prompt", PROMPT, "--max-new-tokens", "24", "--sampler",
-                "entropy_bound", "--entropy-bound", "0.5", "--json", check=True)
+    p = cli("generate", "--model", str(tiny_mdlm), "--prompt", PROMPT, "--max-new-tokens", "24", "--sampler",
+            "entropy_bound", "--entropy-bound", "0.5", "--json", check=True)
     out = json.loads(p.stdout)
     assert out["canvases"] == len(out["steps_per_canvas"]) >= 2
     assert out["forwards"] == sum(out["steps_per_canvas"])
@@ -435,7 +435,7 @@ BAD = [
 
 
 def test_cli_bad_input_exit_code(tiny_mdlm):
-    p = run_cli("generate", "--model", str(tiny_mdlm), "--prompt", "x", "--steps", "0")
+    p = cli("generate", "--model", str(tiny_mdlm), "--prompt", "x", "--steps", "0")
     assert p.returncode == 2
     assert "--steps must be > 0" in p.stderr and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
 

@@ -14,9 +14,7 @@ Most commands run in this process (`dlm.cli.main`, fast); the lock, Ctrl-C and t
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -29,28 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_train_config
+from conftest import cli, tiny_train_config
 from dlm.checkpoint import load_model, open_checkpoint, save_checkpoint
 from dlm.errors import DlmError
-
-
-def cli(*args: str, stdin: bytes | None = None) -> tuple[int, str, str]:
-    """`dlm ARGS` in this process: (exit code, stdout, stderr)."""
-    from dlm.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    old_stdin = sys.stdin
-    if stdin is not None:
-        sys.stdin = io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8", errors="surrogateescape")
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = main(list(args))
-            except SystemExit as e:
-                code = e.code
-    finally:
-        sys.stdin = old_stdin
-    return code, out.getvalue(), err.getvalue()
 
 
 def one_line_error(res: tuple[int, str, str], *needles: str) -> str:

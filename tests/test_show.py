@@ -8,7 +8,7 @@ import re
 import pytest
 from rich.console import Console
 
-from conftest import run_cli
+from conftest import cli
 from dlm.sampling.common import Commit, Done, Stats, Step, drain
 from dlm.sampling.show import MASK_BLOCK, NOISE_DOT, live
 from dlm.tokenizer import Tokenizer
@@ -99,5 +99,5 @@ def test_terminal_redraws_and_returns_the_result(tok):
 
 
 def test_cli_show_piped(tiny_ar):
-    p = run_cli("generate", "--model", str(tiny_ar), "--prompt", "def f(", "--max-new-tokens", "5", "--show", check=True)
+    p = cli("generate", "--model", str(tiny_ar), "--prompt", "def f(", "--max-new-tokens", "5", "--show", check=True)
     assert "tokens, 5 forwards" in p.stdout

@@ -11,12 +11,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import cli
 from dlm.errors import DlmError
 from dlm.sampling import SampleConfig
 from dlm.sampling.common import Commit, Stats, Step
 from dlm.sampling.mdlm import MAX_REVISIONS, Job, Rule, check_options, denoise_sequence
 from dlm.tasks import sudoku
-from test_tasks import _cli, count_by_backtracking
+from test_tasks import count_by_backtracking
 
 # the hand-made model --------------------------------------------------------------------------------------------
 
@@ -136,14 +137,14 @@ def test_symmetric_copies_keep_the_clues_and_the_one_solution(tmp_path):
     assert sorted(sudoku.clues_of(q) for q, _ in copies) == sorted([sudoku.clues_of(q) for q, _ in pairs] * 4)
     src, out = tmp_path / "src.csv", tmp_path / "out.csv"
     write_pairs(src, pairs + sudoku.generate(2, (44, 46), seed=4))
-    code, stdout, _ = _cli("task", "sudoku", "--source", str(src), "--clues", "30-34", "--augment", "2",
-                           "--out", str(out))
+    code, stdout, _ = cli("task", "sudoku", "--source", str(src), "--clues", "30-34", "--augment", "2",
+                          "--out", str(out))
     assert code == 0 and "6 puzzles" in stdout and set(pairs) <= set(read_pairs(out))
     for args, needle in ((["--augment", "0"], "--augment must be >= 1"), (["--clues", "20-21"], "no puzzle has")):
-        code, _, err = _cli("task", "sudoku", "--source", str(src), "--out", str(out), *args)
+        code, _, err = cli("task", "sudoku", "--source", str(src), "--out", str(out), *args)
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
     before = src.read_bytes()
-    code, _, err = _cli("task", "sudoku", "--source", str(src), "--clues", "30-34", "--out", str(src))
+    code, _, err = cli("task", "sudoku", "--source", str(src), "--clues", "30-34", "--out", str(src))
     assert code == 2 and "is the --source file" in err and src.read_bytes() == before
 
 
@@ -161,7 +162,7 @@ def test_eval_clues_band(tmp_path):
         sudoku.cases(str(data), 10, 0, clues="20-21")
     for args, needle in ((["--task", "complete"], "--clues goes with --task sudoku"),
                          (["--task", "sudoku", "--data", str(data)], "--clues must")):
-        code, _, err = _cli("eval", "--model", str(tmp_path), "--clues", "9", *args)
+        code, _, err = cli("eval", "--model", str(tmp_path), "--clues", "9", *args)
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
 
 
@@ -180,8 +181,8 @@ def tiny_sudoku_mdlm(tmp_path_factory):
 
 
 def test_eval_clues_reports_the_band(tiny_sudoku_mdlm):
-    code, out, err = _cli("eval", "--task", "sudoku", "--clues", "44-45", "--n", "1", "--json", "--model",
-                          str(tiny_sudoku_mdlm), "--steps", "8", "--revise", "0.3")
+    code, out, err = cli("eval", "--task", "sudoku", "--clues", "44-45", "--n", "1", "--json", "--model",
+                         str(tiny_sudoku_mdlm), "--steps", "8", "--revise", "0.3")
     assert code == 0, err
     res = json.loads(out)
     assert res["clues"] == "44-45" and res["n"] == 1 and res["forwards"] >= 8 and res["revisions"] >= 0
@@ -269,8 +270,8 @@ def test_tries_bad_input_is_one_line(tiny_sudoku_mdlm):
                          (["--task", "sudoku", "--best-of", "2", "--tries", "2", "--temperature", "1"],
                           "two decoders"),
                          (["--best-of", "2"], "--best-of goes with --task")):
-        code, _, err = _cli("eval", "--model", m, "--n", "1", *args)
+        code, _, err = cli("eval", "--model", m, "--n", "1", *args)
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
-    code, out, err = _cli("eval", "--model", m, "--task", "sudoku", "--clues", "44-45", "--n", "1", "--steps", "4",
-                          "--temperature", "1", "--tries", "2")
+    code, out, err = cli("eval", "--model", m, "--task", "sudoku", "--clues", "44-45", "--n", "1", "--steps", "4",
+                         "--temperature", "1", "--tries", "2")
     assert code == 0 and "rule-checked: up to 2 tries" in out, err

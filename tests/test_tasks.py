@@ -4,14 +4,13 @@ cases, every paradigm through every task, and bad --data."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import random
 
 import pytest
 import torch
 
+from conftest import cli
 from dlm.errors import DlmError
 from dlm.tasks import sudoku
 
@@ -333,18 +332,6 @@ def test_completion_and_infill_cases(corpus_dir):
         infill.cases(str(corpus_dir), 2, 0, "word")
 
 
-def _cli(*args):
-    from dlm.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(args))
-        except SystemExit as e:
-            code = e.code
-    return code, out.getvalue(), err.getvalue()
-
-
 def _shipped(name):
     from dlm.checkpoint import shipped
 
@@ -361,7 +348,7 @@ def test_every_paradigm_runs_the_code_tasks(task, extra):
             ["--model", _shipped("usdm-small"), "--steps", "8"],
             ["--model", _shipped("ar-small"), "--draft", "lookup"]]
     for args in runs:
-        code, out, err = _cli(*base, *args, "--max-new-tokens", "12")
+        code, out, err = cli(*base, *args, "--max-new-tokens", "12")
         assert code == 0, err
         res = json.loads(out)
         assert res["task"] == task and res["n"] == 2
@@ -401,15 +388,15 @@ def test_every_paradigm_runs_sudoku(sudoku_models):
     assert cfg["train"]["answer_sep"] == "=" and cfg["tokenizer"]["vocab_size"] == 28
     for args in (["--model", str(models["ar"])], ["--model", str(models["ar"]), "--draft", "lookup"],
                  ["--model", str(models["mdlm"]), "--steps", "10"], ["--model", str(models["usdm"]), "--steps", "4"]):
-        code, out, err = _cli("eval", "--task", "sudoku", "--data", str(test), "--n", "2", "--json", *args)
+        code, out, err = cli("eval", "--task", "sudoku", "--data", str(test), "--n", "2", "--json", *args)
         assert code == 0, err
         res = json.loads(out)
         assert res["task"] == "sudoku" and res["n"] == 2
         assert {"accuracy", "cell_accuracy", "valid", "tokens_per_forward", "forwards", "seconds"} <= set(res)
         assert 0 <= res["cell_accuracy"] <= 1
     # mdlm fills only the blanks (the givens are pinned): at 10 steps, >= 3 cells per forward
-    code, out, _ = _cli("eval", "--task", "sudoku", "--data", str(test), "--n", "1", "--json",
-                        "--model", str(models["mdlm"]), "--steps", "10")
+    code, out, _ = cli("eval", "--task", "sudoku", "--data", str(test), "--n", "1", "--json",
+                       "--model", str(models["mdlm"]), "--steps", "10")
     assert json.loads(out)["forwards"] == 10 and json.loads(out)["tokens_per_forward"] >= 3
 
 
@@ -431,8 +418,8 @@ def test_best_of_a_usdm_model_keeps_the_draw_it_scores_highest(sudoku_models):
         assert all(d["logprob"] < 0 for d in draws) and len({d["logprob"] for d in draws}) == 3
         best = max(draws, key=lambda d: d["logprob"])
         assert r["answer"] == best["answer"] and r["forwards"] == sum(d["forwards"] for d in draws)
-    code, _, err = _cli("eval", "--task", "sudoku", "--data", str(test), "--n", "1", "--model", str(models["ar"]),
-                        "--temperature", "1", "--best-of", "2")
+    code, _, err = cli("eval", "--task", "sudoku", "--data", str(test), "--n", "1", "--model", str(models["ar"]),
+                       "--temperature", "1", "--best-of", "2")
     assert code == 2 and "--best-of: an mdlm or usdm checkpoint" in err and len(err.strip().splitlines()) == 1
 
 
@@ -440,13 +427,13 @@ def test_dlm_task_sudoku_writes_the_public_layout(tmp_path):
     from dlm.data.csvtask import read_pairs
 
     out = tmp_path / "s.csv"
-    code, stdout, err = _cli("task", "sudoku", "--n", "4", "--clues", "44-46", "--seed", "5", "--out", str(out))
+    code, stdout, err = cli("task", "sudoku", "--n", "4", "--clues", "44-46", "--seed", "5", "--out", str(out))
     assert code == 0, err and "wrote" in stdout
     pairs = read_pairs(out)
     assert pairs == sudoku.generate(4, (44, 46), seed=5)
     for args, needle in (([ "--clues", "9"], "--clues"), (["--out", str(tmp_path / "s.txt")], "--out")):
         full = ["task", "sudoku", "--n", "2", "--out", str(out), *args]
-        code, _, err = _cli(*full)
+        code, _, err = cli(*full)
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
 
 
@@ -464,12 +451,12 @@ def test_bad_data_exits_2_with_one_line(tmp_path):
                                ("sudoku", tmp_path / "missing.csv", "no such"),
                                ("sudoku", tmp_path / "latin1.py", "not UTF-8"),
                                ("sudoku", tmp_path / "emptydir", "is a folder")):
-        code, out, err = _cli("eval", "--model", ar, "--task", task, "--data", str(data), "--n", "1", "--json")
+        code, out, err = cli("eval", "--model", ar, "--task", task, "--data", str(data), "--n", "1", "--json")
         assert code == 2 and out == "", (task, data, err)
         assert err.startswith("dlm: error: ") and needle in err and len(err.strip().splitlines()) == 1, err
-    code, _, err = _cli("eval", "--model", ar, "--task", "poetry")
+    code, _, err = cli("eval", "--model", ar, "--task", "poetry")
     assert code == 2 and "--task must be one of" in err
-    code, _, err = _cli("eval", "--model", ar, "--task", "complete", "--split", "train", "--n", "1")
+    code, _, err = cli("eval", "--model", ar, "--task", "complete", "--split", "train", "--n", "1")
     assert code == 2 and "--split with --task" in err and len(err.strip().splitlines()) == 1
 
 

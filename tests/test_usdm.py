@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from conftest import run_cli, tiny_train_config
+from conftest import cli, tiny_train_config
 from dlm.checkpoint import load_model
 from dlm.config import preset
 from dlm.errors import DlmError
@@ -444,12 +444,12 @@ def test_bad_sampling_options(tiny_usdm):
 
 
 def test_cli_generate_json_and_errors(tiny_usdm):
-    p = run_cli("generate", "--model", str(tiny_usdm), "--prompt", "def g(", "--max-new-tokens", "20", "--json",
-                "--max-denoising-steps", "5", check=True)
+    p = cli("generate", "--model", str(tiny_usdm), "--prompt", "def g(", "--max-new-tokens", "20", "--json",
+            "--max-denoising-steps", "5", check=True)
     out = json.loads(p.stdout)
     assert out["canvases"] == 2 and len(out["steps_per_canvas"]) == 2
     assert out["forwards"] > 0 and out["tokens_per_forward"] > 0 and out["new_tokens"] == 20
-    p = run_cli("generate", "--model", str(tiny_usdm), "--prompt", "x", "--t-min", "0.9", "--t-max", "0.5")
+    p = cli("generate", "--model", str(tiny_usdm), "--prompt", "x", "--t-min", "0.9", "--t-max", "0.5")
     assert p.returncode == 2 and "--t-min" in p.stderr and "Traceback" not in p.stderr  # the rest: test_bad_sampling_options
     assert len(p.stderr.strip().splitlines()) == 1
 
