@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import random_transformer
+from conftest import tiny_model
 from dlm.model import Transformer
 from dlm.objectives.mdlm import elbo_nll
 from dlm.model import canvas_embeds
@@ -45,15 +45,6 @@ Z = 4.0  # standard errors allowed between a Monte-Carlo mean and its exact expe
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def random_model(vocab: int, seed: int, self_cond: bool = False, std: float = 0.5) -> Transformer:
-    m = random_transformer(seed, std, vocab_size=vocab, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32,
-                           max_seq_len=32, self_cond=self_cond)
-    if self_cond:
-        with torch.no_grad():
-            m.self_cond.norm.weight.normal_(1.0, 0.5)
-    return m.double().eval()
 
 
 # mdlm ------------------------------------------------------------------------------------------
@@ -129,7 +120,7 @@ def exact_mdlm(model: Transformer, X: torch.Tensor, L: int, leak: bool = False):
 
 @pytest.fixture(scope="module")
 def mdlm_model() -> Transformer:
-    return random_model(R + 1, seed=3)
+    return tiny_model(3, R + 1, max_seq_len=32)
 
 
 def test_reference_is_a_distribution_and_the_elbo_bounds_it(mdlm_model):
@@ -230,7 +221,7 @@ def exact_usdm(model: Transformer, prefix: list[int], canvas: list[int], rates: 
 
 @pytest.fixture(scope="module")
 def usdm_model() -> Transformer:
-    return random_model(N, seed=7, self_cond=True)
+    return tiny_model(7, N, max_seq_len=32, self_cond=True)
 
 
 def run_evaluate(model, monkeypatch, windows: int, samples: int, seed: int) -> dict:

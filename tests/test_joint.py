@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_greedy_continuation, random_transformer, run_cli, tiny_train_config
+from conftest import assert_greedy_continuation, cli, tiny_model, tiny_train_config
 from dlm.checkpoint import load_model
 from dlm.config import ModelConfig
 from dlm.errors import DlmError
@@ -38,9 +38,7 @@ def tiny_joint(tiny_ar, corpus_dir, tokenizer_path, tmp_path_factory):
     return out
 
 
-def random_model(seed: int, vocab: int = 24, dim: int = 32, layers: int = 2) -> Transformer:
-    return random_transformer(seed, 0.3, vocab_size=vocab, dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2,
-                              ffn_dim=2 * dim, max_seq_len=256).double().eval()
+SHAPE = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=256)  # the random models here
 
 
 def test_the_mask_drawn_in_the_docs():
@@ -54,7 +52,7 @@ def test_the_mask_drawn_in_the_docs():
 def test_clean_half_is_the_ar_model_and_noisy_blocks_see_no_later_clean_token(corpus_dir, tokenizer_path):
     """The clean half's logits are the plain causal forward's; a noisy block is blind to its own and later
     clean tokens (a leak would let it copy its answer)."""
-    m = random_model(0)
+    m = tiny_model(0, 24, 0.3, **SHAPE)
     T, L = 12, 4
     x0 = torch.randint(0, 20, (2, T), generator=torch.Generator().manual_seed(1))
     xt = x0.clone()
@@ -235,13 +233,13 @@ def test_training_with_a_second_stream(corpus_dir, tokenizer_path, tiny_joint, t
     """`dlm train --objective joint --dlm-data D --draft-rate p`: a run reads both corpora and records them;
     wrong options are refused before anything is written."""
     jsonl = tmp_path / "self.jsonl"
-    run_cli("distill", "--target", str(tiny_joint), "--data", str(corpus_dir), "--out", str(jsonl), "--prompts", "160",
-            "--max-new-tokens", "24", "--min-chars", "40", "--max-chars", "80", "--quiet", check=True)
+    cli("distill", "--target", str(tiny_joint), "--data", str(corpus_dir), "--out", str(jsonl), "--prompts", "160",
+        "--max-new-tokens", "24", "--min-chars", "40", "--max-chars", "80", "--quiet", check=True)
     out = tmp_path / "run"
-    r = run_cli("train", "--objective", "joint", "--init-from", str(tiny_joint), "--data", str(corpus_dir),
-                "--dlm-data", str(jsonl), "--draft-rate", "0.5", "--block-size", "8", "--seq-len", "16",
-                "--batch-size", "4", "--max-steps", "2", "--eval-every", "2", "--eval-batches", "1", "--log-every", "1",
-                "--out", str(out), "--quiet")
+    r = cli("train", "--objective", "joint", "--init-from", str(tiny_joint), "--data", str(corpus_dir),
+            "--dlm-data", str(jsonl), "--draft-rate", "0.5", "--block-size", "8", "--seq-len", "16",
+            "--batch-size", "4", "--max-steps", "2", "--eval-every", "2", "--eval-batches", "1", "--log-every", "1",
+            "--out", str(out), "--quiet")
     assert r.returncode == 0, r.stderr
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(x.get("val_loss", x.get("loss"))) for x in rows) and all(x["dlm_loss"] > 0 for x in rows if "loss" in x)
@@ -255,15 +253,15 @@ def test_training_with_a_second_stream(corpus_dir, tokenizer_path, tiny_joint, t
                       (["--objective", "mdlm", "--draft-ar-first"], "--draft-ar-first applies to --objective joint"),
                       (["--objective", "joint", "--dlm-data", str(tmp_path / "missing.jsonl")], "missing.jsonl")]:
         bad = tmp_path / "bad"
-        r = run_cli("train", *args, "--init-from", str(tiny_joint), "--data", str(corpus_dir), "--seq-len", "32",
-                    "--max-steps", "1", "--out", str(bad))
+        r = cli("train", *args, "--init-from", str(tiny_joint), "--data", str(corpus_dir), "--seq-len", "32",
+                "--max-steps", "1", "--out", str(bad))
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr and not bad.exists(), r.stderr
 
 
 def test_quadratic_rows_are_the_ar_logits_and_linear_drafts():
     """One quadratic pass = the AR logits after d_0..d_i and, per row, a draft of L masks over a cache that
     holds the prefix and d_0..d_i (as if they were accepted) (same numbers, float64)."""
-    m = random_model(1)
+    m = tiny_model(1, 24, 0.3, **SHAPE)
     prefix, d, L = [5, 6, 7, 8], [9, 10, 11], 3
     m_ = len(d) - 1
     with torch.no_grad():
@@ -285,7 +283,7 @@ def test_quadratic_rows_are_the_ar_logits_and_linear_drafts():
 
 @pytest.mark.parametrize("L", [2, 4, 8])
 def test_both_modes_are_lossless_on_a_random_model(L):
-    m = random_model(2)
+    m = tiny_model(2, 24, 0.3, **SHAPE)
     prompt = [4, 5, 6, 7]
     ref = target_greedy(m, prompt, 40, None)
     q = [t for e in quadratic(m, prompt, block_size=L, max_new_tokens=40, mask_id=3, sampling=Sampling(),
@@ -348,7 +346,7 @@ def test_sampling_follows_the_ar_distribution(mode):
     """At T = 0.8 the first two emitted tokens are distributed as the AR mode's (chi-square, seeded). The
     second token comes from a verify cycle (one draft), so acceptance and the residual draw both count."""
     V, T, N = 5, 0.8, 1500
-    m = random_model(3, vocab=V, dim=16, layers=1)
+    m = tiny_model(3, V, 0.3, **{**SHAPE, "dim": 16, "ffn_dim": 32, "n_layers": 1})
     with torch.no_grad():  # make the draft agree often enough that acceptance and rejection both occur
         m.lm_head.weight.mul_(0.5)
     prompt = [1, 2, 1, 2]
@@ -383,8 +381,8 @@ def test_bad_options(tiny_joint, tiny_ar):
                     (dict(sampler="self-spec-linear", suffix="x"), "cannot infill")]:
         with pytest.raises(DlmError, match=msg):
             generate(model, ck, "x = 1\n", SampleConfig(max_new_tokens=8, **kw))
-    r = run_cli("train", "--objective", "joint", "--init-from", str(tiny_ar), "--block-size", "7", "--seq-len", "64",
-                "--out", str(tiny_joint.parent / "bad"))
+    r = cli("train", "--objective", "joint", "--init-from", str(tiny_ar), "--block-size", "7", "--seq-len", "64",
+            "--out", str(tiny_joint.parent / "bad"))
     assert r.returncode == 2 and "--block-size must divide" in r.stderr and not (tiny_joint.parent / "bad").exists()
 
 
@@ -412,8 +410,8 @@ def test_bench_rows_for_self_speculation(tiny_joint, tiny_ar, corpus_dir, tmp_pa
 def test_eval_reports_the_ar_mode_beside_its_reference(tiny_joint, tiny_ar, corpus_dir):
     """`dlm eval` of a joint checkpoint: its AR mode's perplexity is the causal loss of the model itself, and the
     AR model it was adapted from is scored on the same windows."""
-    proc = run_cli("eval", "--model", str(tiny_joint), "--data", str(corpus_dir), "--reference", str(tiny_ar),
-                   "--max-batches", "2", "--seq-len", "64", "--json")
+    proc = cli("eval", "--model", str(tiny_joint), "--data", str(corpus_dir), "--reference", str(tiny_ar),
+               "--max-batches", "2", "--seq-len", "64", "--json")
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)
     from dlm.data.corpus import Corpus
@@ -431,8 +429,8 @@ def test_eval_reports_the_ar_mode_beside_its_reference(tiny_joint, tiny_ar, corp
 def test_distill_from_a_joint_model_writes_its_ar_modes_continuations(tiny_joint, corpus_dir, tmp_path):
     """`dlm distill --target JOINT`: training data for the model's own diffusion half, from its AR mode."""
     out = tmp_path / "self.jsonl"
-    run_cli("distill", "--target", str(tiny_joint), "--data", str(corpus_dir), "--out", str(out), "--prompts", "3",
-            "--max-new-tokens", "12", "--quiet", check=True)
+    cli("distill", "--target", str(tiny_joint), "--data", str(corpus_dir), "--out", str(out), "--prompts", "3",
+        "--max-new-tokens", "12", "--quiet", check=True)
     model, ck = load_model(tiny_joint)
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(rows) == 3

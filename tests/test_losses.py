@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import random_transformer
+from conftest import tiny_model
 from dlm.config import ModelConfig
 from dlm.masks import dflash_draft_mask
 from dlm.model import Transformer
@@ -28,13 +28,8 @@ V, MASK = 24, 3
 NOTHING_MASKED_SEED = 3  # with T = 2 this generator draws t = 0.005 and masks neither position
 
 
-def random_model(seed: int, vocab: int = V, layers: int = 1) -> Transformer:
-    return random_transformer(seed, 0.4, vocab_size=vocab, dim=16, n_layers=layers, n_heads=2, n_kv_heads=1,
-                              ffn_dim=32, max_seq_len=64).double().eval()
-
-
 def test_ar_loss_is_mean_next_token_cross_entropy():
-    model = random_model(0)
+    model = tiny_model(0, V, 0.4)
     batch = torch.randint(0, V, (3, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         loss, extra = AR(SimpleNamespace(), SimpleNamespace()).loss(model, batch, torch.Generator())
@@ -47,7 +42,7 @@ def test_ar_loss_is_mean_next_token_cross_entropy():
 def test_mdlm_loss_by_hand(L):
     """sum over masked tokens of CE / t (t the time of its block), over B * T; the mask rate reported."""
     B, T = 3, 12
-    model = random_model(1)
+    model = tiny_model(1, V, 0.4)
     obj = MDLM(SimpleNamespace(block_size=L, seq_len=T), SimpleNamespace(mask_id=MASK, source="test"))
     batch = torch.randint(4, V, (B, T + 1), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -85,7 +80,7 @@ def test_mdlm_loss_by_hand(L):
 
 def test_mdlm_loss_with_nothing_masked_is_zero():
     """A draw that masks no position (seed chosen for it): loss 0 and the masked cross-entropy reported as 0."""
-    model = random_model(1)
+    model = tiny_model(1, V, 0.4)
     obj = MDLM(SimpleNamespace(block_size=0, seq_len=2), SimpleNamespace(mask_id=MASK, source="test"))
     batch = torch.tensor([[5, 6, 7]])
     with torch.no_grad():
@@ -112,7 +107,7 @@ def test_dflash_loss_by_hand(injection, features, every):
     g, B, T1, A = 4, 2, 16, 2  # A != g - 1: a sum over the wrong axis shows
     if every:  # every position that has g - 1 labels after it: 13 blocks per row
         A = T1 - g + 1
-    target = random_model(3, layers=2)
+    target = tiny_model(3, V, 0.4, n_layers=2)
     with torch.no_grad():  # a head that argmaxes token 5 always, so slots hit where the label is 5
         head = torch.nn.Linear(16, V, bias=True).double()
         head.weight.copy_(target.lm_head.weight)
@@ -162,7 +157,7 @@ def test_dflash_loss_by_hand(injection, features, every):
 
 def test_ar_loss_reads_response_targets_only():
     """With response flags, the mean cross-entropy over the targets that are response tokens."""
-    model = random_model(0)
+    model = tiny_model(0, V, 0.4)
     batch = torch.randint(4, V, (2, 11), generator=torch.Generator().manual_seed(0))
     sup = torch.zeros(2, 11, dtype=torch.bool)
     sup[0, 4:] = True  # row 0: prompt 0..3, response 4..10
@@ -178,7 +173,7 @@ def test_ar_loss_reads_response_targets_only():
 def test_mdlm_noises_response_tokens_only():
     """The noisy input holds <mask> only where the flags mark a response; the loss is normalised by their count."""
     B, T = 4, 24
-    model = random_model(1)
+    model = tiny_model(1, V, 0.4)
     obj = MDLM(SimpleNamespace(block_size=0, seq_len=T), SimpleNamespace(mask_id=MASK, source="test"))
     batch = torch.randint(4, V, (B, T + 1), generator=torch.Generator().manual_seed(2))
     sup = torch.arange(T + 1)[None, :].expand(B, -1) >= torch.tensor([[3], [10], [0], [20]])
@@ -199,7 +194,7 @@ def test_dflash_loss_reads_responses_only(gap):
     slots count up to its first label that is not a response (the next document's prompt); the mean over
     the blocks that count."""
     g, B, T1 = 4, 2, 16
-    target = random_model(3, layers=2)
+    target = tiny_model(3, V, 0.4, n_layers=2)
     torch.manual_seed(4)
     d = DFlashDrafter(ModelConfig(**{**target.cfg.to_dict(), "n_layers": 1}), [0, 1], g, mask_id=MASK).double()
     batch = torch.randint(4, V, (B, T1), generator=torch.Generator().manual_seed(6))

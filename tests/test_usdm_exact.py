@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import random_transformer
+from conftest import tiny_model
 from dlm.checkpoint import open_checkpoint, save_checkpoint
 from dlm.config import ModelConfig
 from dlm.model import Transformer
@@ -52,7 +52,7 @@ def rule_logits(canvas: torch.Tensor) -> torch.Tensor:
 
 
 class RuleDenoiser:
-    """Answers the canvas program's denoiser passes (Windows) in place of the model; records the canvases it was shown."""
+    """Answers the canvas program's denoiser passes (Windows) in place of the model; records the canvases shown."""
 
     def __init__(self):
         self.seen: list[list[int]] = []
@@ -164,14 +164,6 @@ def test_entropy_bound_accept_ignores_positions_that_are_not_free():
 
 # the loss, by hand ----------------------------------------------------------------------------
 
-def tiny_usdm_model(vocab: int = 16, seed: int = 0) -> Transformer:
-    m = random_transformer(seed, 0.3, vocab_size=vocab, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32,
-                           max_seq_len=64, self_cond=True)
-    with torch.no_grad():
-        m.self_cond.norm.weight.normal_(1.0, 0.5)
-    return m.double().eval()
-
-
 def canvas_logits_by_hand(model, prefix: torch.Tensor, canvas_ids: torch.Tensor, probs) -> torch.Tensor:
     """Denoiser logits (L, V) of one canvas after `prefix` (P,), positions P.., no cache, no joint mask."""
     P, L = prefix.shape[0], canvas_ids.shape[0]
@@ -187,7 +179,7 @@ def test_usdm_loss_by_hand(weighting, sc_prob):
     """USDM.loss = next-token CE over the clean window + mean over rows of (mean canvas CE against the
     clean canvas, <eos>-filled, x weight), the canvas scored after a self-conditioning pass where drawn."""
     V, L, T, B, eos = 16, 4, 12, 6, 2
-    model = tiny_usdm_model(V)
+    model = tiny_model(0, V, 0.3, self_cond=True)
     tok = SimpleNamespace(eos_id=eos, vocab_size=V)
     obj = USDM(SimpleNamespace(canvas_length=L, self_cond_prob=sc_prob, loss_weight=weighting), tok)
     g = torch.Generator().manual_seed(4)

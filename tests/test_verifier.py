@@ -24,7 +24,7 @@ import math
 import pytest
 import torch
 
-from conftest import random_transformer
+from conftest import tiny_model
 from dlm.config import ModelConfig
 from dlm.model import Transformer
 from dlm.sampling.common import Commit
@@ -251,12 +251,6 @@ def exact_marginals(target: Transformer, prompt: list[int], n: int, temperature:
     return torch.stack(out)
 
 
-def tiny_model(seed: int, layers: int = 1, std: float = 0.5) -> Transformer:
-    """A random 8-token model whose weights are large enough for peaked, context-dependent distributions."""
-    return random_transformer(seed, std, vocab_size=V, dim=16, n_layers=layers, n_heads=2, n_kv_heads=1, ffn_dim=32,
-                              max_seq_len=64).eval()
-
-
 def tiny_dflash(target: Transformer, seed: int, block: int) -> DFlashDrafter:
     torch.manual_seed(seed)
     d = DFlashDrafter(ModelConfig(**{**target.cfg.to_dict(), "n_layers": 1}), [0], block, mask_id=V - 1)
@@ -281,7 +275,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def target() -> Transformer:
-    return tiny_model(11)
+    return tiny_model(11, V, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -293,7 +287,7 @@ def make_drafter(kind: str, target: Transformer, sampling: Sampling):
     if kind == "lookup":
         return PromptLookup(2)
     if kind == "ar-draft":  # the target with noise on every weight: it agrees often, not always
-        draft = tiny_model(11)
+        draft = tiny_model(11, V, dtype=torch.float32)
         torch.manual_seed(5)
         with torch.no_grad():
             for p in draft.parameters():
