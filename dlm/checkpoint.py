@@ -190,7 +190,7 @@ class Checkpoint:
     @property
     def block_size(self) -> int:
         """The block a block-diffusion checkpoint or a DFlash drafter was trained with (0: the whole sequence). The
-        one accessor: read from the top level, else the drafter's section, else the older key `block_length`."""
+        one accessor: read from the top level, else the drafter's section, else the key `block_length`."""
         c = self.config
         return int(c.get("block_size") or c.get("dflash", {}).get("block_size") or c.get("block_length") or 0)
 

@@ -285,7 +285,7 @@ def sudoku_cmd(puzzle: str, model: str | None = None, device: str = "auto") -> N
     cfg = SampleConfig(max_new_tokens=81, sampler="threshold" if ck.objective == "mdlm" else "auto", threshold=0.999)
     req = rules.request(Case("puzzle", quiz, ""), ck, cfg, style_of(ck, None, cfg), 0)
     res = drain(stream(net, ck, [req.prompt], cfg.replace(max_new_tokens=req.max_new_tokens)), ck.tokenizer.decode,
-                ck.tokenizer.eos_ids)
+                ck.tokenizer.eos_set)
     answer = req.read(res)
     cells = rules.parse_grid(answer)
     from rich.text import Text
@@ -749,7 +749,7 @@ def _dumps(obj) -> str:  # (the commands' `json` flag shadows the module inside 
 
 
 def canonical_argv(argv: list[str]) -> list[str]:
-    """Older spellings of options that now share one name (--gamma, --block-length -> --block-size, ...)."""
+    """Other names of options as their one name (--gamma, --block-length -> --block-size, ...: config.ALIASES)."""
     from dlm.config import ALIASES
 
     spelled = {f"--{old}": f"--{new}" for old, new in ALIASES.items()}

@@ -318,9 +318,10 @@ def check_seed(seed: int, option: str = "--seed") -> None:
           f"{option} must be an integer in [0, {MAX_SEED}], got {seed!r}")
 
 
-# older spellings of options that now share one name (accepted on the command line and in --config files)
+# other names of options, accepted on the command line and in --config files (block_length: LLaDA's; gamma: the
+# speculative-decoding papers'; max_denoising_steps: DiffusionGemma's)
 ALIASES = {"block_length": "block_size", "gamma": "block_size", "max_denoising_steps": "steps",
-           "batch": "cases_per_batch"}  # (eval: --batch named no more what it batches)
+           "batch": "cases_per_batch"}  # (eval: --batch is the cases per batch)
 # The block of block diffusion (mdlm, joint) and of a DFlash draft when none is given: one default, one place.
 # (The public recipes: DFlash trains with 16; Nemotron-Labs-Diffusion decodes with 32 or 16; small models use 16.)
 DEFAULT_BLOCK_SIZE = 16
@@ -570,9 +571,9 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        """A saved run's config (older spellings of renamed options accepted)."""
+        """A saved run's config (other names of options accepted)."""
         d = dict(d)
-        if "block_length" in d:  # mdlm's block was `block_length` before it shared dflash's `block_size`
+        if "block_length" in d:  # an mdlm run's block_size under the other name
             old = d.pop("block_length")
             if d.get("objective") == "mdlm":
                 d["block_size"] = old

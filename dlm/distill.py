@@ -116,7 +116,7 @@ def distill(target: str, out: str, data: str = "stdlib", prompts: int = 4096, ma
                     if isinstance(ev, Commit):
                         new[ev.row].extend(ev.tokens)
                 for s, p, t in zip(batch, ids, new):
-                    t = before_eos(t, tok.eos_ids)
+                    t = before_eos(t, tok.eos_set)
                     n_tokens += len(t)
                     prompt = tok.text(p)  # the snippet's text (not the <bos> a tokenizer puts before it)
                     fh.write(json.dumps({"text": prompt + tok.decode(t), "prompt": prompt,

@@ -73,6 +73,7 @@ class Tokenizer:
             raise DlmError(f"tokenizer {source}: no end-of-text token (looked for {_ALIASES['eos']})")
         self.eos_id: int = ids["eos"]
         self.eos_ids: tuple[int, ...] = (self.eos_id,)  # every id that ends text (use_eos_ids); the first is eos_id
+        self.eos_set: frozenset[int] = frozenset(self.eos_ids)  # the same as a set: what the samplers stop at
         self._found_eos = self.eos_id
         self.bos_id: int = ids["bos"] if ids["bos"] is not None else self.eos_id
         self.pad_id: int = ids["pad"] if ids["pad"] is not None else self.eos_id
@@ -96,6 +97,7 @@ class Tokenizer:
                               for i in ids):
             raise DlmError(f"EOS ids must be token ids of the tokenizer, in [0, {self.vocab_size}), got {ids!r}"[:240])
         self.eos_ids = tuple(ids)  # in the order given (an export writes them back as they were)
+        self.eos_set = frozenset(self.eos_ids)
         self.eos_id = self.eos_ids[0]
         return self
 

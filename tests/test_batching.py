@@ -265,7 +265,7 @@ def test_eval_batch_must_be_positive(capsys):
 
 def _ck(objective: str = "ar"):
     """What the speculative and joint samplers read of a checkpoint."""
-    return SimpleNamespace(objective=objective, path="tiny", tokenizer=SimpleNamespace(eos_id=EOS, eos_ids=[EOS]), mask_id=MASK,
+    return SimpleNamespace(objective=objective, path="tiny", tokenizer=SimpleNamespace(eos_id=EOS, eos_ids=[EOS], eos_set=frozenset([EOS])), mask_id=MASK,
                            block_size=4)
 
 

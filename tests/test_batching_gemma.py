@@ -94,7 +94,7 @@ def test_diffusion_gemma_rows_equal_each_row_alone(dg, opts):
 def test_stream_rows_of_a_diffusion_gemma_run_together(dg):
     """The library's rows with options of their own (eval --batch): one batch, each row as `stream` gives it alone."""
     ck = SimpleNamespace(objective="usdm", path="tiny", config={}, canvas_length=6, noise_vocab=V,
-                         tokenizer=SimpleNamespace(eos_id=EOS, eos_ids=[EOS]))
+                         tokenizer=SimpleNamespace(eos_id=EOS, eos_ids=[EOS], eos_set=frozenset([EOS])))
     cfgs = [SampleConfig(max_new_tokens=n, steps=s, seed=sd) for n, s, sd in [(12, 6, 0), (6, 4, 1), (18, 5, 2)]]
     prompts = [Prompt(p) for p in PROMPTS[1:4]]
     tokens, _, stats = rows_of(list(stream_rows(dg, ck, prompts, cfgs)), 3)

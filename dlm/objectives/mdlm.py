@@ -201,4 +201,4 @@ def mdlm_eval(model, ck, corpus, split: str, seq_len: int, batch_size: int, max_
     nll = float(per_tok.mean())
     stderr = float(per_tok.std() / math.sqrt(samples)) if samples > 1 else float("nan")
     return {"loss_bound": nll, "perplexity_bound": math.exp(nll), "loss_bound_stderr": stderr, "samples": samples,
-            "block_size": L, "block_length": L, "tokens": count, "seed": seed}  # block_length: the older key
+            "block_size": L, "block_length": L, "tokens": count, "seed": seed}  # block_length: the same, under the other name

@@ -122,5 +122,5 @@ def generate(model: nn.Module, ck: Checkpoint, prompts: str | list[str], cfg: Sa
     """Sample and decode: the Python entry point behind `dlm generate`."""
     cfg = cfg or SampleConfig()
     ps = encode(ck, prompts, cfg)
-    return drain(stream(model, ck, ps, cfg, step_events=keep_events), ck.tokenizer.text, ck.tokenizer.eos_ids,
+    return drain(stream(model, ck, ps, cfg, step_events=keep_events), ck.tokenizer.text, ck.tokenizer.eos_set,
                  rows=len(ps), keep_events=keep_events)

@@ -21,8 +21,9 @@ Statistics (Stats), one definition each, the same in every paradigm:
   ttft                seconds until the first token was committed
 
 End of text: a checkpoint may have several EOS ids (Gemma 4's <eos> and <end_of_turn>; the tokenizer's `eos_ids`,
-the first one its `eos_id`). Every sampler stops at any of them, through the helpers below (`Eos`: one id, several,
-or None for none), and what follows the first one is never output.
+the first one its `eos_id`, and `eos_set`, the same as a set, which the samplers receive). Every sampler stops at any
+of them, through the helpers below (`Eos`: a set, one id, or None for none), and what follows the first one is never
+output.
 """
 
 from __future__ import annotations
@@ -147,11 +148,14 @@ class Result:
         return self.texts[0]
 
 
-Eos = int | Collection[int] | None  # the EOS ids a sampler stops at: one, several (a tokenizer's eos_ids), or none
+Eos = int | Collection[int] | None  # the EOS ids a sampler stops at: a set (a tokenizer's eos_set), one, or none
 
 
 def eos_set(eos: Eos) -> frozenset[int]:
-    """The EOS ids as a set (empty for None)."""
+    """The EOS ids as a set (empty for None): a tokenizer's eos_set as it is; an id or a list (a caller outside the
+    samplers) converted."""
+    if isinstance(eos, frozenset):
+        return eos
     if eos is None:
         return frozenset()
     if isinstance(eos, int):

@@ -183,6 +183,7 @@ def resolve_sampler(cfg) -> str:
 
 
 def block_of(ck, cfg) -> int:
+    """The block of self-speculation: --block-size, else the checkpoint's, else DEFAULT_BLOCK_SIZE."""
     B = cfg.block_size if cfg.block_size is not None else (ck.block_size or DEFAULT_BLOCK_SIZE)
     check(2 <= B <= speculative.MAX_BLOCK, f"--block-size must be in [2, {speculative.MAX_BLOCK}], got {B}")
     return B
@@ -199,7 +200,7 @@ def batch_row(model: Transformer, ck, prompt: Prompt, cfg, row: int, clock: Cloc
     if sampler in DIFFUSION:
         job, rule, c = mdlm.row_job(model, ck, prompt, cfg.replace(sampler=sampler))
         st = Stats(extra={"steps_per_canvas": []})
-        return (*mdlm.batch_row(model, job, rule, c, row, st, ck.mask_id, ck.tokenizer.eos_ids, gen, clock,
+        return (*mdlm.batch_row(model, job, rule, c, row, st, ck.mask_id, ck.tokenizer.eos_set, gen, clock,
                                 step_events), st, None)
     B = block_of(ck, cfg)
     ar.check_options(model, [prompt], cfg, "self-speculation")
@@ -208,12 +209,12 @@ def batch_row(model: Transformer, ck, prompt: Prompt, cfg, row: int, clock: Cloc
     spec = SpecStats()
     if sampler == "self-spec-quadratic":
         program = quadratic_program(prompt.ids, block_size=B, max_new_tokens=cfg.max_new_tokens, mask_id=ck.mask_id,
-                                    sampling=sampling, eos_id=ck.tokenizer.eos_ids, row=row, stats=spec, clock=clock,
+                                    sampling=sampling, eos_id=ck.tokenizer.eos_set, row=row, stats=spec, clock=clock,
                                     dev=model.device)
         return program, None, None, spec, None
     d = SelfDraft(model, ck.mask_id, B, sampling, ar_first=sampler == "self-spec-linear-ar")
     program = speculative.speculation(d, prompt.ids, block_size=B, max_new_tokens=cfg.max_new_tokens,
-                                      sampling=sampling, eos_id=ck.tokenizer.eos_ids, row=row, stats=spec, clock=clock,
+                                      sampling=sampling, eos_id=ck.tokenizer.eos_set, row=row, stats=spec, clock=clock,
                                       dev=model.device)
     return program, None, None, spec, d
 
@@ -231,13 +232,13 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg, step_events: bool
     B = block_of(ck, cfg)
     if sampler in ("self-spec-linear", "self-spec-linear-ar"):
         drafter = SelfDraft(model, ck.mask_id, B, Sampling(), ar_first=sampler == "self-spec-linear-ar")
-        return speculative.stream(model, ck, prompts, cfg.replace(block_size=B), drafter)
+        return speculative.stream(model, ck, prompts, cfg, drafter)  # (the drafter's default block is B)
     ar.check_options(model, prompts, cfg, "self-speculation")
     check_lossless_greedy(cfg)
 
     def row(b: int, p: list[int], sampling: Sampling, spec: SpecStats, clock: Clock) -> tuple:
         program = quadratic_program(p, block_size=B, max_new_tokens=cfg.max_new_tokens, mask_id=ck.mask_id,
-                                    sampling=sampling, eos_id=ck.tokenizer.eos_ids, row=b, stats=spec, clock=clock,
+                                    sampling=sampling, eos_id=ck.tokenizer.eos_set, row=b, stats=spec, clock=clock,
                                     dev=model.device)
         return program, None, quadratic_capacity(len(p), cfg.max_new_tokens, B)
 

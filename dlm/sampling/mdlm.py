@@ -677,7 +677,7 @@ def stream(model, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> 
     if not full:  # (a preset's prefix cache: this checkpoint's exact cache is already there)
         cfg = cfg.replace(prefix_cache=False)
     jobs = [make_job(p, cfg, ck.block_size, model.cfg.max_seq_len, causal, full, shift) for p in prompts]
-    return _run(model, jobs, rule, cfg, mask_id, tok.eos_ids, step_events)
+    return _run(model, jobs, rule, cfg, mask_id, tok.eos_set, step_events)
 
 
 def row_seed(seed: int | None, row: int) -> int | None:
@@ -735,7 +735,7 @@ def stream_rows(model, ck, prompts: list[Prompt], cfgs: list, step_events: bool 
     Bad options raise here, before any work."""
     rows = [row_job(model, ck, p, c) for p, c in zip(prompts, cfgs)]
     jobs, rules, cfgs = [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
-    return _run_rows(model, jobs, rules, cfgs, [c.seed for c in cfgs], ck.mask_id, ck.tokenizer.eos_ids, step_events)
+    return _run_rows(model, jobs, rules, cfgs, [c.seed for c in cfgs], ck.mask_id, ck.tokenizer.eos_set, step_events)
 
 
 def row_job(model, ck, prompt: Prompt, cfg) -> tuple[Job, Rule, Any]:

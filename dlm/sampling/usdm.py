@@ -168,7 +168,7 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg, step_events: bool
     cfg = with_last_canvas(ck, cfg)
     tok = ck.tokenizer
     jobs = [row_prompt(ck, model, p, cfg) for p in prompts]
-    return _generate(model, jobs, L, steps, ck.noise_vocab, tok.eos_ids, cfg, step_events)
+    return _generate(model, jobs, L, steps, ck.noise_vocab, tok.eos_set, cfg, step_events)
 
 
 def row_prompt(ck, model: Transformer, p: Prompt, cfg) -> Prompt:
@@ -219,7 +219,7 @@ def stream_rows(model: Transformer, ck, prompts: list[Prompt], cfgs: list, step_
     Ls, steps = zip(*(check_options(model, ck, c) for c in cfgs))
     cfgs = [with_last_canvas(ck, c) for c in cfgs]
     jobs = [row_prompt(ck, model, p, c) for p, c in zip(prompts, cfgs)]
-    return _rows(model, jobs, list(Ls), list(steps), ck.noise_vocab, ck.tokenizer.eos_ids, cfgs,
+    return _rows(model, jobs, list(Ls), list(steps), ck.noise_vocab, ck.tokenizer.eos_set, cfgs,
                  [c.seed for c in cfgs], step_events)
 
 

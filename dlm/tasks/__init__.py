@@ -41,7 +41,7 @@ def run_case(task: Any, case: Case, model, ck, cfg, drafter=None, context: int =
     req = task.request(case, ck, cfg, style_of(ck, drafter, cfg), context or window(ck, model))
     tok = ck.tokenizer
     res = drain(stream(model, ck, [req.prompt], cfg.replace(max_new_tokens=req.max_new_tokens), drafter),
-                tok.text, tok.eos_ids)
+                tok.text, tok.eos_set)
     return _case_row(task, case, req, res)
 
 
@@ -63,7 +63,7 @@ def run_cases(task: Any, items: list[tuple[Case, Any]], model, ck, context: int 
     reqs = [task.request(case, ck, cfg, style_of(ck, drafter, cfg), ctx) for case, cfg in items]
     cfgs = [cfg.replace(max_new_tokens=req.max_new_tokens) for req, (_, cfg) in zip(reqs, items)]
     tok = ck.tokenizer
-    res = drain(stream_rows(model, ck, [r.prompt for r in reqs], cfgs, drafter=drafter), tok.text, tok.eos_ids,
+    res = drain(stream_rows(model, ck, [r.prompt for r in reqs], cfgs, drafter=drafter), tok.text, tok.eos_set,
                 rows=len(reqs))
     rows = []
     for i, ((case, _), req) in enumerate(zip(items, reqs)):
