@@ -11,7 +11,8 @@ Qwen3MoeForCausalLM with the same logits, and imports back to the same tensors.
 
 LLaDA 2 (BailingMoeV2) through transformers' Glm4MoeForCausalLM, whose layers compute what modeling_llada2_moe.py's
 do (tests/test_hf_llada2.py reads the two side by side): hypothesis draws the experts, groups, top-k, shared
-experts, first dense layers, partial rotary, KV heads and head dims; the weights are written in LLaDA 2's public
+experts, first dense layers, partial rotary, KV heads and head dims (top-k of 2 or more: the one place the two
+differ is a single chosen expert, whose raw score LLaDA 2 keeps and GLM normalises to 1); the weights are written in LLaDA 2's public
 layout (fused query_key_value, experts one by one); dlm's logits are the reference's, and the export gives back
 every tensor bit for bit.
 """
@@ -168,7 +169,8 @@ def llada2_cases(draw) -> dict:
     return dict(vocab=draw(st.integers(300, 500)), hidden=heads * draw(st.sampled_from([8, 16])), heads=heads, kv=kv,
                 head_dim=hd, layers=layers, first_dense=draw(st.integers(0, layers)), experts=experts,
                 groups=groups, topk_group=topk_group,
-                top_k=draw(st.integers(1, min(experts, topk_group * experts // groups, 4))),
+                # (top_k 2 or more: with one expert LLaDA 2 keeps its raw sigmoid score where GLM normalises it to 1)
+                top_k=draw(st.integers(2, min(experts, topk_group * experts // groups, 4))),
                 shared=draw(st.integers(0, 2)), moe_ffn=draw(st.integers(8, 24)), ffn=draw(st.integers(16, 48)),
                 rotary=draw(st.sampled_from([0.25, 0.5, 1.0])), scale=draw(st.sampled_from([1.0, 2.5])),
                 theta=draw(st.sampled_from([1e4, 6e5])), mask=draw(st.integers(0, 299)),
