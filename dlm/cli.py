@@ -482,7 +482,8 @@ def export_cmd(model: str, out: str, format: str = "hf", dtype: str = "float32",
     net, ck = load_model(model, dtype=None)  # as stored: each tensor is cast as it is written
     if format == "dlm":
         path = export_dlm(net, ck, out, dtypes[dtype], overwrite)
-    elif ck.objective in ("ar", "dflash") or (ck.objective == "usdm" and net.cfg.sandwich_norm) or ck.config.get("family"):
+    elif (ck.objective in ("ar", "dflash") or (ck.objective == "usdm" and net.cfg.sandwich_norm)
+          or ck.config.get("family")):
         # a row of dlm.families: ar's backbones, DiffusionGemma (usdm), an imported family's own layout, the public
         # DFlash drafters' (vLLM, SGLang)
         path = export_hf(net, ck.tokenizer, out, dtypes[dtype], overwrite, inputs=(ck.path,))

@@ -291,7 +291,8 @@ LLADA = {"embed_tokens.weight": "model.transformer.wte.weight", "norm.weight": "
 LLADA2 = {"embed_tokens.weight": "model.word_embeddings.weight", "norm.weight": "model.norm.weight",
           "lm_head.weight": "lm_head.weight",
           **{f"layers.{{}}.{k}": f"model.layers.{{}}.{v}" for k, v in hf_mdlm.LLADA2_LAYER.items()}}
-DIFFUSION_GEMMA = {**{f"self_cond.{v}": f"model.decoder.self_conditioning.{k}" for k, v in hf_gemma.DG_SELF_COND.items()},
+DIFFUSION_GEMMA = {**{f"self_cond.{v}": f"model.decoder.self_conditioning.{k}"
+                      for k, v in hf_gemma.DG_SELF_COND.items()},
                    "lm_head.weight": "lm_head.weight",
                    "*": ("model.decoder.*", "model.encoder.language_model.*")}  # (transformers ties the two)
 DFLASH = {**{f"{c}.weight": c for c in ("candidate_selector.predecessor_codebook",  # (stored without .weight)
@@ -325,7 +326,8 @@ FAMILIES: tuple[Family, ...] = (
            conventions=lambda hf, cfg, source, tok: hf_joint.conventions(hf, cfg, source), keep_config=True,
            remote_code=True, fits=_joint_fits),
     Family("dflash", (), "dflash", None, lambda model, tok, dtype, meta: drafter_config(model, meta, tok, dtype),
-           DFLASH, fits=_drafter_fits, tokenizer=False, prepare=lambda fam, hf, src, target: drafter_plan(hf, src, target)),
+           DFLASH, fits=_drafter_fits, tokenizer=False,
+           prepare=lambda fam, hf, src, target: drafter_plan(hf, src, target)),
 )
 BY_NAME = {f.name: f for f in FAMILIES}
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

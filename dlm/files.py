@@ -69,7 +69,8 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor | Lazy], metadata:
         if t.dtype not in SAFETENSORS_DTYPES:
             raise DlmError(f"{path}: tensor {name} has dtype {t.dtype}, which safetensors cannot hold")
         n = t.numel() * t.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + n]}
         offset += n
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned

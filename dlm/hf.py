@@ -27,13 +27,9 @@ import torch
 
 from dlm.checkpoint import SIDE_FILES, Checkpoint, all_finite, save_checkpoint, state_tensors
 from dlm.errors import DlmError
-from dlm.families import (  # noqa: F401  (the drafter layout's, importable from here)
-    DFLASH_ARCHITECTURES, Family, drafter_config, export_family, family_of, is_drafter, prepare, zlab_layer_ids,
-)
-from dlm.files import Lazy, read_json, write_folder, write_json, write_tensors
-from dlm.hf_layout import (  # noqa: F401  (the layout's functions, importable from here)
-    ARCHITECTURES, hf_config, hf_family, model_config_from_hf, read_hf_weights, remote_code, weight_files,
-)
+from dlm.families import Family, export_family, family_of, prepare
+from dlm.files import Lazy, mmap_tensors, read_json, write_folder, write_json, write_tensors
+from dlm.hf_layout import remote_code
 from dlm.model import param_shapes
 from dlm.tokenizer import Tokenizer
 
@@ -63,6 +59,38 @@ def import_hf(folder: str | os.PathLike, out: str | os.PathLike, overwrite: bool
         towers = sorted({".".join(n.split(".")[:3]) for n in left})
         print(f"note: left out {len(left)} tensors of {', '.join(towers)} (text weights only)", file=sys.stderr)
     return out
+
+
+def weight_files(folder: Path) -> list[str]:
+    """The safetensors files of a transformers folder: model.safetensors, or the shards its index names
+    (plain file names inside the folder: an index cannot point outside it)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        wmap = read_json(index).get("weight_map")
+        if not isinstance(wmap, dict) or not wmap:
+            raise DlmError(f"{index}: weight_map must be a non-empty object of tensor name -> shard file")
+        bad = [f for f in wmap.values()
+               if not isinstance(f, str) or Path(f).name != f or f in ("", ".", "..") or "\\" in f]
+        if bad:
+            raise DlmError(f"{index}: shard {bad[0]!r} is not a plain file name in {folder} (an index may only name "
+                           "files beside it)")
+        files = sorted(set(wmap.values()))
+        return files
+    if (folder / "model.safetensors").is_file():
+        return ["model.safetensors"]
+    raise DlmError(f"{folder}: no model.safetensors or model.safetensors.index.json (only safetensors are read)")
+
+
+def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a transformers folder, memory-mapped (nothing is read until it is used)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for f in weight_files(folder):
+        for name, t in mmap_tensors(folder / f).items():
+            if not t.is_floating_point():
+                raise DlmError(f"{folder / f}: tensor {name} holds {str(t.dtype).removeprefix('torch.')} values; "
+                               "weights are floating point (F32, F16, BF16)")
+            tensors[name] = t
+    return tensors
 
 
 def shapes_of(meta: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:

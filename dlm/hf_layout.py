@@ -1,5 +1,5 @@
-"""transformers' Qwen3 / Qwen2 / Llama / Ministral 3 / Qwen3-MoE layout: config.json keys <-> ModelConfig, and the
-weight files of a folder. The rows of dlm.families (and dlm.hf_mdlm's public masked-diffusion models, most of which
+"""transformers' Qwen3 / Qwen2 / Llama / Ministral 3 / Qwen3-MoE layout: config.json keys <-> ModelConfig, and a
+folder's remote code. The rows of dlm.families (and dlm.hf_mdlm's public masked-diffusion models, most of which
 use this layout) build on it. Nothing here imports transformers.
 """
 
@@ -8,11 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dlm.config import ModelConfig
 from dlm.errors import DlmError
-from dlm.files import mmap_tensors, read_json
+from dlm.files import read_json
 from dlm.tokenizer import Tokenizer
 
 
@@ -213,35 +211,3 @@ def remote_code(src: Path, hf: dict[str, Any]) -> list[str]:
             elif isinstance(node, ast.Import):
                 todo += [n.name.split(".")[0] for n in node.names]
     return out
-
-
-def weight_files(folder: Path) -> list[str]:
-    """The safetensors files of a transformers folder: model.safetensors, or the shards its index names
-    (plain file names inside the folder: an index cannot point outside it)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        wmap = read_json(index).get("weight_map")
-        if not isinstance(wmap, dict) or not wmap:
-            raise DlmError(f"{index}: weight_map must be a non-empty object of tensor name -> shard file")
-        bad = [f for f in wmap.values()
-               if not isinstance(f, str) or Path(f).name != f or f in ("", ".", "..") or "\\" in f]
-        if bad:
-            raise DlmError(f"{index}: shard {bad[0]!r} is not a plain file name in {folder} (an index may only name "
-                           "files beside it)")
-        files = sorted(set(wmap.values()))
-        return files
-    if (folder / "model.safetensors").is_file():
-        return ["model.safetensors"]
-    raise DlmError(f"{folder}: no model.safetensors or model.safetensors.index.json (only safetensors are read)")
-
-
-def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a transformers folder, memory-mapped (nothing is read until it is used)."""
-    tensors: dict[str, torch.Tensor] = {}
-    for f in weight_files(folder):
-        for name, t in mmap_tensors(folder / f).items():
-            if not t.is_floating_point():
-                raise DlmError(f"{folder / f}: tensor {name} holds {str(t.dtype).removeprefix('torch.')} values; "
-                               "weights are floating point (F32, F16, BF16)")
-            tensors[name] = t
-    return tensors

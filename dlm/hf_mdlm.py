@@ -21,7 +21,8 @@ block (`block_size` of SDAR's config, `bd_size` of Fast-dLLM v2's; 0 = none). <m
 
 LLaDA 2 (LLaDA2.0-mini 16B-A1.4B, LLaDA2.0-flash 100B-A6.1B; remote code modeling_llada2_moe.py) is the Qwen3 block
 (q/k-norm, GQA, SwiGLU) with partial rotary (`partial_rotary_factor`, `ModelConfig.partial_rotary`), a fused
-`query_key_value` projection (split into q, k, v on import, concatenated back on export: dlm.families.SPLIT_QKV) and, from layer
+`query_key_value` projection (split into q, k, v on import, concatenated back on export: dlm.families.SPLIT_QKV)
+and, from layer
 `first_k_dense_replace` on, a mixture of experts with shared experts and a sigmoid, group-limited router
 (`ModelConfig.moe`, dlm.moe); its experts, stored one by one, are stacked into dlm's fused expert tensors
 (dlm.families.EXPERTS).

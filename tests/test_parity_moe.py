@@ -12,8 +12,8 @@ Qwen3MoeForCausalLM with the same logits, and imports back to the same tensors.
 LLaDA 2 (BailingMoeV2) through transformers' Glm4MoeForCausalLM, whose layers compute what modeling_llada2_moe.py's
 do (tests/test_hf_llada2.py reads the two side by side): hypothesis draws the experts, groups, top-k, shared
 experts, first dense layers, partial rotary, KV heads and head dims (top-k of 2 or more: the one place the two
-differ is a single chosen expert, whose raw score LLaDA 2 keeps and GLM normalises to 1); the weights are written in LLaDA 2's public
-layout (fused query_key_value, experts one by one); dlm's logits are the reference's, and the export gives back
+differ is a single chosen expert, whose raw score LLaDA 2 keeps and GLM normalises to 1); the weights are written
+in LLaDA 2's public layout (fused query_key_value, experts one by one); dlm's logits are the reference's, and the export gives back
 every tensor bit for bit.
 """
 
@@ -140,8 +140,8 @@ def test_qwen3_moe(case, tmp_path_factory):
 
 
 def test_qwen3_moe_named(tmp_path):
-    """A fixed case: 4 layers (one dense by mlp_only_layers, one by decoder_sparse_step 2... ), top-2 of 4 unnormalised,
-    the specials away from the front, the <eos> and a token the model writes as EOS ids."""
+    """A fixed case: 4 layers, dense where decoder_sparse_step 2 skips (0, 2) and by mlp_only_layers (3), top-2 of 4
+    unnormalised, the specials away from the front, the <eos> and a token the model writes as EOS ids."""
     case = dict(config=dict(vocab_size=400, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
                             num_hidden_layers=4, num_key_value_heads=2, num_attention_heads=4, head_dim=8,
                             num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=2,
@@ -202,9 +202,9 @@ def glm4_moe(case: dict):
 
 def llada2_folder(case: dict, ref, folder) -> dict:
     """The reference's weights under modeling_llada2_moe.py's names, its config.json keys, a tokenizer."""
-    sd, out = ref.state_dict(), {}
-    out = {"model.word_embeddings.weight": sd["model.embed_tokens.weight"], "model.norm.weight": sd["model.norm.weight"],
-           "lm_head.weight": sd["lm_head.weight"]}
+    sd = ref.state_dict()
+    out = {"model.word_embeddings.weight": sd["model.embed_tokens.weight"],
+           "model.norm.weight": sd["model.norm.weight"], "lm_head.weight": sd["lm_head.weight"]}
     I = case["moe_ffn"]
     for i in range(case["layers"]):
         a, p = f"model.layers.{i}.self_attn.", f"model.layers.{i}."
