@@ -311,8 +311,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("llama", ("llama",), "ar", _ar_config("llama"), _ar_export, PREFIXED),
     Family("ministral3", ("ministral3",), "ar", _ar_config("ministral3"), _ar_export, PREFIXED),
     Family("qwen3_moe", ("qwen3_moe",), "ar", _ar_config("qwen3_moe"), _ar_export, PREFIXED, (EXPERTS,)),
-    Family("gemma4", ("gemma4_text", "gemma4"), "ar", _gemma_config, hf_gemma.export_config,
-           {"lm_head.weight": "lm_head.weight", "*": ("model.*",)}, keep_config=True, others="leave"),
+    Family("gemma4", ("gemma4_text",), "ar", _gemma_config, hf_gemma.export_config, PREFIXED, keep_config=True,
+           others="leave"),
+    Family("gemma4-multimodal", ("gemma4",), "ar", _gemma_config, hf_gemma.export_config,  # (its text weights;
+           {"lm_head.weight": "lm_head.weight", "*": "model.language_model.*"}, keep_config=True,  # exports as
+           others="leave"),  # Gemma4ForCausalLM: the "gemma4" row)
     Family("diffusion-gemma", ("diffusion_gemma",), "usdm",
            lambda hf, source: hf_gemma.model_config_from_diffusion_gemma(hf), hf_gemma.export_config,
            DIFFUSION_GEMMA, conventions=hf_gemma.conventions, keep_config=True, others="leave"),

@@ -44,7 +44,9 @@ from dlm.hf_layout import hf_config, model_config_from_hf
 
 
 @dataclass(frozen=True)
-class Family:
+class Conventions:
+    """An mdlm family's layout and sampler conventions (the table above); its row in dlm.families reads them."""
+
     name: str  # dlm's name (the checkpoint's "family")
     model_type: str  # config.json's model_type
     architecture: str
@@ -57,16 +59,16 @@ class Family:
     preset: str
 
 
-FAMILIES = {f.model_type: f for f in (
-    Family("llada", "llada", "LLaDAModelLM", "llada", "full", False, 0, None, 126336, "llada"),
-    Family("dream", "Dream", "DreamModel", "qwen2", "full", True, 0, None, 151666, "dream"),
-    Family("sdar", "sdar", "SDARForCausalLM", "qwen3", "block", False, 4, "block_size", 151669, "sdar"),
-    Family("fast-dllm-v2", "Fast_dLLM_Qwen", "Fast_dLLM_QwenForCausalLM", "qwen2", "block", True, 32, "bd_size",
+CONVENTIONS = {f.model_type: f for f in (
+    Conventions("llada", "llada", "LLaDAModelLM", "llada", "full", False, 0, None, 126336, "llada"),
+    Conventions("dream", "Dream", "DreamModel", "qwen2", "full", True, 0, None, 151666, "dream"),
+    Conventions("sdar", "sdar", "SDARForCausalLM", "qwen3", "block", False, 4, "block_size", 151669, "sdar"),
+    Conventions("fast-dllm-v2", "Fast_dLLM_Qwen", "Fast_dLLM_QwenForCausalLM", "qwen2", "block", True, 32, "bd_size",
            151665, "fast-dllm-v2"),
-    Family("llada2", "llada2_moe", "LLaDA2MoeModelLM", "llada2", "block", False, 32, None, 156895, "llada2"),
+    Conventions("llada2", "llada2_moe", "LLaDA2MoeModelLM", "llada2", "block", False, 32, None, 156895, "llada2"),
 )}
-MODEL_TYPES = tuple(FAMILIES)
-BY_NAME = {f.name: f for f in FAMILIES.values()}
+MODEL_TYPES = tuple(CONVENTIONS)
+BY_NAME = {f.name: f for f in CONVENTIONS.values()}
 
 
 # LLaDA's layout ----------------------------------------------------------------------------------------------
@@ -190,8 +192,8 @@ def model_config_from_llada2(hf: dict[str, Any], source: Path) -> ModelConfig:
 
 # import / export --------------------------------------------------------------------------------------------
 
-def family_of(hf: dict[str, Any]) -> Family:
-    return FAMILIES[hf["model_type"]]
+def family_of(hf: dict[str, Any]) -> Conventions:
+    return CONVENTIONS[hf["model_type"]]
 
 
 def model_config(hf: dict[str, Any], source: Path) -> ModelConfig:
@@ -224,7 +226,7 @@ def conventions(hf: dict[str, Any], cfg: ModelConfig, source: Path, tok_mask: in
             "preset": fam.preset}
 
 
-def layout_keys(cfg: ModelConfig, fam: Family, tok, dtype: str, src: dict[str, Any]) -> dict[str, Any]:
+def layout_keys(cfg: ModelConfig, fam: Conventions, tok, dtype: str, src: dict[str, Any]) -> dict[str, Any]:
     """The config keys of the family's layout that carry the backbone's shape."""
     if fam.layout == "llada":
         out = {**LLADA_REQUIRED, "d_model": cfg.dim, "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads,
