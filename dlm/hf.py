@@ -154,13 +154,9 @@ def import_tensors(fam: Family, cfg, expected: dict[str, tuple[int, ...]], alias
 
 def side_files(src: Path, hf: dict[str, Any], fam: Family) -> list[str]:
     """The files kept beside the weights: tokenizer settings, chat template, generation defaults (SIDE_FILES), and
-    for rows with remote code what the auto_maps name, what that imports (hf_layout.remote_code) and the folder's
-    other modules."""
+    for rows with remote code what the auto_maps name and what that imports (hf_layout.remote_code)."""
     names = [f for f in SIDE_FILES if (src / f).is_file()]
-    if fam.remote_code:
-        names += [f for f in remote_code(src, hf) if f not in names]
-        names += sorted(p.name for p in src.glob("*.py") if p.name not in names)
-    return names
+    return names + ([f for f in remote_code(src, hf) if f not in names] if fam.remote_code else [])
 
 
 def export_tensors(fam: Family, model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
