@@ -76,11 +76,6 @@ def _gemma_config(t: dict[str, Any], **extra: Any) -> ModelConfig:
                        embed_scale=math.sqrt(t["hidden_size"]), **GEMMA_LAYERS, **extra)
 
 
-def is_gemma(cfg: ModelConfig) -> bool:
-    """Whether cfg has Gemma 4's layers (what this layout holds)."""
-    return cfg.sandwich_norm
-
-
 def gemma_text_config(cfg: ModelConfig) -> dict[str, Any]:
     """The inverse of model_config_from_gemma: a Gemma 4 text config dict."""
     moe = cfg.moe

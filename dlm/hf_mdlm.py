@@ -67,7 +67,6 @@ CONVENTIONS = {f.model_type: f for f in (
            151665, "fast-dllm-v2"),
     Conventions("llada2", "llada2_moe", "LLaDA2MoeModelLM", "llada2", "block", False, 32, None, 156895, "llada2"),
 )}
-MODEL_TYPES = tuple(CONVENTIONS)
 BY_NAME = {f.name: f for f in CONVENTIONS.values()}
 
 
