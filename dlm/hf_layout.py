@@ -153,7 +153,8 @@ def model_config_from_hf(hf: dict[str, Any], source: Path, family: str | None = 
             head_dim=get("head_dim", dim // n_heads if isinstance(n_heads, int) and n_heads > 0 else 0),
             ffn_dim=get("intermediate_size"), rope_theta=theta, rope_scaling=scaling,
             norm_eps=get("rms_norm_eps", 1e-6),
-            qk_norm=kind in ("qwen3", "qwen3_moe"), attn_bias=kind == "qwen2", moe=moe, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qk_norm=kind in ("qwen3", "qwen3_moe"), attn_bias=kind == "qwen2", moe=moe,
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_seq_len=get("max_position_embeddings", 4096),
         )
     except DlmError as e:

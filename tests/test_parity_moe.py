@@ -13,8 +13,8 @@ LLaDA 2 (BailingMoeV2) through transformers' Glm4MoeForCausalLM, whose layers co
 do (tests/test_hf_llada2.py reads the two side by side): hypothesis draws the experts, groups, top-k, shared
 experts, first dense layers, partial rotary, KV heads and head dims (top-k of 2 or more: the one place the two
 differ is a single chosen expert, whose raw score LLaDA 2 keeps and GLM normalises to 1); the weights are written
-in LLaDA 2's public layout (fused query_key_value, experts one by one); dlm's logits are the reference's, and the export gives back
-every tensor bit for bit.
+in LLaDA 2's public layout (fused query_key_value, experts one by one); dlm's logits are the reference's, and the
+export gives back every tensor bit for bit.
 """
 
 from __future__ import annotations
