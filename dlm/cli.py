@@ -477,15 +477,16 @@ def export_cmd(model: str, out: str, format: str = "hf", dtype: str = "float32",
 
     from dlm.checkpoint import export_dlm, load_model
     from dlm.hf import export_hf, prenorm_warning
+    from dlm.hf_mdlm import finetuned_meta
 
     dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     net, ck = load_model(model, dtype=None)  # as stored: each tensor is cast as it is written
     if format == "dlm":
         path = export_dlm(net, ck, out, dtypes[dtype], overwrite)
     elif (ck.objective in ("ar", "dflash") or (ck.objective == "usdm" and net.cfg.sandwich_norm)
-          or ck.config.get("family")):
-        # a row of dlm.families: ar's backbones, DiffusionGemma (usdm), an imported family's own layout, the public
-        # DFlash drafters' (vLLM, SGLang)
+          or ck.config.get("family") or finetuned_meta(ck.config)):
+        # a row of dlm.families: ar's backbones, DiffusionGemma (usdm), an imported family's own layout (a fine-tuned
+        # SDAR / LLaDA 2: its family's), the public DFlash drafters' (vLLM, SGLang)
         path = export_hf(net, ck.tokenizer, out, dtypes[dtype], overwrite, inputs=(ck.path,))
         if ck.objective == "dflash" and (warning := prenorm_warning(net, ck)):  # a warning, not a refusal: drafters
             sys.stderr.write(f"dlm: warning: {warning}\n")  # trained before last_layer existed

@@ -32,6 +32,7 @@ from dlm import hf_gemma, hf_joint, hf_mdlm
 from dlm.checkpoint import import_tokenizer
 from dlm.config import ModelConfig
 from dlm.errors import DlmError
+from dlm.files import Stacked, mmap_tensors
 from dlm.hf_layout import hf_config, hf_family, model_config_from_hf
 from dlm.moe import is_moe_layer
 from dlm.tokenizer import Tokenizer
@@ -73,16 +74,17 @@ def _expert_groups(cfg: ModelConfig) -> list[tuple[tuple[str, ...], tuple[str, .
     return out
 
 
-def stack_experts(cfg: ModelConfig, names: tuple[str, ...], ts: list[Tensor]) -> list[Tensor]:
+def stack_experts(cfg: ModelConfig, names: tuple[str, ...], ts: list[Tensor]) -> list[Stacked]:
     """The experts of a layer stored one by one -> dlm's fused tensor: gate_up_proj (E, 2I, D) from each expert's
-    [gate ; up], down_proj (E, D, I). The result is allocated once and filled expert by expert."""
+    [gate ; up], down_proj (E, D, I). Lazily: the parts laid end to end are the stack's bytes (files.Stacked), written
+    part by part, so no layer's experts are ever in memory at once."""
     E = cfg.moe.n_experts
     per = len(ts) // E  # 2: gate and up; 1: down
-    rows = sum(t.shape[0] for t in ts[:per])
-    out = torch.empty((E, rows, ts[0].shape[1]), dtype=ts[0].dtype)
-    for e in range(E):
-        torch.cat(ts[e * per:(e + 1) * per], 0, out=out[e])
-    return [out]
+    dtypes = {t.dtype for t in ts}
+    if len(dtypes) > 1:
+        raise DlmError(f"the experts of {names[0].rsplit('.', 2)[0]} are stored in several dtypes "
+                       f"({', '.join(sorted(str(d).removeprefix('torch.') for d in dtypes))})")
+    return [Stacked(ts, (E, sum(t.shape[0] for t in ts[:per]), ts[0].shape[1]))]
 
 
 def unstack_experts(cfg: ModelConfig, names: tuple[str, ...], ts: list[Tensor]) -> list[Tensor]:
@@ -227,7 +229,7 @@ def drafter_plan(hf: dict[str, Any], src: Path, target: str | os.PathLike | None
     """The dflash row's config step: a public DFlash drafter's config.json held against `target` (a dlm ar
     checkpoint: the drafter has no embedding, head or tokenizer of its own; hidden size, vocabulary, the target
     layers it reads and its mask token are checked) -> (ModelConfig, the target's tokenizer, the dflash section)."""
-    from dlm.checkpoint import load_model, open_checkpoint
+    from dlm.checkpoint import open_checkpoint
     from dlm.drafter import target_fingerprint
 
     v2 = "DFlash2DraftModel" in (hf.get("architectures") or [])
@@ -276,9 +278,14 @@ def drafter_plan(hf: dict[str, Any], src: Path, target: str | os.PathLike | None
         if cfg.dim % dflash["conv_group_size"]:
             raise DlmError(f"--hf {src}: conv_group_size {dflash['conv_group_size']} does not divide the hidden "
                            f"size {cfg.dim}")
-    net, _ = load_model(tck.path)
+    # the fingerprint reads 16 rows of the target's embedding, memory-mapped: the target is not loaded (an 8B
+    # target's every page would be read to check it, or copied to fp32)
+    embed = mmap_tensors(tck.path / "model.safetensors").get("embed_tokens.weight")
+    if embed is None or tuple(embed.shape) != (tc.vocab_size, tc.dim):
+        raise DlmError(f"--target {target}: its model.safetensors has no embed_tokens.weight of shape "
+                       f"{(tc.vocab_size, tc.dim)}")
     dflash["target"] = {"name": tck.path.name, "model": tc.to_dict(), "tokenizer_sha256": tck.tokenizer.sha256,
-                        "fingerprint": target_fingerprint(net)}
+                        "fingerprint": target_fingerprint(embed)}
     return cfg, tck.tokenizer, {"dflash": dflash}
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import shutil
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple
@@ -42,25 +44,50 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
 _DTYPES_BY_NAME = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
+class Stacked:
+    """A tensor that exists only as its parts laid end to end (row-major): a stack of experts stored one by one, written
+    part by part (write_tensors) so that the whole is never in memory. parts: tensors whose elements, in order, are
+    the whole's; dtype: what the whole is written as (each part is converted as it is written)."""
+
+    def __init__(self, parts: list[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype | None = None):
+        self.parts, self.shape = list(parts), torch.Size(shape)
+        self.dtype = dtype if dtype is not None else parts[0].dtype
+        if sum(p.numel() for p in self.parts) != self.shape.numel():
+            raise ValueError(f"parts of {sum(p.numel() for p in self.parts)} elements cannot make a {tuple(shape)}")
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def to(self, dtype: torch.dtype) -> "Stacked":
+        return Stacked(self.parts, self.shape, dtype)
+
+
 class Lazy(NamedTuple):
     """A tensor made only when write_tensors writes it (its shape and dtype known before): an imported tensor cut,
-    stacked or checked from memory-mapped shards, one such tensor in memory at a time."""
+    stacked or checked from memory-mapped shards; make() returns a tensor or a Stacked one."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-    make: Callable[[], torch.Tensor]
+    make: Callable[[], "torch.Tensor | Stacked"]
 
     def numel(self) -> int:
         return math.prod(self.shape)
 
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
 
-def write_tensors(path: Path, tensors: dict[str, torch.Tensor | Lazy], metadata: dict[str, str] | None = None) -> None:
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor | Stacked | Lazy],
+                  metadata: dict[str, str] | None = None) -> None:
     """A safetensors file, written tensor by tensor from the tensors' own memory: no copy of the whole model is
-    made (a real-size checkpoint is written with one tensor in flight at a time; a Lazy one is made as it is
-    written)."""
+    made (a real-size checkpoint is written with one tensor in flight at a time; a Stacked one part by part).
+    The pages of a memory-mapped import source are released once written (release)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
@@ -69,8 +96,7 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor | Lazy], metadata:
         if t.dtype not in SAFETENSORS_DTYPES:
             raise DlmError(f"{path}: tensor {name} has dtype {t.dtype}, which safetensors cannot hold")
         n = t.numel() * t.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + n]}
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
         offset += n
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
@@ -80,16 +106,45 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor | Lazy], metadata:
             if isinstance(t, Lazy):
                 want, t = t, t.make()
                 assert tuple(t.shape) == tuple(want.shape) and t.dtype == want.dtype, (name, t.shape, want)
-            if t.numel():
-                fh.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+            for part in (t.parts if isinstance(t, Stacked) else [t]):
+                if part.numel():
+                    data = part.detach().cpu().to(t.dtype).contiguous()
+                    fh.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+                    del data
+                    release(part)
     _fsync_replace(tmp, path)
 
 
-def mmap_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file, memory-mapped (copy-on-write): nothing is read until it is used, and
-    pages the process never writes stay the file's (the kernel may drop and reread them)."""
-    import mmap
+class _Mapping(mmap.mmap):
+    """A memory map of an import's source file (mmap_tensors(transient=True)): read once, then let go."""
 
+
+_TRANSIENT: "weakref.WeakKeyDictionary[_Mapping, int]" = weakref.WeakKeyDictionary()  # mapping -> its address
+
+
+def release(t: torch.Tensor | Stacked) -> None:
+    """Drop the resident pages of the file a tensor was memory-mapped from by mmap_tensors(transient=True)
+    (MADV_DONTNEED over the whole mapping: the kernel maps a touched page's neighbours too, up to 64 KiB around it,
+    so dropping the tensor's own pages would leave its neighbours' behind; they leave this process's resident set,
+    stay in the page cache and are reread if touched again). Nothing happens to a tensor mapped otherwise. Such a
+    mapping must only be read: a page written would be lost."""
+    if isinstance(t, Stacked):
+        for p in t.parts:
+            release(p)
+        return
+    if not _TRANSIENT or t.device.type != "cpu" or t.numel() == 0:
+        return
+    ptr = t.untyped_storage().data_ptr()
+    for m, base in list(_TRANSIENT.items()):
+        if base <= ptr < base + len(m):
+            m.madvise(mmap.MADV_DONTNEED)
+            return
+
+
+def mmap_tensors(path: Path, transient: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, memory-mapped (copy-on-write): nothing is read until it is used, and
+    pages the process never writes stay the file's (the kernel may drop and reread them). transient: an import's
+    source, read once: release(t) drops a tensor's pages from the resident set once it has been used."""
     path = Path(path)
     bad = f"{path}: truncated or corrupt safetensors file"
     if not path.is_file():
@@ -101,11 +156,14 @@ def mmap_tensors(path: Path) -> dict[str, torch.Tensor]:
             if size < 8 or n > size - 8:
                 raise DlmError(f"{bad} (header of {n} bytes in a file of {size})")
             header = json.loads(fh.read(n))
-            buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if size > 8 + n else b""
+            buf = (_Mapping if transient else mmap.mmap)(fh.fileno(), 0, access=mmap.ACCESS_COPY) \
+                if size > 8 + n else b""
     except (json.JSONDecodeError, UnicodeDecodeError, OSError, ValueError) as e:
         raise DlmError(f"{bad} ({str(e).splitlines()[0][:160]})") from None
     if not isinstance(header, dict):
         raise DlmError(f"{bad} (its header is not an object)")
+    if isinstance(buf, _Mapping):
+        _TRANSIENT[buf] = torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr()
     out = {}
     for name, info in header.items():
         if name == "__metadata__":

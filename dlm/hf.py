@@ -28,7 +28,8 @@ import torch
 from dlm.checkpoint import SIDE_FILES, Checkpoint, all_finite, save_checkpoint, state_tensors
 from dlm.errors import DlmError
 from dlm.families import Family, export_family, family_of, prepare
-from dlm.files import Lazy, mmap_tensors, read_json, write_folder, write_json, write_tensors
+from dlm.files import Lazy, Stacked, mmap_tensors, read_json, write_folder, write_json, write_tensors
+from dlm import hf_mdlm
 from dlm.hf_layout import remote_code
 from dlm.model import param_shapes
 from dlm.tokenizer import Tokenizer
@@ -82,10 +83,11 @@ def weight_files(folder: Path) -> list[str]:
 
 
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a transformers folder, memory-mapped (nothing is read until it is used)."""
+    """Every tensor of a transformers folder, memory-mapped (nothing is read until it is used; an import reads each
+    once and write_tensors releases its pages: files.release)."""
     tensors: dict[str, torch.Tensor] = {}
     for f in weight_files(folder):
-        for name, t in mmap_tensors(folder / f).items():
+        for name, t in mmap_tensors(folder / f, transient=True).items():
             if not t.is_floating_point():
                 raise DlmError(f"{folder / f}: tensor {name} holds {str(t.dtype).removeprefix('torch.')} values; "
                                "weights are floating point (F32, F16, BF16)")
@@ -145,7 +147,7 @@ def import_tensors(fam: Family, cfg, expected: dict[str, tuple[int, ...]], alias
             for h in present[1:]:  # one tensor stored under several names: the same values
                 if not torch.equal(raw[h], t):
                     raise DlmError(f"{src}: {h} differs from {present[0]} (one backbone holds one)")
-        if not all_finite(t):
+        if not all(all_finite(p) for p in (t.parts if isinstance(t, Stacked) else [t])):
             raise DlmError(f"{src}: tensor {name} holds NaN or infinite values")
         return t.to(dtype)
 
@@ -180,6 +182,7 @@ def export_hf(model, tok: Tokenizer, out: str | os.PathLike, dtype: torch.dtype 
     the export writes back."""
     src = Path(inputs[0]) if inputs else None
     meta = read_json(src / "config.json") if src is not None and (src / "config.json").is_file() else {}
+    meta = hf_mdlm.finetuned_meta(meta) or meta  # a fine-tuned SDAR / LLaDA 2: its family's layout again
     fam = export_family(model, meta)
     if fam.fits is not None:
         fam.fits(model)

@@ -284,3 +284,18 @@ def export_config(cfg: ModelConfig, meta: dict[str, Any], tok, dtype: str) -> di
     keys = [k for k in ("torch_dtype", "dtype") if k in src] or ["torch_dtype"]
     out.update({k: dtype for k in keys})
     return out
+
+
+def finetuned_meta(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """A checkpoint dlm fine-tuned from an imported family (`dlm train --objective mdlm --init-from`: the import's
+    hf_config travels on) whose convention is the one dlm trains (block-causal, unshifted: SDAR, LLaDA 2): the meta
+    its export writes the family's layout from (the family named, the trained block and <mask>). Else None: a family
+    read shifted or with full attention (Dream, Fast-dLLM v2, LLaDA) is no longer that family once dlm fine-tunes it
+    its own way."""
+    hf = meta.get("hf_config")
+    if meta.get("objective") != "mdlm" or meta.get("family") or not isinstance(hf, dict):
+        return None
+    fam = CONVENTIONS.get(hf.get("model_type"))
+    if fam is None or fam.context != "block" or fam.shift or meta.get("mask_id") is None:
+        return None
+    return {**meta, "family": fam.name}

@@ -108,7 +108,7 @@ def config_of(name: str, layers: int = 0) -> dict[str, Any]:
 def hf_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The folder's tensors (transformers names -> shapes) for a config, from dlm's exporters run on the meta device."""
     from dlm import hf_mdlm
-    from dlm.hf import is_drafter
+    from dlm.families import is_drafter
     from dlm.hf_layout import model_config_from_hf
     from dlm.model import param_shapes
 
