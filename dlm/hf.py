@@ -106,23 +106,32 @@ def shapes_of(meta: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]], dict[st
     return param_shapes(ModelConfig.from_dict(meta["model"]))
 
 
+def hf_plan(fam: Family, cfg, expected: dict[str, tuple[int, ...]]) -> dict[str, tuple[tuple[int, ...], tuple]]:
+    """transformers name -> (its shape, (the dlm names it makes, the transformers names they are made from, the
+    transform or None)) for the tensors `expected` (dlm name -> shape): the names map's, and the transforms' shapes
+    from to_hf on the meta device."""
+    out: dict[str, tuple[tuple[int, ...], tuple]] = {}
+    owned = set()
+    for tr in fam.transforms:
+        for names, hfs in tr.groups(cfg):
+            metas = tr.to_hf(cfg, names, [torch.empty(expected[n], device="meta") for n in names])
+            out.update({h: (tuple(m.shape), (names, hfs, tr)) for h, m in zip(hfs, metas)})
+            owned.update(names)
+    for name, shape in expected.items():
+        if name not in owned:
+            hfs = fam.hf_names(name)
+            assert hfs is not None, f"{fam.name}: no transformers name for {name}"
+            out.update({h: (shape, ((name,), hfs, None)) for h in hfs})
+    return out
+
+
 def import_tensors(fam: Family, cfg, expected: dict[str, tuple[int, ...]], aliases: dict[str, str],
                    raw: dict[str, torch.Tensor], src: Path) -> tuple[dict[str, Lazy], list[str]]:
     """The checkpoint's tensors, each made from the folder's memory-mapped ones (`raw`) only as it is written, after
     every name and shape is held against the config; and the folder's tensors left out (rows that leave others)."""
-    plan: dict[str, tuple[tuple[str, ...], tuple[str, ...], Any, int]] = {}  # dlm -> (group, hf names, transform, j)
-    want: dict[str, tuple[int, ...]] = {}  # transformers name -> shape
-    for tr in fam.transforms:
-        for names, hfs in tr.groups(cfg):
-            metas = tr.to_hf(cfg, names, [torch.empty(expected[n], device="meta") for n in names])
-            want.update({h: tuple(m.shape) for h, m in zip(hfs, metas)})
-            plan.update({n: (names, hfs, tr, j) for j, n in enumerate(names)})
-    for name, shape in expected.items():
-        if name not in plan:
-            hfs = fam.hf_names(name)
-            assert hfs is not None, f"{fam.name}: no transformers name for {name}"
-            plan[name] = ((name,), hfs, None, 0)
-            want.update({h: shape for h in hfs})
+    plan = {n: p for _, p in hf_plan(fam, cfg, expected).values() for n in p[0]}
+    plan = {n: (p[0], p[1], p[2], p[0].index(n)) for n, p in plan.items()}  # dlm -> (group, hf names, transform, j)
+    want = {h: s for h, (s, _) in hf_plan(fam, cfg, expected).items()}  # transformers name -> shape
     tied = {h for a in aliases for h in fam.hf_names(a) or ()}
     left = [h for h in raw if h not in want and h not in tied and not fam.ignored(h)]
     if left and fam.others == "refuse":

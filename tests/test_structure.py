@@ -134,13 +134,12 @@ def test_one_layer_stack_shaped_by_configuration():
 
 
 INTEROP = ("dlm.families", "dlm.hf_layout", "dlm.hf_gemma", "dlm.hf_mdlm", "dlm.hf_joint")  # the rows and their maps
-DRIVER_STEPS = {"save_checkpoint", "write_folder", "write_tensors", "copyfile", "all_finite", "read_hf_weights",
-                "mmap_tensors"}
+DRIVER_STEPS = {"save_checkpoint", "write_folder", "write_tensors", "copyfile", "all_finite", "read_hf_weights"}
 
 
 def test_one_import_export_driver():
     """Every transformers family is a row of dlm.families that dlm.hf's one driver runs: no other interop module
-    reads or writes tensors or folders, checks finiteness, or defines an importer or exporter of its own; and each
+    reads a folder's weights or writes tensors or folders, checks finiteness, or defines an importer or exporter of its own; and each
     config.json model_type has one row."""
     from dlm.families import FAMILIES
 
