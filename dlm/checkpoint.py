@@ -26,7 +26,7 @@ from torch import nn
 
 from dlm.config import ModelConfig
 from dlm.files import (
-    Stacked, mmap_tensors, read_json, read_tensors, tensor_shapes, write_folder, write_json, write_tensors,
+    Lazy, mmap_tensors, read_json, read_tensors, tensor_shapes, write_folder, write_json, write_tensors,
 )
 from dlm.drafter import build_drafter, drafter_shapes
 from dlm.errors import DlmError
@@ -38,8 +38,8 @@ DEFAULT_CANVAS = 256  # usdm canvas length when a checkpoint records none (Diffu
 CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
 # files beside the weights of an imported model that carry its tokenizer's chat template, control tokens and every
 # EOS id: kept as they are by import, export and training from it
-SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
-              "generation_config.json")
+SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+              "chat_template.json", "generation_config.json", "vocab.json", "merges.txt")
 FORMAT_VERSION = 1
 
 
@@ -82,8 +82,8 @@ def state_tensors(model: nn.Module | dict[str, torch.Tensor], dtype: torch.dtype
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, t in (model if isinstance(model, dict) else model.state_dict()).items():
-        if isinstance(t, Stacked):  # written part by part (an import's stacked experts)
-            out[name] = t.to(dtype) if dtype is not None else t
+        if isinstance(t, Lazy):  # (made as it is written, in its dtype)
+            out[name] = t
             continue
         if t.data_ptr() in seen and t.numel() > 0:
             continue

@@ -476,33 +476,30 @@ def export_cmd(model: str, out: str, format: str = "hf", dtype: str = "float32",
     import torch
 
     from dlm.checkpoint import export_dlm, load_model
-    from dlm.hf import export_drafter, export_hf, prenorm_warning
-    from dlm.hf_gemma import is_gemma
+    from dlm.hf import export_hf, prenorm_warning
     from dlm.hf_mdlm import finetuned_meta
 
     dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     net, ck = load_model(model, dtype=None)  # as stored: each tensor is cast as it is written
     if format == "dlm":
         path = export_dlm(net, ck, out, dtypes[dtype], overwrite)
-    elif (ck.objective == "ar" or (ck.objective == "usdm" and is_gemma(net.cfg)) or ck.config.get("family")
-          or finetuned_meta(ck.config)):
-        # usdm: DiffusionGemma's layout; an imported LLaDA / Dream / SDAR / Fast-dLLM v2 (family): its own; a
-        # fine-tuned SDAR / LLaDA 2: its family's
+    elif (ck.objective in ("ar", "dflash") or (ck.objective == "usdm" and net.cfg.sandwich_norm)
+          or ck.config.get("family") or finetuned_meta(ck.config)):
+        # a row of dlm.families: ar's backbones, DiffusionGemma (usdm), an imported family's own layout (a fine-tuned
+        # SDAR / LLaDA 2: its family's), the public DFlash drafters' (vLLM, SGLang)
         path = export_hf(net, ck.tokenizer, out, dtypes[dtype], overwrite, inputs=(ck.path,))
-    elif ck.objective == "dflash":  # the layout of the public DFlash drafters (vLLM, SGLang)
-        path = export_drafter(net, ck, out, dtypes[dtype], overwrite)
-        if warning := prenorm_warning(net, ck):  # a warning, not a refusal: drafters trained before last_layer existed
-            sys.stderr.write(f"dlm: warning: {warning}\n")
+        if ck.objective == "dflash" and (warning := prenorm_warning(net, ck)):  # a warning, not a refusal: drafters
+            sys.stderr.write(f"dlm: warning: {warning}\n")  # trained before last_layer existed
     else:
         raise DlmError(f"--format hf: objective {ck.objective!r} has no transformers layout (ar has)")
     print(f"exported: {path}")
 
 
 def import_cmd(hf: str, out: str, overwrite: bool = False, target: str | None = None) -> None:
-    """Import a local Qwen3, Qwen2, Llama or Gemma 4 folder (safetensors, sharded or not) as a dlm AR checkpoint, a
-    LLaDA, Dream, SDAR, Fast-dLLM v2 or LLaDA 2 folder as an mdlm checkpoint (its block, shift, <mask> id and
-    decoding preset recorded: docs/public-models.md), a DiffusionGemma folder as a usdm checkpoint (text weights),
-    or a public DFlash drafter folder (z-lab's layout: dflash_config) as a dlm drafter for --target.
+    """Import a local Qwen3, Qwen2, Llama, Ministral 3, Qwen3-MoE or Gemma 4 folder (safetensors, sharded or not) as a
+    dlm AR checkpoint, a LLaDA, Dream, SDAR, Fast-dLLM v2 or LLaDA 2 folder as an mdlm checkpoint (its block, shift,
+    <mask> id and decoding preset recorded: docs/public-models.md), a Nemotron-Labs-Diffusion folder as a joint
+    checkpoint, a DiffusionGemma folder as a usdm checkpoint (text weights), or a public DFlash drafter folder (z-lab's layout: dflash_config) as a dlm drafter for --target.
 
     Args:
         hf: the transformers folder (config.json, *.safetensors, tokenizer.json; a drafter has no tokenizer)

@@ -23,7 +23,9 @@ class MoEConfig:
       topk_group best of n_group groups, weights x scale; the experts and `shared` shared experts replace the MLP
       from layer first_dense on;
     - "softmax" (Gemma 4's): a normed, scaled input, softmax, top_k, a per-expert scale; the experts run beside the
-      dense MLP in every layer, each branch with its own norms.
+      dense MLP in every layer, each branch with its own norms;
+    - "topk" (Qwen3-MoE's, Mixtral's): a linear, fp32 softmax, top_k, renormalised when norm_topk; the experts
+      replace the MLP except in the first first_dense layers and the dense_layers.
     """
 
     n_experts: int
@@ -35,14 +37,24 @@ class MoEConfig:
     n_group: int = 1
     topk_group: int = 1
     scale: float = 1.0  # routed_scaling_factor
+    norm_topk: bool = True  # topk: the chosen experts' weights renormalised to sum 1 (Qwen3-MoE's norm_topk_prob)
+    dense_layers: list[int] = dataclasses.field(default_factory=list)  # more layers that keep the dense MLP (topk)
+
+    def replaces_mlp(self, i: int) -> bool:
+        """Whether layer i's MLP is these experts (the sigmoid and topk routers'; Gemma 4's run beside it)."""
+        return self.router != "softmax" and i >= self.first_dense and i not in self.dense_layers
 
     def validate(self, n_layers: int) -> None:
         for k in ("n_experts", "top_k", "ffn_dim", "shared", "first_dense", "n_group", "topk_group"):
             v = getattr(self, k)
             check(_is_int(v) and v >= 0, f"model.moe.{k} must be an integer >= 0, got {v!r}")
         E, g = self.n_experts, self.n_group
-        check(self.router in ("sigmoid", "softmax"),
-              f"model.moe.router must be sigmoid or softmax, got {self.router!r}")
+        check(self.router in ("sigmoid", "softmax", "topk"),
+              f"model.moe.router must be sigmoid, softmax or topk, got {self.router!r}")
+        check(isinstance(self.norm_topk, bool), f"model.moe.norm_topk must be true or false, got {self.norm_topk!r}")
+        d = self.dense_layers
+        check(isinstance(d, list) and all(_is_int(i) and 0 <= i < n_layers for i in d) and d == sorted(set(d)),
+              f"model.moe.dense_layers must be a sorted list of layer indices in [0, {n_layers}), got {d!r}"[:200])
         check(0 < self.top_k <= E <= 4096 and 0 < self.ffn_dim <= 1 << 18,
               f"model.moe needs 0 < top_k <= n_experts <= 4096 and ffn_dim > 0, got {self}"[:200])
         check(g > 0 and E % g == 0 and (self.router == "softmax" or E // g >= 2) and 0 < self.topk_group <= g,
@@ -55,8 +67,9 @@ class MoEConfig:
         s = self.scale
         check(isinstance(s, (int, float)) and not isinstance(s, bool) and 0 < s <= 1000,
               f"model.moe.scale must be a number in (0, 1000], got {s!r}")
-        check(self.router == "sigmoid" or (self.shared == 0 and self.first_dense == 0),
+        check(self.router != "softmax" or (self.shared == 0 and self.first_dense == 0 and not d),
               "model.moe: the softmax router's experts run in every layer, without shared experts")
+        check(self.router != "topk" or self.shared == 0, "model.moe: the topk router has no shared experts")
 
     @classmethod
     def from_dict(cls, d: Any) -> MoEConfig:
@@ -257,7 +270,7 @@ class ModelConfig:
             experts = m.n_experts * 3 * m.ffn_dim * d if m else 0
             if m and m.router == "softmax":  # beside the MLP: experts, router (proj, scale, per-expert), 3 norms
                 total += mlp + experts + m.n_experts * d + d + m.n_experts + 3 * d
-            elif m and i >= m.first_dense:  # in place of the MLP: experts, router, shared experts
+            elif m and m.replaces_mlp(i):  # in place of the MLP: experts, router, shared experts
                 total += experts + m.n_experts * d + 3 * d * m.ffn_dim * m.shared
             else:
                 total += mlp

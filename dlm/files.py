@@ -12,7 +12,7 @@ import shutil
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 from safetensors import SafetensorError
@@ -68,7 +68,23 @@ class Stacked:
         return Stacked(self.parts, self.shape, dtype)
 
 
-def write_tensors(path: Path, tensors: dict[str, torch.Tensor | Stacked], metadata: dict[str, str] | None = None) -> None:
+class Lazy(NamedTuple):
+    """A tensor made only when write_tensors writes it (its shape and dtype known before): an imported tensor cut,
+    stacked or checked from memory-mapped shards; make() returns a tensor or a Stacked one."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    make: Callable[[], "torch.Tensor | Stacked"]
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor | Stacked | Lazy],
+                  metadata: dict[str, str] | None = None) -> None:
     """A safetensors file, written tensor by tensor from the tensors' own memory: no copy of the whole model is
     made (a real-size checkpoint is written with one tensor in flight at a time; a Stacked one part by part).
     The pages of a memory-mapped import source are released once written (release)."""
@@ -87,6 +103,9 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor | Stacked], metada
     with open(tmp, "wb") as fh:
         fh.write(len(head).to_bytes(8, "little") + head)
         for name, t in sorted(tensors.items()):
+            if isinstance(t, Lazy):
+                want, t = t, t.make()
+                assert tuple(t.shape) == tuple(want.shape) and t.dtype == want.dtype, (name, t.shape, want)
             for part in (t.parts if isinstance(t, Stacked) else [t]):
                 if part.numel():
                     data = part.detach().cpu().to(t.dtype).contiguous()

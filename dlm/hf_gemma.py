@@ -3,7 +3,7 @@
 A Gemma 4 text config (model_type gemma4_text, or the text_config of a gemma4 / diffusion_gemma
 config) becomes a ModelConfig with Gemma 4's layers (its layer types and per-type attention, sandwich norms,
 GeGLU, the softmax-routed experts, soft-cap: config.GEMMA_LAYERS and the per-layer fields). Weight names are
-transformers' without the model prefix (`model.`, `model.language_model.`, ...).
+transformers' without the model prefix (`model.`, `model.language_model.`, ...): the rows of dlm.families.
 """
 
 from __future__ import annotations
@@ -74,11 +74,6 @@ def _gemma_config(t: dict[str, Any], **extra: Any) -> ModelConfig:
                        k_eq_v=bool(t.get("attention_k_eq_v", False)), moe=moe,
                        logit_softcap=float(t.get("final_logit_softcapping") or 0.0),
                        embed_scale=math.sqrt(t["hidden_size"]), **GEMMA_LAYERS, **extra)
-
-
-def is_gemma(cfg: ModelConfig) -> bool:
-    """Whether cfg has Gemma 4's layers (what this layout holds)."""
-    return cfg.sandwich_norm
 
 
 def gemma_text_config(cfg: ModelConfig) -> dict[str, Any]:
@@ -157,132 +152,35 @@ def dlm_state_diffusion_gemma(hf_state: dict[str, Any]) -> tuple[dict[str, Any],
     return out, left
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# import / export (dlm.hf dispatches here by model_type)
+# the rows of dlm.families: conventions and config.json on export
 
-MODEL_TYPES = ("gemma4_text", "gemma4", "diffusion_gemma")
-
-
-def import_folder(src, out, overwrite: bool, hf: dict[str, Any], read_weights) -> tuple[Any, str | None]:
-    """A local Gemma 4 (text or multimodal: text weights) or DiffusionGemma folder -> a dlm checkpoint
-    (objective ar or usdm). Returns (path, a note on what was left out, or None)."""
-    import shutil
-    from pathlib import Path
-
-    import torch
-
-    from dlm.checkpoint import SIDE_FILES, all_finite, check_shapes, import_tokenizer, save_checkpoint
-    from dlm.files import release, write_folder
-    from dlm.model import Transformer, param_shapes
-
-    src, out = Path(src), Path(out)
-    kind = hf.get("model_type")
-    raw = read_weights(src)
-    if kind == "diffusion_gemma":
-        cfg, objective = model_config_from_diffusion_gemma(hf), "usdm"
-        state, left = dlm_state_diffusion_gemma(raw)
-        for name, t in raw.items():  # transformers ties the decoder to the encoder, but not layer_scalar
-            if name.startswith("model.encoder.language_model.") and name.endswith("layer_scalar"):
-                dec = raw.get("model.decoder." + name[len("model.encoder.language_model."):])
-                if dec is not None and not torch.equal(dec, t):
-                    raise DlmError(f"{src}: {name} differs between encoder and decoder (one backbone holds one)")
-    else:
-        t = hf.get("text_config") if kind == "gemma4" else hf
-        if not isinstance(t, dict):
-            raise DlmError(f"{src}/config.json: gemma4 needs a text_config object")
-        cfg, objective = model_config_from_gemma(t), "ar"
-        state = dlm_state({k: v for k, v in raw.items() if k == "lm_head.weight"
-                           or k.startswith(("model.language_model.", "model.layers.", "model.embed_tokens.",
-                                            "model.norm."))})
-        left = [k for k in raw if k not in ("lm_head.weight",) and not k.startswith(
-            ("model.language_model.", "model.layers.", "model.embed_tokens.", "model.norm."))]
-    if cfg.tie_embeddings:
-        state.pop("lm_head.weight", None)
-    expected, aliases = param_shapes(cfg)
-    check_shapes(expected, {k: tuple(v.shape) for k, v in state.items()}, src, aliases)
-    for k, v in state.items():
-        if not all_finite(v):
-            raise DlmError(f"{src}: tensor {k} holds NaN or infinite values")
-        release(v)  # (its mapped pages leave the resident set: the import streams)
-    tok = import_tokenizer(src, hf)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    tied = {"lm_head.weight": state["embed_tokens.weight"]} if cfg.tie_embeddings else {}
-    model.load_state_dict({**state, **tied}, assign=True, strict=False)
-    dtype = state["embed_tokens.weight"].dtype
-    meta = {"objective": objective, "model": cfg.to_dict(), "imported_from": src.name, "data": "stdlib",
-            "hf_config": hf}
-    if objective == "usdm":  # the reference sampler's canvas, and noise over the model's whole vocabulary
-        meta.update(canvas_length=int(hf.get("canvas_length", 256)), noise_vocab=cfg.vocab_size)
-    with write_folder(out, overwrite=overwrite, inputs=(src,)) as tmp:
-        save_checkpoint(tmp, model, tok, meta, dtype=dtype)
-        for f in SIDE_FILES:
-            if (src / f).is_file():
-                shutil.copyfile(src / f, tmp / f)
-    note = None
-    if left:
-        towers = sorted({".".join(n.split(".")[:3]) for n in left})
-        note = f"left out {len(left)} tensors of {', '.join(towers)} (text weights only)"
-    return out, note
+def conventions(hf: dict[str, Any], cfg: ModelConfig, source, tok) -> dict[str, Any]:
+    """A DiffusionGemma checkpoint's: the reference sampler's canvas, and noise over the model's whole vocabulary."""
+    return {"canvas_length": int(hf.get("canvas_length", 256)), "noise_vocab": cfg.vocab_size}
 
 
-def hf_tensors(model, dtype) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(transformers tensors, config.json) of a gemma4 backbone: Gemma4ForCausalLM (ar), or
-    DiffusionGemmaForBlockDiffusion (self-conditioned: usdm), the encoder's copy written beside the decoder's."""
-    from dlm.checkpoint import state_tensors
-
+def export_config(model, tok, dtype: str, meta: dict[str, Any]) -> dict[str, Any]:
+    """config.json of a Gemma 4 backbone: Gemma4ForCausalLM (ar), or DiffusionGemmaForBlockDiffusion
+    (self-conditioned: usdm), over the imported config where the checkpoint keeps one (with the canvas it runs)."""
     cfg = model.cfg
-    state = state_tensors(model, dtype)
     text = gemma_text_config(cfg)
     if not cfg.self_cond:
-        out = {("" if k.startswith("lm_head.") else "model.") + k: v for k, v in state.items()}
-        return out, {**text, "architectures": ["Gemma4ForCausalLM"]}
-    inv = {v: k for k, v in DG_SELF_COND.items()}
-    out = {}
-    for k, v in state.items():
-        if k.startswith("self_cond."):
-            out["model.decoder.self_conditioning." + inv[k[len("self_cond."):]]] = v
-        elif k.startswith("lm_head."):
-            out[k] = v
-        else:
-            out["model.decoder." + k] = v
-            out["model.encoder.language_model." + k] = v
-    for k in ("attention_k_eq_v", "hidden_size_per_layer_input", "num_kv_shared_layers", "enable_moe_block"):
-        text.pop(k)
-    text["model_type"] = "diffusion_gemma_text"
-    return out, {"model_type": "diffusion_gemma", "architectures": ["DiffusionGemmaForBlockDiffusion"],
-                 "text_config": text}
-
-
-def export_folder(model, tok, tmp, dtype, source_config: dict[str, Any] | None, side_dir=None) -> None:
-    """Write a gemma4 backbone as a transformers folder into tmp (config.json, model.safetensors, tokenizer)."""
-    import shutil
-    from pathlib import Path
-
-    from dlm.checkpoint import SIDE_FILES
-    from dlm.files import write_json, write_tensors
-
-    tensors, config = hf_tensors(model, dtype)
-    src = source_config or {}
+        config = {**text, "architectures": ["Gemma4ForCausalLM"]}
+    else:
+        for k in ("attention_k_eq_v", "hidden_size_per_layer_input", "num_kv_shared_layers", "enable_moe_block"):
+            text.pop(k)
+        text["model_type"] = "diffusion_gemma_text"
+        config = {"model_type": "diffusion_gemma", "architectures": ["DiffusionGemmaForBlockDiffusion"],
+                  "text_config": text}
+    src = meta.get("hf_config") or {}
+    if src and meta.get("canvas_length") is not None:  # DiffusionGemma: the canvas it runs
+        src = {**src, "canvas_length": meta["canvas_length"]}
     if config["model_type"] == "diffusion_gemma" and src.get("model_type") == "diffusion_gemma":
         config = {**{k: v for k, v in src.items() if k != "text_config"}, **config,
                   "text_config": {**src.get("text_config", {}), **config["text_config"]}}
     elif src.get("model_type") == "gemma4_text":
         config = {**src, **config}
-    config["dtype"] = str(dtype).removeprefix("torch.")
+    config["dtype"] = dtype
     for k, v in (("eos_token_id", tok.hf_eos_token_id), ("bos_token_id", tok.bos_id), ("pad_token_id", tok.pad_id)):
         config.setdefault(k, v)
-    write_tensors(Path(tmp) / "model.safetensors", tensors, metadata={"format": "pt"})
-    write_json(Path(tmp) / "config.json", config)
-    tok.save(Path(tmp) / "tokenizer.json")
-    copied = set()
-    if side_dir is not None:
-        for f in SIDE_FILES:
-            if (Path(side_dir) / f).is_file():
-                shutil.copyfile(Path(side_dir) / f, Path(tmp) / f)
-                copied.add(f)
-    if "tokenizer_config.json" not in copied:
-        write_json(Path(tmp) / "tokenizer_config.json", tok.hf_config())
-    if "generation_config.json" not in copied:  # every EOS id, where transformers' generate reads them
-        write_json(Path(tmp) / "generation_config.json", {"eos_token_id": tok.hf_eos_token_id,
-                                                          "bos_token_id": tok.bos_id, "pad_token_id": tok.pad_id})
+    return config

@@ -1,7 +1,6 @@
-"""transformers' Qwen3 / Qwen2 / Llama / Ministral 3 layout: config.json keys <-> ModelConfig, the weight files of a
-folder and the tensor names (dlm's are transformers' without the `model.` prefix). dlm.hf (export and import of these
-families) and dlm.hf_mdlm (the public masked-diffusion models, most of which use this layout) build on it.
-Nothing here imports transformers.
+"""transformers' Qwen3 / Qwen2 / Llama / Ministral 3 / Qwen3-MoE layout: config.json keys <-> ModelConfig, and a
+folder's remote code. The rows of dlm.families (and dlm.hf_mdlm's public masked-diffusion models, most of which
+use this layout) build on it. Nothing here imports transformers.
 """
 
 from __future__ import annotations
@@ -9,17 +8,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dlm.config import ModelConfig
 from dlm.errors import DlmError
-from dlm.files import Stacked, mmap_tensors, read_json, release
+from dlm.files import read_json
 from dlm.tokenizer import Tokenizer
 
 
 def hf_family(cfg: ModelConfig) -> str:
-    """The transformers family a dlm backbone is: Qwen3 (q/k-norm), Qwen2 (q/k/v bias), Ministral 3 (neither, with the
-    queries' attention temperature: Llama's layers, YaRN) or Llama (neither)."""
+    """The transformers family a dlm backbone is: Qwen3 (q/k-norm), Qwen3-MoE (q/k-norm, the topk router's experts),
+    Qwen2 (q/k/v bias), Ministral 3 (neither, with the queries' attention temperature: Llama's layers, YaRN) or Llama
+    (neither)."""
+    if (cfg.moe and cfg.moe.router == "topk" and cfg.moe.first_dense == 0 and cfg.qk_norm and not cfg.attn_bias
+            and cfg.partial_rotary == 1):
+        return "qwen3_moe"
     if cfg.moe or cfg.partial_rotary != 1:
         raise DlmError("--format hf: a mixture-of-experts or partial-rotary backbone has no Qwen3/Qwen2/Llama layout "
                        "(an imported LLaDA 2 exports to its own)")
@@ -31,7 +32,7 @@ def hf_family(cfg: ModelConfig) -> str:
 
 
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
-                 "ministral3": "Ministral3ForCausalLM"}
+                 "ministral3": "Ministral3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def hf_config(cfg: ModelConfig, tok: Tokenizer, dtype: str = "float32") -> dict[str, Any]:
@@ -66,8 +67,13 @@ def hf_config(cfg: ModelConfig, tok: Tokenizer, dtype: str = "float32") -> dict[
         "torch_dtype": dtype,
         "dtype": dtype,
     }
-    if family in ("qwen3", "qwen2"):
+    if family in ("qwen3", "qwen2", "qwen3_moe"):
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+        if family == "qwen3_moe":
+            m = cfg.moe
+            out.update(num_experts=m.n_experts, num_experts_per_tok=m.top_k, moe_intermediate_size=m.ffn_dim,
+                       norm_topk_prob=m.norm_topk, decoder_sparse_step=1, mlp_only_layers=list(m.dense_layers),
+                       output_router_logits=False)
         if family == "qwen2":
             out.pop("attention_bias")  # Qwen2's q/k/v always carry a bias (the key means nothing to it)
     elif family == "ministral3":  # the temperature's keys live in rope_parameters, as Ministral3Config keeps them
@@ -112,13 +118,14 @@ def _rope(hf: dict[str, Any], temperature: bool = False) -> tuple[float, dict[st
 
 
 def model_config_from_hf(hf: dict[str, Any], source: Path, family: str | None = None) -> ModelConfig:
-    """A Qwen3 / Qwen2 / Llama / Ministral 3 config.json (or one in their layout: family names which) -> ModelConfig.
-    Ministral 3 is Llama's layers with YaRN and the queries' attention temperature (rope_parameters'
-    llama_4_scaling_beta), both in ModelConfig.rope_scaling."""
+    """A Qwen3 / Qwen2 / Llama / Ministral 3 / Qwen3-MoE config.json (or one in their layout: family names which) ->
+    ModelConfig. Ministral 3 is Llama's layers with YaRN and the queries' attention temperature (rope_parameters'
+    llama_4_scaling_beta), both in ModelConfig.rope_scaling. Qwen3-MoE is Qwen3's layers with the topk router's
+    experts in place of the MLP, except in the mlp_only_layers and the layers decoder_sparse_step skips."""
     kind = family if family is not None else hf.get("model_type")
-    if kind not in ("qwen3", "qwen2", "llama", "ministral3"):
-        raise DlmError(f"{source}: model_type {kind!r} is not supported (qwen3, qwen2, llama, ministral3, gemma4_text, "
-                       f"gemma4, diffusion_gemma, llada, Dream, sdar, Fast_dLLM_Qwen and llada2_moe are)")
+    if kind not in ("qwen3", "qwen2", "llama", "ministral3", "qwen3_moe"):
+        raise DlmError(f"{source}: model_type {kind!r} is not supported (qwen3, qwen2, llama, ministral3 and "
+                       "qwen3_moe are in this layout)")
     if (hf.get("attention_bias") and kind != "qwen2") or hf.get("mlp_bias"):
         raise DlmError(f"{source}: attention/MLP biases are not supported (except Qwen2's q/k/v biases)")
     if hf.get("use_sliding_window") or (kind == "ministral3" and hf.get("sliding_window")):
@@ -138,6 +145,7 @@ def model_config_from_hf(hf: dict[str, Any], source: Path, family: str | None = 
         return v
 
     n_heads, dim = get("num_attention_heads"), get("hidden_size")
+    moe = _qwen3_moe(hf, source, get) if kind == "qwen3_moe" else None
     try:
         return ModelConfig(
             vocab_size=get("vocab_size"), dim=dim, n_layers=get("num_hidden_layers"), n_heads=n_heads,
@@ -145,11 +153,29 @@ def model_config_from_hf(hf: dict[str, Any], source: Path, family: str | None = 
             head_dim=get("head_dim", dim // n_heads if isinstance(n_heads, int) and n_heads > 0 else 0),
             ffn_dim=get("intermediate_size"), rope_theta=theta, rope_scaling=scaling,
             norm_eps=get("rms_norm_eps", 1e-6),
-            qk_norm=kind == "qwen3", attn_bias=kind == "qwen2", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qk_norm=kind in ("qwen3", "qwen3_moe"), attn_bias=kind == "qwen2", moe=moe,
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_seq_len=get("max_position_embeddings", 4096),
         )
     except DlmError as e:
         raise DlmError(f"{source}: {e}") from None
+
+
+def _qwen3_moe(hf: dict[str, Any], source: Path, get) -> dict[str, Any] | None:
+    """Qwen3-MoE's experts (MoEConfig's topk router): layer i has them unless it is one of mlp_only_layers or
+    (i + 1) is not a multiple of decoder_sparse_step (transformers' Qwen3MoeDecoderLayer); None: no experts."""
+    n = hf.get("num_experts", hf.get("num_local_experts"))
+    if not n:
+        return None
+    L, step = get("num_hidden_layers"), get("decoder_sparse_step", 1)
+    only = hf.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise DlmError(f"{source}: mlp_only_layers must be a list of layer indices, got {only!r}"[:200])
+    if not isinstance(step, int) or step < 1:
+        raise DlmError(f"{source}: decoder_sparse_step must be a positive integer, got {step!r}")
+    dense = sorted({i for i in range(L) if i in only or (i + 1) % step})
+    return {"n_experts": n, "top_k": get("num_experts_per_tok"), "ffn_dim": get("moe_intermediate_size"),
+            "router": "topk", "norm_topk": bool(hf.get("norm_topk_prob", False)), "dense_layers": dense}
 
 
 def remote_code(src: Path, hf: dict[str, Any]) -> list[str]:
@@ -186,70 +212,3 @@ def remote_code(src: Path, hf: dict[str, Any]) -> list[str]:
             elif isinstance(node, ast.Import):
                 todo += [n.name.split(".")[0] for n in node.names]
     return out
-
-
-def weight_files(folder: Path) -> list[str]:
-    """The safetensors files of a transformers folder: model.safetensors, or the shards its index names
-    (plain file names inside the folder: an index cannot point outside it)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        wmap = read_json(index).get("weight_map")
-        if not isinstance(wmap, dict) or not wmap:
-            raise DlmError(f"{index}: weight_map must be a non-empty object of tensor name -> shard file")
-        bad = [f for f in wmap.values()
-               if not isinstance(f, str) or Path(f).name != f or f in ("", ".", "..") or "\\" in f]
-        if bad:
-            raise DlmError(f"{index}: shard {bad[0]!r} is not a plain file name in {folder} (an index may only name "
-                           "files beside it)")
-        files = sorted(set(wmap.values()))
-        return files
-    if (folder / "model.safetensors").is_file():
-        return ["model.safetensors"]
-    raise DlmError(f"{folder}: no model.safetensors or model.safetensors.index.json (only safetensors are read)")
-
-
-def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a transformers folder, memory-mapped (nothing is read until it is used; an import reads each
-    once and releases its pages: files.release)."""
-    tensors: dict[str, torch.Tensor] = {}
-    for f in weight_files(folder):
-        for name, t in mmap_tensors(folder / f, transient=True).items():
-            if not t.is_floating_point():
-                raise DlmError(f"{folder / f}: tensor {name} holds {str(t.dtype).removeprefix('torch.')} values; "
-                               "weights are floating point (F32, F16, BF16)")
-            tensors[name] = t
-    return tensors
-
-
-def dlm_name(name: str, cfg: ModelConfig, src: Path) -> str | None:
-    """The dlm name of a transformers tensor (None: not kept)."""
-    if name.startswith("model."):
-        return name[len("model."):]
-    if name == "lm_head.weight":
-        return None if cfg.tie_embeddings else name
-    if "rotary_emb" in name:
-        return None
-    raise DlmError(f"{src}: unexpected tensor {name!r}")
-
-
-def assemble(cfg: ModelConfig, state: dict[str, torch.Tensor | Stacked], src: Path):
-    """A Transformer on the meta device holding `state` (dlm names) as its weights, after the names and shapes are
-    held against the config's and every tensor is checked finite (an imported folder's weights, as they are; each
-    tensor's mapped pages released once checked). A state holding Stacked tensors (experts stored one by one) is
-    returned as it is, checked: save_checkpoint writes it part by part, never stacking it in memory."""
-    from dlm.checkpoint import all_finite, check_shapes
-    from dlm.model import Transformer, param_shapes
-
-    expected, aliases = param_shapes(cfg)
-    check_shapes(expected, {k: tuple(v.shape) for k, v in state.items()}, src, aliases)
-    for k, v in state.items():
-        if not all(all_finite(p) for p in (v.parts if isinstance(v, Stacked) else [v])):
-            raise DlmError(f"{src}: tensor {k} holds NaN or infinite values")
-        release(v)
-    if any(isinstance(v, Stacked) for v in state.values()):
-        return state
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    tied = {"lm_head.weight": state["embed_tokens.weight"]} if cfg.tie_embeddings else {}
-    model.load_state_dict({**state, **tied}, assign=True)
-    return model

@@ -1,4 +1,6 @@
-"""The public masked-diffusion families in their own layouts: LLaDA, Dream, SDAR, Fast-dLLM v2 <-> dlm mdlm.
+"""The public masked-diffusion families in their own layouts: LLaDA, Dream, SDAR, Fast-dLLM v2, LLaDA 2 <-> dlm mdlm:
+their config.json mappings and the conventions their samplers need (rows of dlm.families; dlm.hf imports and
+exports them).
 
 Each family is a backbone dlm already has (Llama, Qwen2 with q/k/v biases, Qwen3) plus the conventions its
 sampler needs, which the imported checkpoint records at its top level (dlm.sampling.mdlm reads them):
@@ -19,9 +21,11 @@ block (`block_size` of SDAR's config, `bd_size` of Fast-dLLM v2's; 0 = none). <m
 
 LLaDA 2 (LLaDA2.0-mini 16B-A1.4B, LLaDA2.0-flash 100B-A6.1B; remote code modeling_llada2_moe.py) is the Qwen3 block
 (q/k-norm, GQA, SwiGLU) with partial rotary (`partial_rotary_factor`, `ModelConfig.partial_rotary`), a fused
-`query_key_value` projection (split into q, k, v on import, concatenated back on export) and, from layer
+`query_key_value` projection (split into q, k, v on import, concatenated back on export: dlm.families.SPLIT_QKV)
+and, from layer
 `first_k_dense_replace` on, a mixture of experts with shared experts and a sigmoid, group-limited router
-(`ModelConfig.moe`, dlm.moe); its experts, stored one by one, are stacked into dlm's fused expert tensors.
+(`ModelConfig.moe`, dlm.moe); its experts, stored one by one, are stacked into dlm's fused expert tensors
+(dlm.families.EXPERTS).
 
 The source config.json is kept in the checkpoint (`hf_config`), with the files beside the weights that carry the
 tokenizer's settings, chat template and the remote code (what the auto_maps name and what it imports); export
@@ -30,22 +34,19 @@ writes them back, so an imported folder exports to the same config and the same 
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from dlm.checkpoint import import_tokenizer, save_checkpoint, state_tensors
 from dlm.config import ModelConfig
 from dlm.errors import DlmError
-from dlm.files import Stacked, write_folder, write_json, write_tensors
-from dlm.hf_layout import assemble, dlm_name, hf_config, model_config_from_hf, remote_code
+from dlm.hf_layout import hf_config, model_config_from_hf
 
 
 @dataclass(frozen=True)
-class Family:
+class Conventions:
+    """An mdlm family's layout and sampler conventions (the table above); its row in dlm.families reads them."""
+
     name: str  # dlm's name (the checkpoint's "family")
     model_type: str  # config.json's model_type
     architecture: str
@@ -58,19 +59,15 @@ class Family:
     preset: str
 
 
-FAMILIES = {f.model_type: f for f in (
-    Family("llada", "llada", "LLaDAModelLM", "llada", "full", False, 0, None, 126336, "llada"),
-    Family("dream", "Dream", "DreamModel", "qwen2", "full", True, 0, None, 151666, "dream"),
-    Family("sdar", "sdar", "SDARForCausalLM", "qwen3", "block", False, 4, "block_size", 151669, "sdar"),
-    Family("fast-dllm-v2", "Fast_dLLM_Qwen", "Fast_dLLM_QwenForCausalLM", "qwen2", "block", True, 32, "bd_size",
+CONVENTIONS = {f.model_type: f for f in (
+    Conventions("llada", "llada", "LLaDAModelLM", "llada", "full", False, 0, None, 126336, "llada"),
+    Conventions("dream", "Dream", "DreamModel", "qwen2", "full", True, 0, None, 151666, "dream"),
+    Conventions("sdar", "sdar", "SDARForCausalLM", "qwen3", "block", False, 4, "block_size", 151669, "sdar"),
+    Conventions("fast-dllm-v2", "Fast_dLLM_Qwen", "Fast_dLLM_QwenForCausalLM", "qwen2", "block", True, 32, "bd_size",
            151665, "fast-dllm-v2"),
-    Family("llada2", "llada2_moe", "LLaDA2MoeModelLM", "llada2", "block", False, 32, None, 156895, "llada2"),
+    Conventions("llada2", "llada2_moe", "LLaDA2MoeModelLM", "llada2", "block", False, 32, None, 156895, "llada2"),
 )}
-MODEL_TYPES = tuple(FAMILIES)
-BY_NAME = {f.name: f for f in FAMILIES.values()}
-# files beside the weights kept as they are (tokenizer settings, chat template, generation defaults)
-SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-              "chat_template.json", "generation_config.json", "vocab.json", "merges.txt")
+BY_NAME = {f.name: f for f in CONVENTIONS.values()}
 
 
 # LLaDA's layout ----------------------------------------------------------------------------------------------
@@ -91,8 +88,6 @@ LLADA_LAYER = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.w
                "self_attn.v_proj.bias": "v_proj.bias", "self_attn.o_proj.weight": "attn_out.weight",
                "post_attention_layernorm.weight": "ff_norm.weight", "mlp.gate_proj.weight": "ff_proj.weight",
                "mlp.up_proj.weight": "up_proj.weight", "mlp.down_proj.weight": "ff_out.weight"}
-LLADA_TOP = {"embed_tokens.weight": "model.transformer.wte.weight", "norm.weight": "model.transformer.ln_f.weight",
-             "lm_head.weight": "model.transformer.ff_out.weight"}
 
 
 def _number(hf: dict[str, Any], key: str, source: Path, default: Any = None, kind: type = int) -> Any:
@@ -134,17 +129,6 @@ def model_config_from_llada(hf: dict[str, Any], source: Path) -> ModelConfig:
         raise DlmError(f"{source}: {e}") from None
 
 
-def llada_names(cfg: ModelConfig) -> dict[str, str]:
-    """dlm name -> LLaDA's, for every tensor of a Transformer(cfg) (the tied head has none)."""
-    out = {k: v for k, v in LLADA_TOP.items() if k != "lm_head.weight" or not cfg.tie_embeddings}
-    for i in range(cfg.n_layers):
-        for k, v in LLADA_LAYER.items():
-            if k.endswith(".bias") and not cfg.attn_bias:
-                continue
-            out[f"layers.{i}.{k}"] = f"model.transformer.blocks.{i}.{v}"
-    return out
-
-
 # LLaDA 2's layout (modeling_llada2_moe.py: LLaDA2MoeModelLM) ---------------------------------------------------
 
 # config switches that must hold these values (the config class's default when absent)
@@ -165,8 +149,6 @@ LLADA2_LAYER = {"input_layernorm.weight": "input_layernorm.weight",
                 "mlp.gate.expert_bias": "mlp.gate.expert_bias",
                 **{f"mlp.shared_experts.{p}_proj.weight": f"mlp.shared_experts.{p}_proj.weight"
                    for p in ("gate", "up", "down")}}
-LLADA2_TOP = {"embed_tokens.weight": "model.word_embeddings.weight", "norm.weight": "model.norm.weight",
-              "lm_head.weight": "lm_head.weight"}
 
 
 def model_config_from_llada2(hf: dict[str, Any], source: Path) -> ModelConfig:
@@ -207,108 +189,10 @@ def model_config_from_llada2(hf: dict[str, Any], source: Path) -> ModelConfig:
         raise DlmError(f"{source}: {e}") from None
 
 
-def llada2_names(cfg: ModelConfig) -> dict[str, str]:
-    """dlm name -> LLaDA 2's, for the tensors renamed one to one (not q/k/v nor the routed experts)."""
-    from dlm.moe import is_moe_layer
-
-    out = {k: v for k, v in LLADA2_TOP.items() if k != "lm_head.weight" or not cfg.tie_embeddings}
-    for i in range(cfg.n_layers):
-        m = is_moe_layer(cfg, i)
-        for k, v in LLADA2_LAYER.items():
-            if k.startswith("mlp.") and m != (k.startswith(("mlp.gate.", "mlp.shared_experts."))):
-                continue
-            if k.startswith("mlp.shared_experts.") and not cfg.moe.shared:
-                continue
-            out[f"layers.{i}.{k}"] = f"model.layers.{i}.{v}"
-    return out
-
-
-def _qkv_sizes(cfg: ModelConfig) -> list[int]:
-    return [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim]
-
-
-def llada2_to_dlm(raw: dict[str, torch.Tensor], cfg: ModelConfig, source: Path) -> dict[str, torch.Tensor]:
-    """LLaDA 2's tensors under dlm's names: query_key_value split into q, k, v (rows [q ; k ; v], as its attention
-    views the fused output as heads q, then k, then v), the experts of each MoE layer stacked."""
-    from dlm.moe import is_moe_layer
-
-    inv = {v: k for k, v in llada2_names(cfg).items()}
-    raw = dict(raw)
-    out = {}
-    for i in range(cfg.n_layers):
-        p = f"model.layers.{i}."
-        for kind in (("weight", "bias") if cfg.attn_bias else ("weight",)):
-            fused = raw.pop(f"{p}attention.query_key_value.{kind}", None)
-            if fused is None:
-                raise DlmError(f"{source}: tensor {p}attention.query_key_value.{kind} is missing")
-            if fused.shape[0] != sum(_qkv_sizes(cfg)):
-                raise DlmError(f"{source}: tensor {p}attention.query_key_value.{kind} has shape {tuple(fused.shape)}, "
-                               f"config.json implies {sum(_qkv_sizes(cfg))} rows")
-            for name, t in zip("qkv", fused.split(_qkv_sizes(cfg), 0)):
-                out[f"layers.{i}.self_attn.{name}_proj.{kind}"] = t
-        if is_moe_layer(cfg, i):
-            gu, down = stacked_experts(raw, p, cfg, source)
-            out[f"layers.{i}.mlp.experts.gate_up_proj"] = gu
-            out[f"layers.{i}.mlp.experts.down_proj"] = down
-    for name, t in raw.items():
-        if name not in inv:
-            raise DlmError(f"{source}: unexpected tensor {name!r} for LLaDA 2's layout")
-        out[inv[name]] = t
-    return out
-
-
-def stacked_experts(raw: dict[str, torch.Tensor], p: str, cfg: ModelConfig, source: Path) -> tuple[Stacked, Stacked]:
-    """The experts of one MoE layer (p: its prefix), stored one module each, as dlm's fused expert tensors
-    gate_up_proj (E, 2I, D) = per expert [gate ; up] and down_proj (E, D, I), taken out of raw. Lazily: a Stacked
-    tensor is its experts' mapped tensors in order (the bytes of the stack), written part by part, so that importing
-    never holds a layer's experts, let alone the model's, in memory."""
-    E, I, D = cfg.moe.n_experts, cfg.moe.ffn_dim, cfg.dim
-    gu, down = [], []
-    for e in range(E):
-        q = f"{p}mlp.experts.{e}."
-        for w, shape in (("gate", (I, D)), ("up", (I, D)), ("down", (D, I))):
-            t = raw.pop(f"{q}{w}_proj.weight", None)
-            if t is None:
-                raise DlmError(f"{source}: tensor {q}{w}_proj.weight is missing")
-            if tuple(t.shape) != shape:
-                raise DlmError(f"{source}: tensor {q}{w}_proj.weight has shape {tuple(t.shape)}, config.json implies "
-                               f"{shape}")
-            (down if w == "down" else gu).append(t)
-    dtypes = {t.dtype for t in gu + down}
-    if len(dtypes) > 1:
-        raise DlmError(f"{source}: the experts of {p[:-1]} are stored in several dtypes "
-                       f"({', '.join(sorted(str(d).removeprefix('torch.') for d in dtypes))})")
-    return Stacked(gu, (E, 2 * I, D)), Stacked(down, (E, D, I))
-
-
-def dlm_to_llada2(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """dlm's tensors under LLaDA 2's names (the inverse of llada2_to_dlm)."""
-    from dlm.moe import is_moe_layer
-
-    names = llada2_names(cfg)
-    state = dict(state)
-    out = {}
-    for i in range(cfg.n_layers):
-        p = f"model.layers.{i}."
-        for kind in (("weight", "bias") if cfg.attn_bias else ("weight",)):
-            out[f"{p}attention.query_key_value.{kind}"] = torch.cat(
-                [state.pop(f"layers.{i}.self_attn.{n}_proj.{kind}") for n in "qkv"], 0)
-        if is_moe_layer(cfg, i):
-            gu, down = state.pop(f"layers.{i}.mlp.experts.gate_up_proj"), state.pop(f"layers.{i}.mlp.experts.down_proj")
-            I = cfg.moe.ffn_dim
-            for e in range(cfg.moe.n_experts):
-                q = f"{p}mlp.experts.{e}."
-                out[q + "gate_proj.weight"] = gu[e, :I].contiguous()
-                out[q + "up_proj.weight"] = gu[e, I:].contiguous()
-                out[q + "down_proj.weight"] = down[e].contiguous()
-    out.update({names[k]: v for k, v in state.items()})
-    return out
-
-
 # import / export --------------------------------------------------------------------------------------------
 
-def family_of(hf: dict[str, Any]) -> Family:
-    return FAMILIES[hf["model_type"]]
+def family_of(hf: dict[str, Any]) -> Conventions:
+    return CONVENTIONS[hf["model_type"]]
 
 
 def model_config(hf: dict[str, Any], source: Path) -> ModelConfig:
@@ -341,52 +225,7 @@ def conventions(hf: dict[str, Any], cfg: ModelConfig, source: Path, tok_mask: in
             "preset": fam.preset}
 
 
-def dlm_state(raw: dict[str, torch.Tensor], cfg: ModelConfig, fam: Family, source: Path) -> dict[str, torch.Tensor]:
-    """The folder's tensors under dlm's names (every expected one present, nothing else)."""
-    if fam.layout == "llada":
-        inv = {v: k for k, v in llada_names(cfg).items()}
-        out = {}
-        for name, t in raw.items():
-            if name not in inv:
-                raise DlmError(f"{source}: unexpected tensor {name!r} for LLaDA's layout")
-            out[inv[name]] = t
-        return out
-    if fam.layout == "llada2":
-        return llada2_to_dlm(raw, cfg, source)
-    return {dlm_name(k, cfg, source): v for k, v in raw.items() if dlm_name(k, cfg, source) is not None}
-
-
-def side_files(src: Path, hf: dict[str, Any]) -> list[str]:
-    """The files kept beside the weights: tokenizer settings, chat template, and the remote code (what the auto_maps
-    name and every module of the folder those files import: hf_layout.remote_code)."""
-    names = [f for f in SIDE_FILES if (src / f).is_file()]
-    return names + [f for f in remote_code(src, hf) if f not in names]
-
-
-def import_folder(src: Path, out: Path, overwrite: bool, hf: dict[str, Any], read_weights) -> Path:
-    """A local LLaDA / Dream / SDAR / Fast-dLLM v2 / LLaDA 2 folder -> a dlm mdlm checkpoint, in the dtype it is stored
-    in."""
-    fam = family_of(hf)
-    cfg = model_config(hf, src / "config.json")
-    if not (src / "tokenizer.json").is_file():
-        raise DlmError(f"{src}: no tokenizer.json (dlm reads the fast tokenizer's file; transformers writes one: "
-                       "AutoTokenizer.from_pretrained(FOLDER, trust_remote_code=True).save_pretrained(FOLDER))")
-    tok = import_tokenizer(src, hf)
-    conv = conventions(hf, cfg, src / "config.json", tok.mask_id)
-    raw = read_weights(src)
-    state = dlm_state(raw, cfg, fam, src)
-    model = assemble(cfg, state, src)
-    dtype = state["embed_tokens.weight"].dtype
-    meta = {"objective": "mdlm", "model": cfg.to_dict(), "imported_from": src.name, "data": "stdlib", **conv,
-            "hf_config": hf}
-    with write_folder(out, overwrite=overwrite, inputs=(src,)) as tmp:
-        save_checkpoint(tmp, model, tok, meta, dtype=dtype)
-        for f in side_files(src, hf):
-            shutil.copyfile(src / f, tmp / f)
-    return out
-
-
-def layout_keys(cfg: ModelConfig, fam: Family, tok, dtype: str, src: dict[str, Any]) -> dict[str, Any]:
+def layout_keys(cfg: ModelConfig, fam: Conventions, tok, dtype: str, src: dict[str, Any]) -> dict[str, Any]:
     """The config keys of the family's layout that carry the backbone's shape."""
     if fam.layout == "llada":
         out = {**LLADA_REQUIRED, "d_model": cfg.dim, "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads,
@@ -447,16 +286,6 @@ def export_config(cfg: ModelConfig, meta: dict[str, Any], tok, dtype: str) -> di
     return out
 
 
-def hf_tensors(model, cfg: ModelConfig, fam: Family, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    state = state_tensors(model, dtype)
-    if fam.layout == "llada":
-        names = llada_names(cfg)
-        return {names[k]: v for k, v in state.items()}
-    if fam.layout == "llada2":
-        return dlm_to_llada2(state, cfg)
-    return {("" if k.startswith("lm_head.") else "model.") + k: v for k, v in state.items()}
-
-
 def finetuned_meta(meta: dict[str, Any]) -> dict[str, Any] | None:
     """A checkpoint dlm fine-tuned from an imported family (`dlm train --objective mdlm --init-from`: the import's
     hf_config travels on) whose convention is the one dlm trains (block-causal, unshifted: SDAR, LLaDA 2): the meta
@@ -466,27 +295,7 @@ def finetuned_meta(meta: dict[str, Any]) -> dict[str, Any] | None:
     hf = meta.get("hf_config")
     if meta.get("objective") != "mdlm" or meta.get("family") or not isinstance(hf, dict):
         return None
-    fam = FAMILIES.get(hf.get("model_type"))
+    fam = CONVENTIONS.get(hf.get("model_type"))
     if fam is None or fam.context != "block" or fam.shift or meta.get("mask_id") is None:
         return None
     return {**meta, "family": fam.name}
-
-
-def export_folder(model, tok, tmp: Path, dtype: torch.dtype, meta: dict[str, Any], side_dir: Path | None) -> None:
-    """Write an imported mdlm checkpoint back in its family's layout into tmp."""
-    fam = BY_NAME[meta["family"]]
-    c = model.cfg
-    if (c.qk_norm != (fam.layout in ("qwen3", "llada2")) or (fam.layout == "qwen2" and not c.attn_bias)
-            or (fam.layout != "llada2" and (c.moe or c.partial_rotary != 1))):
-        raise DlmError(f"--format hf: this backbone does not fit {fam.name}'s layout")
-    dname = str(dtype).removeprefix("torch.")
-    write_tensors(tmp / "model.safetensors", hf_tensors(model, model.cfg, fam, dtype), metadata={"format": "pt"})
-    write_json(tmp / "config.json", export_config(model.cfg, meta, tok, dname))
-    tok.save(tmp / "tokenizer.json")
-    copied = set()
-    if side_dir is not None:
-        for f in side_files(side_dir, meta.get("hf_config") or {}):
-            shutil.copyfile(side_dir / f, tmp / f)
-            copied.add(f)
-    if "tokenizer_config.json" not in copied:
-        write_json(tmp / "tokenizer_config.json", tok.hf_config())

@@ -254,8 +254,8 @@ class Block(nn.Module):
     pre-norm (Qwen3/Llama)   x + attn(norm(x)); x + mlp(norm(x))
     sandwich (Gemma)         x + norm(attn(norm(x))); x + norm(mlp(norm(x)) [+ the softmax router's experts]) [x scalar]
 
-    The MLP is a mixture of experts in the sigmoid router's layers (from moe.first_dense on). Context features enter
-    raw."""
+    The MLP is a mixture of experts in the sigmoid and topk routers' layers (MoEConfig.replaces_mlp). Context
+    features enter raw."""
 
     def __init__(self, cfg: ModelConfig, i: int = 0):
         super().__init__()

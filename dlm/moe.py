@@ -10,6 +10,9 @@
 - "softmax" (Gemma 4's), `SoftmaxRouter` + `Experts` beside the dense MLP (dlm.model.Block): the residual stream
   normed without a scale, times a learned scale and D^-0.5, a linear, fp32 softmax, top-k, renormalised, times a
   per-expert scale.
+- "topk" (Qwen3-MoE's, Mixtral's), `TopkRouter` + `SparseMoE` in place of the MLP (except the first `first_dense`
+  layers and the `dense_layers`): a linear of the layer's input, fp32 softmax, top `top_k`, renormalised to sum 1
+  when `norm_topk`, cast back to the input's dtype.
 
 The experts of both are stored fused (gate_up_proj (E, 2I, D), down_proj (E, D, I)) and run by one grouped kernel.
 Parameter names: layers.N.mlp.gate.weight, layers.N.mlp.gate.expert_bias (a buffer: the public checkpoints store
@@ -29,8 +32,8 @@ from dlm.config import MoEConfig
 
 
 def is_moe_layer(cfg, i: int) -> bool:
-    """Whether layer i's MLP is the sigmoid router's experts (SparseMoE)."""
-    return cfg.moe is not None and cfg.moe.router == "sigmoid" and i >= cfg.moe.first_dense
+    """Whether layer i's MLP is the sigmoid or topk router's experts (SparseMoE)."""
+    return cfg.moe is not None and cfg.moe.replaces_mlp(i)
 
 
 class SigmoidRouter(nn.Module):
@@ -57,6 +60,24 @@ class SigmoidRouter(nn.Module):
         if self.top_k > 1:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         return w * self.scale, idx
+
+
+class TopkRouter(nn.Module):
+    """fp32 softmax over a linear of the input, the top_k kept (renormalised when norm_topk)."""
+
+    def __init__(self, dim: int, moe: MoEConfig):
+        super().__init__()
+        self.top_k, self.norm_topk = moe.top_k, moe.norm_topk
+        self.weight = nn.Parameter(torch.empty(moe.n_experts, dim))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x (N, D) -> weights (N, k) in x's dtype, expert ids (N, k)."""
+        probs = F.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)  # (N, E)
+        w, idx = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            w = w / w.sum(-1, keepdim=True)
+        return w.to(x.dtype), idx
 
 
 class SoftmaxRouter(nn.Module):
@@ -127,12 +148,12 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """The sigmoid router's routed experts plus the shared experts, over x (B, T, D), in place of the MLP."""
+    """The sigmoid or topk router's routed experts plus the shared experts, over x (B, T, D), in place of the MLP."""
 
     def __init__(self, dim: int, moe: MoEConfig, mlp: Callable[[int], nn.Module], act: Callable[[Tensor], Tensor]):
         """mlp(hidden): the backbone's gated MLP (dlm.model.MLP) of that many hidden units, the shared experts."""
         super().__init__()
-        self.gate = SigmoidRouter(dim, moe)
+        self.gate = SigmoidRouter(dim, moe) if moe.router == "sigmoid" else TopkRouter(dim, moe)
         self.experts = Experts(dim, moe.n_experts, moe.ffn_dim, act)
         self.shared_experts = mlp(moe.ffn_dim * moe.shared) if moe.shared else None
 

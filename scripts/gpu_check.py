@@ -107,8 +107,10 @@ def qwen3_pair():
     """(transformers model, dlm model) on the GPU in bf16 with the same random weights, Qwen3-0.6B's config."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dlm.hf_layout import dlm_name, model_config_from_hf
-    from dlm.model import Transformer
+    from dlm.families import BY_NAME
+    from dlm.hf import import_tensors
+    from dlm.hf_layout import model_config_from_hf
+    from dlm.model import Transformer, param_shapes
 
     hc = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                      num_hidden_layers=2 if DRY else 28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
@@ -119,10 +121,12 @@ def qwen3_pair():
         hf = Qwen3ForCausalLM(hc).to(torch.bfloat16).eval()
     cfg = model_config_from_hf(hc.to_dict(), Path("config.json"))
     src = Path("qwen3-0.6b")
-    state = {dlm_name(k, cfg, src): v for k, v in hf.state_dict().items()}
+    expected, aliases = param_shapes(cfg)  # the qwen3 row's names, as `dlm import --hf` reads them
+    lazy, _ = import_tensors(BY_NAME["qwen3"], cfg, expected, aliases, hf.state_dict(), src)
+    state = {k: t.make() for k, t in lazy.items()}
     with torch.device(DEV):
         model = Transformer(cfg).to(torch.bfloat16).eval()
-    missing, unexpected = model.load_state_dict({k: v for k, v in state.items() if k is not None}, strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=False)
     assert set(missing) <= {"lm_head.weight"} and not unexpected, (missing, unexpected)
     assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
     return hf, model

@@ -14,7 +14,8 @@ import dlm
 ROOT = Path(dlm.__file__).parent
 # the model layer: what every paradigm's model, checkpoint and tokenizer need, and nothing above it
 MODEL_LAYER = {"dlm.config", "dlm.errors", "dlm.files", "dlm.device", "dlm.masks", "dlm.rope", "dlm.model",
-               "dlm.moe", "dlm.drafter", "dlm.checkpoint", "dlm.tokenizer", "dlm.hf", "dlm.hf_gemma", "dlm.noise"}
+               "dlm.moe", "dlm.drafter", "dlm.checkpoint", "dlm.tokenizer", "dlm.hf", "dlm.hf_gemma", "dlm.noise",
+               "dlm.families", "dlm.hf_layout", "dlm.hf_mdlm", "dlm.hf_joint"}
 TRAINING = ("dlm.objectives", "dlm.train", "dlm.cli", "dlm.distill")  # dlm.train covers dlm.trainstate
 
 
@@ -130,3 +131,25 @@ def test_one_layer_stack_shaped_by_configuration():
     assert defs == {k: ["dlm.model"] for k in BACKBONE}
     assert arch == []
     assert "dlm.gemma4" not in modules()
+
+
+INTEROP = ("dlm.families", "dlm.hf_layout", "dlm.hf_gemma", "dlm.hf_mdlm", "dlm.hf_joint")  # the rows and their maps
+DRIVER_STEPS = {"save_checkpoint", "write_folder", "write_tensors", "copyfile", "all_finite", "read_hf_weights"}
+
+
+def test_one_import_export_driver():
+    """Every transformers family is a row of dlm.families that dlm.hf's one driver runs: no other interop module
+    reads a folder's weights or writes tensors or folders, checks finiteness, or defines an importer or exporter of its own; and each
+    config.json model_type has one row."""
+    from dlm.families import FAMILIES
+
+    mods = modules()
+    for name in INTEROP:
+        tree = ast.parse(mods[name].read_text())
+        called = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", None)
+                  for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        assert not called & DRIVER_STEPS, (name, called & DRIVER_STEPS)
+        assert not {d for d in defined if d.startswith(("import_", "export_folder", "export_hf"))}, (name, defined)
+    types = [t for f in FAMILIES for t in f.model_types]
+    assert len(types) == len(set(types)) and "qwen3_moe" in types

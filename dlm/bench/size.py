@@ -107,8 +107,8 @@ def config_of(name: str, layers: int = 0) -> dict[str, Any]:
 
 def hf_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The folder's tensors (transformers names -> shapes) for a config, from dlm's exporters run on the meta device."""
-    from dlm import hf_mdlm
-    from dlm.hf import is_drafter
+    from dlm.families import family_of, is_drafter
+    from dlm.hf import hf_plan
     from dlm.hf_layout import model_config_from_hf
     from dlm.model import param_shapes
 
@@ -122,20 +122,10 @@ def hf_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
                            "target_features": True}}
         expected, _ = drafter_shapes(meta)
         return dict(expected)
-    if hf["model_type"] in hf_mdlm.MODEL_TYPES:
-        fam = hf_mdlm.family_of(hf)
-        cfg = hf_mdlm.model_config(hf, Path("config.json"))
-        expected, aliases = param_shapes(cfg)
-        state = {k: torch.empty(s, device="meta") for k, s in expected.items()}
-        if fam.layout == "llada":
-            names = hf_mdlm.llada_names(cfg)
-            return {names[k]: tuple(t.shape) for k, t in state.items()}
-        if fam.layout == "llada2":
-            return {k: tuple(t.shape) for k, t in hf_mdlm.dlm_to_llada2(state, cfg).items()}
-        return {("" if k.startswith("lm_head.") else "model.") + k: tuple(t.shape) for k, t in state.items()}
-    cfg = model_config_from_hf(hf, Path("config.json"))
+    fam = family_of(hf, Path("config.json"))  # the family's row: its names and transforms, as import reads them
+    cfg = fam.config(hf, Path("config.json"))
     expected, _ = param_shapes(cfg)
-    return {("" if k.startswith("lm_head.") else "model.") + k: s for k, s in expected.items()}
+    return {h: s for h, (s, _) in hf_plan(fam, cfg, expected).items()}
 
 
 def _shard(shapes: dict[str, tuple[int, ...]], itemsize: int, shard_bytes: int) -> list[list[str]]:
