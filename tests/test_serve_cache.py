@@ -32,19 +32,20 @@ def test_unwritten_columns_are_never_read(tiny_ar, monkeypatch):
     torch.manual_seed(0)
     model, ck = load_model(tiny_ar)
     tok = ck.tokenizer
-    texts = ["def f(x):", "import os\nimport sys\n\nclass A:\n    def __init__(self, a, b, c):\n        self.a = a",
-             "x = 1", "for i in range(10):\n    print(i)", "return", "# a comment that runs long " * 6,
-             "y", "while True:\n    pass\n"]
-    budget = [6 + 3 * i for i in range(len(texts))]  # rows leave at different steps
+    first = ["def f(x):", "x = 1", "for i in range(10):\n    print(i)", "return", "import os"]  # past 4 rows: growth
+    later = ["# a comment that runs long " * 6,  # longer than the batch's timeline: the rows there move right
+             "y", "while True:\n    pass\n"]  # shorter: columns before their prompts
+    texts = first + later
+    budget = [40 + 2 * i for i in range(len(first))] + [12, 9, 16]  # rows leave at different steps
     want = [generate(model, ck, t, SampleConfig(max_new_tokens=b)).tokens[0] for t, b in zip(texts, budget)]
     batcher = ARBatcher(model, ck, max_rows=64, name="test")
     try:
         jobs = []
         for i, (t, b) in enumerate(zip(texts, budget)):
+            if i >= len(first):  # these join a running batch
+                time.sleep(0.02)
             jobs.append(Job([Row(Prompt(tok.encode(t)), SampleConfig(max_new_tokens=b, temperature=0.0))]))
             batcher.submit(jobs[-1])
-            if i in (0, 2, 5):  # later rows join a running batch (the first ones: the growth past 4 rows)
-                time.sleep(0.05)
         got = [[t for ev in job.drain(timeout=120) if isinstance(ev, Commit) for t in ev.tokens] for job in jobs]
     finally:
         batcher.close()
