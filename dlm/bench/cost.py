@@ -237,7 +237,8 @@ def run_cost(shape: str, context: int = 256, points: tuple[int, ...] = POINTS, r
     todo, skipped = [], []
     for kind in ("tokens", "rows"):
         for n in points:
-            need = kv_bytes(cfg, n if kind == "rows" else 1, context + (n if kind == "tokens" else row_tokens), itemsize)
+            new = n if kind == "tokens" else row_tokens
+            need = kv_bytes(cfg, n if kind == "rows" else 1, context + new, itemsize)
             if free is not None and dev.type == "cpu" and need > free // 2:
                 skipped.append({"kind": kind, "n": n, "why": f"its K/V cache needs {need / 2**30:.1f} GiB, "
                                 f"{free / 2**30:.1f} GiB available"})
@@ -293,9 +294,9 @@ def run_cost(shape: str, context: int = 256, points: tuple[int, ...] = POINTS, r
                    "tau_for_2x": {f"{c:.3g}": 2 * (row["ratio"] + c) for c in DRAFT_COSTS}}
                   for row in curve["tokens"] if row["n"] > 1]
     report = {"shape": label, "config": cfg.to_dict(), "params": sum(p.numel() for p in model.parameters()),
-              "dtype": str(dtype).removeprefix("torch."), "device": str(dev), "context": context, "row_tokens": row_tokens,
-              "repeat": repeat,
-              "inner": inner, "clock": clock, "tokens": curve["tokens"], "rows": curve["rows"], "skipped": skipped,
+              "dtype": str(dtype).removeprefix("torch."), "device": str(dev), "context": context,
+              "row_tokens": row_tokens, "repeat": repeat, "inner": inner, "clock": clock, "tokens": curve["tokens"],
+              "rows": curve["rows"], "skipped": skipped,
               "machine": mach,
               "decode": decode, "break_even": break_even,
               "load_average": {"before": list(load_before), "after": list(load_after)}, "environment": environment()}
