@@ -519,7 +519,7 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
               block_size: int | None = None, repeat: int = 3, task: str | None = None, span: str = "line",
               joint: str | None = None, joint_blocks: list[int] | None = None, shape: str | None = None,
               context: int = 256, points: list[int] | None = None, layers: int = 0, device: str = "auto",
-              clock: str = "wall", dtype: str | None = None) -> None:
+              clock: str = "wall", dtype: str | None = None, row_tokens: int = 1) -> None:
     """Benchmark the paradigms side by side on held-out task cases: task metrics, tok/forward, tok/s, TTFT, ratios
     against AR in the same round (methods interleaved case by case, repeated; medians and min-max).
 
@@ -560,6 +560,8 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
             without the time it waited for a core)
         dtype: --shape: the weights' dtype, float32, bfloat16 or float16 (default: float32 for a named shape, a
             checkpoint's own)
+        row_tokens: --shape: new tokens of each row in the B-rows curve (1: decoding; a diffusion block's or a
+            speculative verify's width: what a batch of those rows costs)
     """
     if shape is not None:
         from dlm.bench.cost import POINTS, run_cost
@@ -570,7 +572,7 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
         if layers < 0:
             raise DlmError(f"--layers must be >= 0 (0 = the shape's own depth), got {layers}")
         run_cost(shape, context, tuple(points or POINTS), repeat, layers=layers, out=out or None, device=device,
-                 clock=clock, dtype=dtype)
+                 clock=clock, dtype=dtype, row_tokens=row_tokens)
         if out:
             print(f"report: {out}")
         return

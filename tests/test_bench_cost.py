@@ -88,3 +88,16 @@ def test_cost_curve_in_another_dtype(tiny_ar):
     assert r["decode"]["weight_bytes"] == sum(p.numel() * 2 for p in shape_model(str(tiny_ar))[0].parameters())
     _one_line_error(cli("bench", "--shape", "ar-small", "--dtype", "int8"),
                     "--dtype must be one of float32, bfloat16, float16")
+
+
+def test_rows_of_several_new_tokens(tiny_ar):
+    """--row-tokens W: B rows of W new tokens each (a batch of diffusion blocks); tok/s counts every row's W."""
+    from dlm.bench.cost import run_cost
+
+    r = run_cost(str(tiny_ar), context=8, points=(2,), repeat=1, inner=1, machine_mb=8, clock="cpu", quiet=True,
+                 row_tokens=5)
+    assert r["row_tokens"] == 5 and [row["n"] for row in r["rows"]] == [1, 2]
+    for row in r["rows"]:
+        assert row["tokens_per_second"] == pytest.approx(row["n"] * 5 / row["seconds"])
+    assert r["tokens"][1]["tokens_per_second"] == pytest.approx(2 / r["tokens"][1]["seconds"])
+    _one_line_error(cli("bench", "--shape", str(tiny_ar), "--row-tokens", "0"), "--row-tokens")

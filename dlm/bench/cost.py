@@ -7,7 +7,8 @@ not assumed:
 
 - `tokens`: one row, a forward of T new tokens over a cache of `context` tokens (what verifying a speculative block
   costs), relative to T = 1;
-- `rows`: B rows, one new token each over their own caches (a batch of decodes), relative to B = 1;
+- `rows`: B rows, one new token each over their own caches (a batch of decodes), relative to B = 1; with
+  `row_tokens` W, B rows of W new tokens each (a batch of diffusion blocks or speculative verifies of width W);
 - the machine: memory bandwidth (reading and copying a large array) and matmul throughput (a large square matmul);
 - decode at T = 1 as a fraction of the bandwidth limit (bytes of weights and K/V read per token over the read
   bandwidth);
@@ -191,7 +192,8 @@ def available_bytes() -> int | None:
 @torch.inference_mode()
 def run_cost(shape: str, context: int = 256, points: tuple[int, ...] = POINTS, repeat: int = 3, inner: int = 5,
              layers: int = 0, out: str | None = None, device: str = "auto", machine_mb: int = 256,
-             clock: str = "wall", quiet: bool = False, dtype: str | None = None) -> dict[str, Any]:
+             clock: str = "wall", quiet: bool = False, dtype: str | None = None,
+             row_tokens: int = 1) -> dict[str, Any]:
     """Measure the cost curve of one shape; print the tables, write the JSON report (and the PNG beside it)."""
     from dlm.bench.harness import environment, write_json
     from dlm.device import resolve_device
@@ -201,6 +203,7 @@ def run_cost(shape: str, context: int = 256, points: tuple[int, ...] = POINTS, r
     check(bool(points) and all(p >= 1 for p in points), f"--points must be integers >= 1, got {list(points)}")
     check(clock in CLOCKS, f"--clock must be wall or cpu, got {clock!r}")
     check(dtype is None or dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    check(row_tokens >= 1, f"--row-tokens must be >= 1, got {row_tokens}")
     points = tuple(sorted(set(points) | {1}))
     if out:
         from dlm.files import check_out_file
@@ -212,8 +215,9 @@ def run_cost(shape: str, context: int = 256, points: tuple[int, ...] = POINTS, r
     load_before = os.getloadavg()
     model, label = shape_model(shape, layers, dev, dtype)
     cfg = model.cfg
-    check(context + max(points) <= cfg.max_seq_len,
-          f"--context {context} + {max(points)} new tokens exceeds the model's max_seq_len {cfg.max_seq_len}")
+    widest = max(max(points), row_tokens)  # the most new tokens of one row
+    check(context + widest <= cfg.max_seq_len,
+          f"--context {context} + {widest} new tokens exceeds the model's max_seq_len {cfg.max_seq_len}")
     itemsize = next(model.parameters()).element_size()
     dtype = next(model.parameters()).dtype
     free = available_bytes()
@@ -229,11 +233,12 @@ def run_cost(shape: str, context: int = 256, points: tuple[int, ...] = POINTS, r
         cache.length = context
         return cache
 
-    # the measurements: ("tokens", T) -> one row, T new tokens; ("rows", B) -> B rows, one new token each
+    # the measurements: ("tokens", T) -> one row, T new tokens; ("rows", B) -> B rows, row_tokens new tokens each
     todo, skipped = [], []
     for kind in ("tokens", "rows"):
         for n in points:
-            need = kv_bytes(cfg, n if kind == "rows" else 1, context + (n if kind == "tokens" else 1), itemsize)
+            new = n if kind == "tokens" else row_tokens
+            need = kv_bytes(cfg, n if kind == "rows" else 1, context + new, itemsize)
             if free is not None and dev.type == "cpu" and need > free // 2:
                 skipped.append({"kind": kind, "n": n, "why": f"its K/V cache needs {need / 2**30:.1f} GiB, "
                                 f"{free / 2**30:.1f} GiB available"})
@@ -242,16 +247,16 @@ def run_cost(shape: str, context: int = 256, points: tuple[int, ...] = POINTS, r
     # one cache for the most rows, sized for the longest block; fewer rows read its first rows (each layer's slice of
     # the first B rows is laid out as a cache of B rows would be), so the K/V memory is that of the largest point
     need_rows = sorted({n if kind == "rows" else 1 for kind, n in todo})
-    full = cached(need_rows[-1], context + max(points))
+    full = cached(need_rows[-1], context + widest)
     caches = {}
     for rows in need_rows:
         if hasattr(full, "k"):
             caches[rows] = copy.copy(full)
             caches[rows].k, caches[rows].v = full.k[:, :rows], full.v[:, :rows]
         else:  # a family's own cache: one per row count
-            caches[rows] = full if rows == need_rows[-1] else cached(rows, context + max(points))
-    inputs = {(k, n): torch.randint(0, cfg.vocab_size, (n, 1) if k == "rows" else (1, n), generator=torch.Generator()
-                                    .manual_seed(n)).to(dev) for k, n in todo}
+            caches[rows] = full if rows == need_rows[-1] else cached(rows, context + widest)
+    inputs = {(k, n): torch.randint(0, cfg.vocab_size, (n, row_tokens) if k == "rows" else (1, n),
+                                    generator=torch.Generator().manual_seed(n)).to(dev) for k, n in todo}
 
     def forward(kind: str, n: int) -> None:
         cache = caches[n if kind == "rows" else 1]
@@ -275,7 +280,7 @@ def run_cost(shape: str, context: int = 256, points: tuple[int, ...] = POINTS, r
     one = secs[("tokens", 1)]  # each curve against its own n = 1 (the same forward, timed in its own slots)
     curve = {kind: [{"n": n, "seconds": secs[(kind, n)], "ratio": secs[(kind, n)] / secs[(kind, 1)],
                      "range": list(spread[(kind, n)]),
-                     "tokens_per_second": n / secs[(kind, n)]}
+                     "tokens_per_second": n * (row_tokens if kind == "rows" else 1) / secs[(kind, n)]}
                     for (k2, n) in todo if k2 == kind] for kind in ("tokens", "rows")}
     per_token = weight_bytes_per_token(model) + kv_bytes(cfg, 1, context, itemsize)
     limit = mach["read_gb_s"] * 1e9 / per_token
@@ -289,8 +294,9 @@ def run_cost(shape: str, context: int = 256, points: tuple[int, ...] = POINTS, r
                    "tau_for_2x": {f"{c:.3g}": 2 * (row["ratio"] + c) for c in DRAFT_COSTS}}
                   for row in curve["tokens"] if row["n"] > 1]
     report = {"shape": label, "config": cfg.to_dict(), "params": sum(p.numel() for p in model.parameters()),
-              "dtype": str(dtype).removeprefix("torch."), "device": str(dev), "context": context, "repeat": repeat,
-              "inner": inner, "clock": clock, "tokens": curve["tokens"], "rows": curve["rows"], "skipped": skipped,
+              "dtype": str(dtype).removeprefix("torch."), "device": str(dev), "context": context,
+              "row_tokens": row_tokens, "repeat": repeat, "inner": inner, "clock": clock, "tokens": curve["tokens"],
+              "rows": curve["rows"], "skipped": skipped,
               "machine": mach,
               "decode": decode, "break_even": break_even,
               "load_average": {"before": list(load_before), "after": list(load_after)}, "environment": environment()}
@@ -317,7 +323,7 @@ def print_cost(r: dict[str, Any]) -> None:
               f"{r['load_average']['before'][0]:.2f} before, {r['load_average']['after'][0]:.2f} after")
     t = Table(title="cost of one forward relative to one token of one row (the fastest of "
                     f"{r['repeat']} interleaved rounds of {r['inner']} forwards)")
-    for col in ("n", "T new tokens", "ms", "B rows x 1 token", "ms", "rows: tok/s"):
+    for col in ("n", "T new tokens", "ms", f"B rows x {r.get('row_tokens', 1)} tokens", "ms", "rows: tok/s"):
         t.add_column(col, justify="right")
     by = {k: {row["n"]: row for row in r[k]} for k in ("tokens", "rows")}
     for n in sorted(set(by["tokens"]) | set(by["rows"])):
@@ -360,7 +366,7 @@ def plot_cost(r: dict[str, Any], path: Path) -> str | None:
     ns = sorted({row["n"] for k in ("tokens", "rows") for row in r[k]})
     ax.plot(ns, [1] * len(ns), ":", color="gray", label="free (1x)")
     ax.plot(ns, ns, "--", color="gray", label="proportional (n x)")
-    for k, label in (("tokens", "1 row, T new tokens"), ("rows", "B rows x 1 token")):
+    for k, label in (("tokens", "1 row, T new tokens"), ("rows", f"B rows x {r.get('row_tokens', 1)} tokens")):
         if r[k]:
             ax.plot([row["n"] for row in r[k]], [row["ratio"] for row in r[k]], "o-", label=label)
     ax.set_xscale("log", base=2)

@@ -512,17 +512,30 @@ class ARBatcher(_BatchThread):
             self.L = 0
 
     def _reserve(self, n: int) -> None:
-        """Buffers for at least n rows (grown by doubling, the rows kept)."""
+        """Buffers for at least n rows (grown by doubling, the rows kept).
+
+        The buffers are not filled: zeroing rows x C columns of every layer (hundreds of MB, all of it paged in)
+        cost more than a second of a busy CPU where rows use a few hundred of the C columns. Nothing unwritten is
+        read: columns :L of rows :n are always written (a step writes column L of every row, an admitted row gets
+        its prompt's columns and zeros before them), and a forward reads columns :L + 1 of rows :n only."""
         have = 0 if self.cache is None else _buffers(self.cache)[0].shape[-4]
         if n <= have:
             return
         rows = min(self.max_rows, max(n, 2 * have, 4))
-        cache = self.model.new_cache(rows, self.C)
+        cache = copy.copy(self.cache) if self.cache is not None else self.model.new_cache(0, self.C)
+        empty = [torch.empty((*t.shape[:-4], rows, *t.shape[-3:]), dtype=t.dtype, device=t.device)
+                 for t in _buffers(cache)]  # (.., rows, H, C, hd): K then V
         valid = torch.zeros(rows, self.C, dtype=torch.bool, device=self.model.device)
         if self.cache is not None:
-            for new, old in zip(_buffers(cache), _buffers(self.cache)):
-                new[..., :have, :, :, :] = old
+            L = self.L
+            for new, old in zip(empty, _buffers(self.cache)):
+                new[..., :have, :, :L, :] = old[..., :L, :]
             valid[:have] = self.valid
+        if isinstance(cache.k, torch.Tensor):
+            cache.k, cache.v = empty
+        else:
+            h = len(empty) // 2
+            cache.k, cache.v = empty[:h], empty[h:]
         self.cache, self.valid = cache, valid
 
     def _admit(self) -> None:
@@ -540,10 +553,12 @@ class ARBatcher(_BatchThread):
             d, L = W - self.L, self.L
             for t in _buffers(self.cache):
                 t[..., :n, :, d:W, :] = t[..., :n, :, :L, :].clone()
+                t[..., :n, :, :d, :] = 0  # (unused now, masked: finite, as attention reads them)
             self.valid[:n, d:W] = self.valid[:n, :L].clone()
             self.valid[:n, :d] = False
         self.L = L = max(self.L, W)
         for t, p in zip(_buffers(self.cache), _buffers(pc)):
+            t[..., n:n + m, :, :L - W, :] = 0  # (unused by these rows, masked: finite, as attention reads them)
             t[..., n:n + m, :, L - W:L, :] = p
         self.valid[n:n + m] = False
         self.valid[n:n + m, L - W:L] = pvalid

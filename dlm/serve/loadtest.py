@@ -52,7 +52,7 @@ def default_prompts(n: int = 32) -> list[str]:
 async def _one(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> dict:
     t0 = time.perf_counter()
     first = None
-    tokens = 0
+    tokens = prompt_tokens = 0
     async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
             await r.aread()
@@ -65,7 +65,9 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -
                 first = time.perf_counter() - t0
             if "usage" in msg and msg["usage"]:
                 tokens = msg["usage"]["completion_tokens"]
-    return {"status": 200, "latency": time.perf_counter() - t0, "ttft": first, "tokens": tokens}
+                prompt_tokens = msg["usage"]["prompt_tokens"]
+    return {"status": 200, "latency": time.perf_counter() - t0, "ttft": first, "tokens": tokens,
+            "prompt_tokens": prompt_tokens}
 
 
 async def _level(url: str, model: str, concurrency: int, requests: int, max_tokens: int, prompts: list[str],
@@ -74,7 +76,7 @@ async def _level(url: str, model: str, concurrency: int, requests: int, max_toke
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         def body(i: int) -> dict:
             return {"model": model, "prompt": prompts[i % len(prompts)], "max_tokens": max_tokens, "stream": True,
-                    "temperature": 0, **extra}
+                    "stream_options": {"include_usage": True}, "temperature": 0, **extra}
 
         await _one(client, url, body(0), headers)  # warm-up
         counter = iter(range(requests))
@@ -92,21 +94,29 @@ async def _level(url: str, model: str, concurrency: int, requests: int, max_toke
     return results
 
 
+def batching(url: str, model: str) -> dict | None:
+    """A dlm server's batching counters of `model` (/health); None from another OpenAI-compatible server."""
+    try:
+        return httpx.get(url + "/health", timeout=30).json().get("batching", {}).get(model)
+    except ValueError:  # not JSON: vLLM's /health answers 200 with an empty body
+        return None
+
+
 def measure(url: str, model: str, concurrency: int, requests: int, max_tokens: int = 64,
             prompts: list[str] | None = None, api_key: str | None = None) -> dict[str, Any]:
     """One row: `requests` streamed completions of `model` by `concurrency` clients."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     prompts = prompts or default_prompts()
-    before = httpx.get(url + "/health", timeout=30).json().get("batching", {}).get(model)
+    before = batching(url, model)
     results = asyncio.run(_level(url, model, concurrency, requests, max_tokens, prompts, headers, {}))
-    after = httpx.get(url + "/health", timeout=30).json().get("batching", {}).get(model)
+    after = batching(url, model)
     ok = [r for r in results if r["status"] == 200]
     wall = results[0]["wall"] if results else 0.0
     tokens = sum(r["tokens"] for r in ok)
     lat = [r["latency"] for r in ok]
     ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
     row = {"model": model, "concurrency": concurrency, "requests": len(results), "errors": len(results) - len(ok),
-           "tokens": tokens, "seconds": wall, "tokens_per_second": tokens / wall if wall else 0.0,
+           "tokens": tokens, "prompt_tokens": sum(r["prompt_tokens"] for r in ok), "seconds": wall, "tokens_per_second": tokens / wall if wall else 0.0,
            "latency_p50": percentile(lat, 50) if lat else None, "latency_p99": percentile(lat, 99) if lat else None,
            "ttft_p50": percentile(ttft, 50) if ttft else None, "max_tokens": max_tokens}
     if before and after and after["decode_steps"] > before["decode_steps"]:
