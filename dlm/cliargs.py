@@ -179,7 +179,10 @@ def _entry(cmd: Command, full: bool, argv: list[str], where: str) -> Callable[..
     def entry(config: str | None = None, **kw: Any) -> Callable[[], Any]:
         if cls is not None:  # back to the command's own dataclass
             got = kw.pop(cmd.group)
-            kw[cmd.config_param] = base(**{f.name: getattr(got, f.name) for f in dataclasses.fields(base)})
+            made = base(**{f.name: getattr(got, f.name) for f in dataclasses.fields(base)})
+            if hasattr(base, "given"):  # the options the user set: flags on the command line, keys of --config
+                made.given = frozenset(from_file) | given_flags(argv, fields)
+            kw[cmd.config_param] = made
         return functools.partial(cmd.fn, **kw)
 
     entry.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
@@ -187,6 +190,15 @@ def _entry(cmd: Command, full: bool, argv: list[str], where: str) -> Callable[..
     entry.__doc__ = cmd.fn.__doc__
     entry.__name__ = entry.__qualname__ = cmd.fn.__name__
     return entry
+
+
+def given_flags(argv: list[str], names) -> frozenset[str]:
+    """The names among `names` whose flag (--name-with-dashes, --no-name, =value or not) is in argv."""
+    spelled = {}
+    for n in names:
+        for flag in (n.replace("_", "-"), n):
+            spelled[f"--{flag}"] = spelled[f"--no-{flag}"] = n
+    return frozenset(spelled[a.partition("=")[0]] for a in argv if a.partition("=")[0] in spelled)
 
 
 def _says_default(doc: str | None, section: str) -> set[str]:

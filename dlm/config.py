@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from dlm.errors import DlmError, check
 
@@ -689,8 +689,14 @@ class SampleConfig:
     lookup_ngram: int = 3
     check_lossless: bool = False
 
+    # the options the user set (command-line flags, --config keys, request fields): a preset fills only the others,
+    # so an option given at its default value is kept (dlm.sampling.mdlm.apply_preset)
+    given: ClassVar[frozenset[str]] = frozenset()
+
     def replace(self, **kw) -> SampleConfig:
-        return dataclasses.replace(self, **kw)
+        new = dataclasses.replace(self, **kw)
+        new.given = self.given
+        return new
 
     def check(self) -> None:
         """The checks that hold for every paradigm, made before anything heavy is imported or loaded (each sampler

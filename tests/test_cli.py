@@ -379,3 +379,33 @@ def test_chat_reads_lines_and_answers_each_through_the_servers_template(monkeypa
 def test_demo_quick():
     p = run_cli("demo", "--quick", check=True)
     assert "Side by side" in p.stdout and "sudoku-mdlm" in p.stdout and "speculative" in p.stdout
+
+
+def test_a_preset_fills_only_the_options_not_given(monkeypatch, tmp_path):
+    """`--threshold 0.9 --preset llada2` runs at 0.9 (the flag's value is SampleConfig's default, which a preset
+    would otherwise take for "not given"); what is left out comes from the preset; --config keys count as given."""
+    import functools
+
+    import dlm.cli as c
+    from dlm.sampling.mdlm import apply_preset
+
+    seen = {}
+
+    @functools.wraps(c.generate_cmd)
+    def fake(*args, **kw):
+        seen.update(kw)
+
+    monkeypatch.setattr(c, "generate_cmd", fake)
+    c.main(["generate", "--model", "m", "--prompt", "p", "--threshold", "0.9", "--preset", "llada2"])
+    cfg = seen["scfg"]
+    assert cfg.given == {"threshold", "preset"}
+    ran = apply_preset(cfg)
+    assert ran.threshold == 0.9 and ran.block_size == 32 and ran.schedule == "block" and ran.given == cfg.given
+    c.main(["generate", "--model", "m", "--prompt", "p", "--preset", "llada2", "--no-whole-blocks"])
+    ran = apply_preset(seen["scfg"])
+    assert ran.threshold == 0.95 and not ran.whole_blocks  # --no-FLAG is given too
+    conf = tmp_path / "c.yaml"
+    conf.write_text("threshold: 0.9\nschedule: even\n")
+    c.main(["generate", "--config", str(conf), "--model", "m", "--prompt", "p", "--preset", "llada2"])
+    ran = apply_preset(seen["scfg"])
+    assert ran.threshold == 0.9 and ran.schedule == "even" and ran.block_size == 32

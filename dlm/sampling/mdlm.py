@@ -156,15 +156,16 @@ PRESETS: dict[str, dict] = {
 
 
 def apply_preset(cfg, recorded: str | None = None):
-    """cfg (SampleConfig) with a preset's settings for the options still at their defaults: cfg.preset, else the
-    checkpoint's recorded one; "none": no preset."""
+    """cfg (SampleConfig) with a preset's settings for the options the user did not set (cfg.given) and that are
+    still at their defaults: cfg.preset, else the checkpoint's recorded one; "none": no preset."""
     name = cfg.preset if cfg.preset is not None else recorded
     if name in (None, "none"):
         return cfg
     if name not in PRESETS:
         raise DlmError(f"--preset must be one of {', '.join(['none', *PRESETS])}, got {name!r}")
     defaults = type(cfg)()
-    return cfg.replace(**{k: v for k, v in PRESETS[name].items() if getattr(cfg, k) == getattr(defaults, k)})
+    return cfg.replace(**{k: v for k, v in PRESETS[name].items()
+                          if k not in cfg.given and getattr(cfg, k) == getattr(defaults, k)})
 
 
 # the acceptance rules (plain functions over one block's positions) ------------------------------

@@ -301,6 +301,7 @@ def _sample_config(served: Served, req: _Common, max_tokens: int) -> SampleConfi
             raise ApiError(400, f"{name} must be <= {served.context} (the model's context), got {given[name]}",
                            name, "invalid_value")
     cfg = SampleConfig(max_new_tokens=max_tokens, **given)
+    cfg.given = frozenset(given)  # a preset (the model's recorded one) fills only what the request left out
     temperature = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
     if served.paradigm == "usdm":
         cfg = _usdm_schedule(cfg, temperature)
