@@ -65,15 +65,21 @@ def planted(tmp_path, monkeypatch):
     return {"dir": d, "victim": victim, "private": private, "secret": secret}
 
 
-def survivors(tag: str) -> list[int]:
-    out = []
-    for p in glob.glob("/proc/[0-9]*/cmdline"):
-        try:
-            if tag.encode() in open(p, "rb").read():
-                out.append(int(p.split("/")[2]))
-        except OSError:
-            pass
-    return out
+def survivors(tag: str, within: float = 5.0) -> list[int]:
+    """The processes whose command line holds tag, once none is left or `within` seconds have passed: a killed PID
+    namespace's processes are reaped by the kernel after the run returns, which takes a moment on a busy machine."""
+    end = time.monotonic() + within
+    while True:
+        out = []
+        for p in glob.glob("/proc/[0-9]*/cmdline"):
+            try:
+                if tag.encode() in open(p, "rb").read():
+                    out.append(int(p.split("/")[2]))
+            except OSError:
+                pass
+        if not out or time.monotonic() > end:
+            return out
+        time.sleep(0.05)
 
 
 @pytest.fixture(autouse=True)
