@@ -55,7 +55,7 @@ from dlm.sampling.common import (
     Clock, Commit, Eos, Event, Prompt, Stats, Step, check_fits, check_sampling, entropy,
     eos_set, make_generator, probs_from_logits, sample_from, through_eos,
 )
-from dlm.sampling.rows import Programs, Window, batch_stats, batchable, drive
+from dlm.sampling.rows import Programs, RowProgram, Window, batch_stats, batchable, drive
 
 DEFAULT_STEPS = 48  # DiffusionGemma's max_denoising_steps
 # the SampleConfig fields this sampler reads (see dlm.sampling.OPTIONS); --temperature is read to be refused with
@@ -294,27 +294,43 @@ class Batch(Programs):
             step_events: bool = False) -> list[tuple[object, Event]]:
         """A new row (p: its prompt, an empty one already replaced by <eos>; cfg: its SampleConfig; gen: its
         generator, default seeded row_seed(cfg.seed, row)); returns its events before its first pass (none)."""
-        model = self.model
-        gen = gen if gen is not None else make_generator(row_seed(cfg.seed, row), model.device)
-        program = _row(p, L, steps, N, eos_id, cfg, gen, row, clock, stats, step_events, model.device,
-                                  model.cfg.max_seq_len)
-        shift = bool(model.cfg.canvas_shift)
+        gen = gen if gen is not None else make_generator(row_seed(cfg.seed, row), self.model.device)
+        return self.add_row(_row_program(self.model, p, L, steps, N, eos_id, cfg, row, stats, gen, clock, step_events),
+                            tag)
 
-        def window(req) -> Window:
-            if isinstance(req, Prefill):
-                m = len(req.ids)
-                return Window(tokens=torch.tensor(req.ids, device=model.device), mask="causal", keep=m,
-                              out=(m - 1, m) if shift else (0, 0))
-            n = req.canvas.shape[0]
-            return Window(tokens=req.canvas, canvas=True, probs=None if req.prev_probs is None else req.prev_probs[0],
-                          out=(0, n))
 
-        def answer(req, out: Tensor) -> Tensor | None:
-            if isinstance(req, Prefill):
-                return out.float() if shift else None
-            return out.float()
+def row_program(model: Transformer, ck, prompt: Prompt, cfg, row: int = 0, *, step_events: bool = False) -> RowProgram:
+    """A request as a row of a batch (the server's), sampling with a generator seeded cfg.seed. Raises on bad options,
+    before any work."""
+    L, steps = check_options(model, ck, cfg)
+    cfg = with_last_canvas(ck, cfg)
+    p = row_prompt(ck, model, prompt, cfg)
+    stats = Stats(extra={"steps_per_canvas": []})
+    return _row_program(model, p, L, steps, ck.noise_vocab, ck.tokenizer.eos_ids, cfg, row, stats,
+                        make_generator(cfg.seed, model.device), None, step_events)
 
-        return super().add(program, window, answer, tag)
+
+def _row_program(model: Transformer, p: Prompt, L: int, steps: int, N: int, eos_id: Eos, cfg, row: int, stats: Stats,
+                 gen: torch.Generator, clock: Clock | None, step_events: bool) -> RowProgram:
+    program = _row(p, L, steps, N, eos_id, cfg, gen, row, clock, stats, step_events, model.device,
+                   model.cfg.max_seq_len)
+    shift = bool(model.cfg.canvas_shift)
+
+    def window(req) -> Window:
+        if isinstance(req, Prefill):
+            m = len(req.ids)
+            return Window(tokens=torch.tensor(req.ids, device=model.device), mask="causal", keep=m,
+                          out=(m - 1, m) if shift else (0, 0))
+        n = req.canvas.shape[0]
+        return Window(tokens=req.canvas, canvas=True, probs=None if req.prev_probs is None else req.prev_probs[0],
+                      out=(0, n))
+
+    def answer(req, out: Tensor) -> Tensor | None:
+        if isinstance(req, Prefill):
+            return out.float() if shift else None
+        return out.float()
+
+    return RowProgram(program, stats, window, answer)
 
 
 def _row(p: Prompt, L: int, steps: int, N: int, eos_id: Eos, cfg, gen: torch.Generator, row: int,
