@@ -425,7 +425,7 @@ class Programs:
 
     def add_row(self, row: RowProgram, tag: object = None) -> list[tuple]:
         """A new row (a sampler's row_program); returns the events its program yields before its first request."""
-        return self.add(row.program, row.window, row.answer, tag)
+        return Programs.add(self, row.program, row.window, row.answer, tag)  # (the base's: a subclass's add differs)
 
     def add(self, program: Iterator, window: Callable, answer: Callable, tag: object = None) -> list[tuple]:
         """A new row; returns the events its program yields before its first request."""

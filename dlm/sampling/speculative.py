@@ -14,7 +14,8 @@ The target's cache is cropped back to the committed length; the drafter is told 
 tokens were accepted (and given the target's features of the committed positions, if it reads
 them), and rolls its own state back.
 
-Drafter protocol (three methods; attributes taps, and name/default_block_size/forwards for reports):
+The Drafter base (every kind derives from it; three methods matter to the verifier; attributes taps, and
+name/default_block_size/forwards for reports):
   taps                      target layers whose outputs the drafter reads (() for none)
   reset(prompt, feats)      a new sequence: prompt ids (P,), the target's taps over it (P, F) or None
   propose(seq, k)           committed ids so far (S,) -> (tokens (k',), q (k', V) or None), k' <= k
