@@ -53,7 +53,9 @@ from dlm.sampling.common import (
     Clock, Commit, Eos, Event, Prompt, Sampling, Stats, Verified, eos_set, make_generator, sample_from, through_eos,
 )
 from dlm.sampling.mdlm import row_seed
-from dlm.sampling.rows import Crop, Programs, RowProgram, Window, batchable, drive, finish, run_one
+from dlm.sampling.rows import (
+    Crop, Programs, RowProgram, Window, batchable, drive, finish, outputs, run_one, same,
+)
 
 AR_DRAFT_BLOCK = 5  # default block of an AR draft model: 4 proposals + the bonus
 LOOKUP_BLOCK = 8
@@ -505,14 +507,6 @@ def speculation(drafter: Drafter, prompt: Sequence[int], *, block_size: int, max
         yield Commit(committed, row=row)
 
 
-def _same(request):
-    return request
-
-
-def _out(request, out):
-    return out
-
-
 def _split(out, taps: tuple[int, ...]) -> tuple[Tensor, Tensor | None]:
     return out if taps else (out, None)
 
@@ -731,7 +725,7 @@ class Batch(Programs):
     def add(self, program: Iterator, tag: object = None, window=None, answer=None) -> list[tuple]:
         """A new row: a row program whose requests are Windows (`speculation`, joint's `quadratic_program`), or one
         with its own `window` and `answer` (a joint model's diffusion row: mdlm.batch_row)."""
-        return super().add(program, window or _same, answer or _out, tag)
+        return super().add(program, window or same, answer or outputs, tag)
 
     @property
     def draft_forwards(self) -> int:
