@@ -355,13 +355,17 @@ class RowBatch:
         # (write: slots Lc.. are scratch: writing the window there spares the attention a copy of the cache)
         last, tapped = model.rows_forward(None if embeds else x, x if embeds else None, pos, cache, spec, True, ctx,
                                           ctx_pos, taps)
+        moves: list[tuple[int, int, int, int]] = []  # (row, its index in the forward, from slot, to slot)
         for j, (b, m) in enumerate(zip(idx, keep)):
             a = self.length[b]
             for src, dst, k in ((Lc, a, Cs[j]), (Lc + Cm, a + Cs[j], m)):  # the new context, then the kept window
                 if k and (src != dst or not prefix):  # from the scratch slots to the row's own
-                    for mine, got in zip(self.cache.buffers(), cache.buffers()):
-                        mine[..., b, :, dst:dst + k, :] = got[..., j, :, src:src + k, :].clone()
+                    moves += [(b, j, src + i, dst + i) for i in range(k)]
             self.length[b] = a + Cs[j] + m
+        if moves:  # one gather (every source read before any slot is written) and one scatter per buffer
+            b_, j_, src_, dst_ = torch.tensor(moves, device=dev).unbind(1)
+            for mine, got in zip(self.cache.buffers(), cache.buffers()):
+                mine[..., b_, :, dst_, :] = got[..., j_, :, src_, :]
         # the head only where a row asked for logits (one matmul over all of them)
         res: list = [None] * n
         want = [(j, w) for j, w in enumerate(windows) if not w.hidden and w.out[1] > w.out[0]]
