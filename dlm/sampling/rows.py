@@ -304,7 +304,12 @@ class RowBatch:
         mask[:, 0, :, :Lc] = (torch.arange(Lc, device=dev)[None] < lengths[:, None])[:, None]  # each row's cache
         if Cm:  # each row's new context
             mask[:, 0, :, Lc:Lc + Cm] = (torch.arange(Cm, device=dev)[None] < torch.tensor(Cs, device=dev)[:, None])[:, None]
-        mask[:, 0, :, Lc + Cm:] = torch.eye(T, dtype=torch.bool, device=dev)  # a pad query sees itself only
+        # the window: row b's first Ts[b] queries see its first Ts[b] keys (all of them, or causally; a mask Tensor is
+        # set below), a pad query sees itself only
+        qi, ki = torch.arange(T, device=dev)[None, :, None], torch.arange(T, device=dev)[None, None, :]
+        ti = torch.tensor(Ts, device=dev)[:, None, None]
+        causal = torch.tensor([isinstance(w.mask, str) for w in windows], device=dev)[:, None, None]
+        mask[:, 0, :, Lc + Cm:] = (qi == ki) | ((qi < ti) & (ki < ti) & (~causal | (ki <= qi)))  # (n, T, T)
         embeds = any(w.embeds is not None or w.canvas for w in windows)
         if embeds:
             e0 = next((w.embeds for w in windows if w.embeds is not None), None)
@@ -319,22 +324,16 @@ class RowBatch:
                     for b in rows:
                         x[b, :Ts[b]] = emb[i:i + Ts[b]]
                         i += Ts[b]
-        else:
-            x = torch.zeros(n, T, dtype=torch.long, device=dev)
+        else:  # (n, T) the tokens, right-padded with 0
+            x = torch.nn.utils.rnn.pad_sequence([w.tokens for w in windows], batch_first=True)
         ctx = torch.zeros(n, Cm, model.cfg.dim, dtype=x.dtype if embeds else self.cache.k[0].dtype,
                           device=dev) if Cm else None
         for b, w in enumerate(windows):
             t = Ts[b]
-            if w.mask is None:
-                mask[b, 0, :t, Lc + Cm:Lc + Cm + t] = True
-            elif isinstance(w.mask, str):  # causal
-                mask[b, 0, :t, Lc + Cm:Lc + Cm + t] = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-            else:
+            if isinstance(w.mask, Tensor):
                 mask[b, 0, :t, Lc + Cm:Lc + Cm + t] = w.mask
             if embeds and not w.canvas:
                 x[b, :t] = w.embeds if w.embeds is not None else model.embed(w.tokens)
-            elif not embeds:
-                x[b, :t] = w.tokens
             if Cs[b]:
                 ctx[b, :Cs[b]] = w.ctx
         ctx_pos = lengths[:, None] + torch.arange(Cm, device=dev)[None] if Cm else None
