@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from dlm.config import ModelConfig
 from dlm.errors import DlmError, check
+from dlm.masks import dflash_draft_mask
 from dlm.model import (
     Block, KVCache, RMSNorm, Transformer, block_shapes, init_weights, rope_inv_freq, run_blocks, softcap,
 )
@@ -401,9 +402,28 @@ class DFlashDrafter(nn.Module):
             cache.crop(L0 + C)
         return self.norm(h[:, C:])
 
-    def new_cache(self, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
+    def new_cache(self, capacity: int, dtype: torch.dtype | None = None, rows: int = 1) -> KVCache:
         p = self.fc.weight
-        return KVCache(self.cfg, 1, capacity, p.device, dtype or p.dtype)
+        return KVCache(self.cfg, rows, capacity, p.device, dtype or p.dtype)
+
+    # what the row batch (dlm.sampling.rows) asks of a model it serves, as of the backbone (dlm.model.Transformer)
+    @property
+    def rows_batchable(self) -> bool:
+        return self.injection == "kv"  # (input injection: the context runs through the layers, rows in turn)
+
+    def rows_cache(self, rows: int, capacity: int) -> KVCache:
+        return self.new_cache(capacity, rows=rows)
+
+    rows_band = 0
+
+    def rows_forward(self, x: Tensor | None, embeds: Tensor | None, pos: Tensor, cache: KVCache, mask, write: bool,
+                     ctx: Tensor | None, ctx_pos: Tensor | None, taps: tuple[int, ...]) -> tuple[Tensor, dict]:
+        """One forward of rows: reads embeddings, writes the context's K/V into the cache, reads the window without
+        writing it; "full" / "causal" = the draft mask of this injection."""
+        if isinstance(mask, str):
+            C = 0 if ctx is None else ctx.shape[1]
+            mask = dflash_draft_mask(self.injection, cache.length, C, embeds.shape[1], embeds.device)
+        return self(embeds, ctx, pos, ctx_pos, cache=cache, mask=mask), {}
 
 
 def build_drafter(config: dict[str, Any]) -> DFlashDrafter:

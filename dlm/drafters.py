@@ -6,12 +6,14 @@
 imported from z-lab's layout), a small AR model with the target's tokenizer, or a masked-diffusion model (mdlm, or
 a joint model's diffusion mode) with the target's tokenizer. The samplers
 (dlm.sampling.speculative) are pure computation over the drafter this returns; a server loads each drafter once
-and `fork`s it per request. Adding a kind of drafter is a class beside the others and a branch here.
+and `fork`s it per request. Adding a kind of drafter is a class (a `speculative.Drafter`) and a row of KINDS here.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from dlm.checkpoint import load_model, open_checkpoint
 from dlm.config import DEFAULT_BLOCK_SIZE
@@ -21,14 +23,11 @@ from dlm.model import Transformer
 from dlm.sampling.speculative import (ARDraft, DFlashDraft, DiffusionDraft, Drafter, PromptLookup, Sampling,
                                       drafter_capacity)
 
-KINDS = {"dflash": "a DFlash drafter checkpoint", "ar": "a small AR model with the target's tokenizer",
-         "diffusion": "an mdlm or joint checkpoint with the target's tokenizer (its masked diffusion drafts a block)",
-         "lookup": "prompt lookup (no model)"}
 DIFFUSION = ("mdlm", "joint")  # checkpoint objectives that draft by masked diffusion
 
 
 def drafter_kind(spec: str) -> str | None:
-    """The kind of drafter `--draft SPEC` names (lookup, ar, dflash), None for a spec that is no drafter."""
+    """The kind of drafter `--draft SPEC` names (lookup, ar, dflash, diffusion), None for a spec that is no drafter."""
     if spec == "lookup":
         return "lookup"
     try:
@@ -40,7 +39,7 @@ def drafter_kind(spec: str) -> str | None:
 
 def load_drafter(spec: str, target: Transformer, ck, sampling: Sampling | None = None, passes: int = 1,
                  lookup_ngram: int = 3, top_k: int | None = None) -> Drafter:
-    """'lookup', or a drafter checkpoint folder (a dflash drafter or an AR model) for this target."""
+    """'lookup', or a drafter checkpoint folder (any kind of KINDS) for this target."""
     sampling = sampling or Sampling()
     if spec == "lookup":
         return PromptLookup(lookup_ngram)
@@ -50,28 +49,56 @@ def load_drafter(spec: str, target: Transformer, ck, sampling: Sampling | None =
     if dck.tokenizer.sha256 != ck.tokenizer.sha256:
         raise DlmError(f"--draft {spec}: its tokenizer differs from the target's ({ck.path}); "
                        "a drafter must share the target's tokenizer")
-    if dck.objective not in ("dflash", "ar", *DIFFUSION):
+    kind = "diffusion" if dck.objective in DIFFUSION else dck.objective
+    if kind not in KINDS or kind == "lookup":
         raise DlmError(f"--draft {spec}: objective {dck.objective!r} cannot draft (dflash, ar, mdlm and joint "
                        "checkpoints can)")
     model, dck = load_model(spec, device=target.device, dtype=target.embed_tokens.weight.dtype, option="--draft")
-    capacity = drafter_capacity(target)
-    if dck.objective != "dflash" and model.cfg.vocab_size != target.cfg.vocab_size:
+    if kind != "dflash" and model.cfg.vocab_size != target.cfg.vocab_size:
         raise DlmError(f"--draft {spec}: vocabulary {model.cfg.vocab_size} differs from the target's "
                        f"{target.cfg.vocab_size}")
-    if dck.objective == "ar":
-        return ARDraft(model, sampling, capacity, name=f"ar-draft ({Path(spec).name})")
-    if dck.objective in DIFFUSION:
-        if dck.mask_id is None:
-            raise DlmError(f"--draft {spec}: its tokenizer has no <mask> token")
-        if dck.config.get("shift") or dck.config.get("context") == "full":
-            raise DlmError(f"--draft {spec}: a shifted or full-attention model ({dck.config.get('family')}) does not "
-                           "draft yet (it generates on its own)")
-        return DiffusionDraft(model, dck.mask_id, dck.block_size or DEFAULT_BLOCK_SIZE, sampling, capacity,
-                              passes, causal_context=dck.objective == "joint",
-                              name=f"{dck.objective} ({Path(spec).name})")
+    return KINDS[kind].build(spec, model, dck, target, ck, sampling, drafter_capacity(target), passes, top_k)
+
+
+# the kinds of drafter: what each is (`--draft` help, errors) and how it is built from its loaded checkpoint ---------
+
+@dataclass(frozen=True)
+class Kind:
+    """A kind of drafter: its description, and build(spec, model, dck, target, ck, sampling, capacity, passes, top_k)
+    -> the Drafter (None: it has no checkpoint)."""
+
+    description: str
+    build: Callable[..., Drafter] | None = None
+
+
+def _ar(spec: str, model, dck, target: Transformer, ck, sampling: Sampling, capacity: int, passes: int,
+        top_k: int | None) -> Drafter:
+    return ARDraft(model, sampling, capacity, name=f"ar-draft ({Path(spec).name})")
+
+
+def _diffusion(spec: str, model, dck, target: Transformer, ck, sampling: Sampling, capacity: int, passes: int,
+               top_k: int | None) -> Drafter:
+    if dck.mask_id is None:
+        raise DlmError(f"--draft {spec}: its tokenizer has no <mask> token")
+    if dck.config.get("shift") or dck.config.get("context") == "full":
+        raise DlmError(f"--draft {spec}: a shifted or full-attention model ({dck.config.get('family')}) does not "
+                       "draft yet (it generates on its own)")
+    return DiffusionDraft(model, dck.mask_id, dck.block_size or DEFAULT_BLOCK_SIZE, sampling, capacity, passes,
+                          causal_context=dck.objective == "joint", name=f"{dck.objective} ({Path(spec).name})")
+
+
+def _dflash(spec: str, model, dck, target: Transformer, ck, sampling: Sampling, capacity: int, passes: int,
+            top_k: int | None) -> Drafter:
     check_target(dck.config["dflash"], target, ck.tokenizer.sha256, spec)
     N = target.cfg.n_layers
     bad = [i for i in model.layer_ids if not 0 <= i < N]
     if bad:
         raise DlmError(f"--draft {spec}: reads target layers {bad}, the target has {N}")
     return DFlashDraft(model, target, sampling, capacity, passes, name=f"dflash ({Path(spec).name})", top_k=top_k)
+
+
+KINDS = {"dflash": Kind("a DFlash drafter checkpoint", _dflash),
+         "ar": Kind("a small AR model with the target's tokenizer", _ar),
+         "diffusion": Kind("an mdlm or joint checkpoint with the target's tokenizer (its masked diffusion drafts a "
+                           "block)", _diffusion),
+         "lookup": Kind("prompt lookup (no model)")}

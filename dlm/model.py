@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -134,6 +134,18 @@ class KVCache:
     def buffers(self) -> list[Tensor]:
         """Every K and V buffer (rows at dim -4, slots at dim -2)."""
         return [self.k, self.v] if isinstance(self.k, Tensor) else [*self.k, *self.v]
+
+    def map(self, f: Callable[[Tensor], Tensor], length: int | None = None) -> KVCache:
+        """A cache over f of each buffer (f a view, such as some rows: writes land in this cache's buffers), `length`
+        slots valid (default this one's)."""
+        def each(x):
+            return f(x) if isinstance(x, Tensor) else [f(t) for t in x]
+
+        return KVCache.over(each(self.k), each(self.v), self.length if length is None else length)
+
+    @property
+    def rows(self) -> int:
+        return self.k[0].shape[-4] if isinstance(self.k, list) else self.k.shape[-4]
 
     @property
     def capacity(self) -> int:
@@ -519,6 +531,25 @@ class Transformer(nn.Module):
     def new_cache(self, batch: int, capacity: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
         p = self.embed_tokens.weight
         return KVCache(self.cfg, batch, capacity or self.cfg.max_seq_len, p.device, dtype or p.dtype)
+
+    # what the row batch (dlm.sampling.rows) asks of a model it serves: rows_batchable, rows_cache, rows_band,
+    # rows_forward (a DFlash drafter answers the same four)
+    rows_batchable = True
+
+    def rows_cache(self, rows: int, capacity: int) -> KVCache:
+        return self.new_cache(rows, capacity)
+
+    @property
+    def rows_band(self) -> int:
+        """The sliding-window layers' window (0: none)."""
+        return self.cfg.sliding_window if "sliding" in self.cfg.layer_types else 0
+
+    def rows_forward(self, x: Tensor | None, embeds: Tensor | None, pos: Tensor, cache: KVCache, mask, write: bool,
+                     ctx: Tensor | None, ctx_pos: Tensor | None, taps: tuple[int, ...]) -> tuple[Tensor, dict]:
+        """One forward of rows: the final hidden states (B, T, D) and the taps."""
+        out = self(x, embeds=embeds, pos=pos, cache=cache, mask=mask, write=write, ctx=ctx, ctx_pos=ctx_pos, taps=taps,
+                   head=False)
+        return out.last, out.taps
 
     def embed(self, tokens: Tensor) -> Tensor:
         """Token embeddings (B, T) -> (B, T, D), times the config's embed_scale."""

@@ -233,10 +233,10 @@ def test_a_dflash_drafter_on_an_imported_gemma4_target(tmp_path):
 
 
 def test_concurrent_requests_to_an_imported_gemma4_share_forwards(tmp_path):
-    """The AR batcher holds a gemma4 backbone's cache (one buffer per layer: sliding layers of head dim 8 and 2 KV
-    heads, full ones of 16 and 1): concurrent streams to an imported Gemma 4 share forwards, and each gets the text it
-    gets alone, with prompts shorter and longer than the sliding window (5), some arriving while others decode (a
-    prompt longer than the columns in use moves the rows there). The library's batch of prompts likewise."""
+    """The row batcher holds a gemma4 backbone's cache (one buffer per layer: sliding layers of head dim 8 and 2 KV
+    heads, full ones of 16 and 1; each row's sliding layers a band of its own positions): concurrent streams to an
+    imported Gemma 4 share forwards, and each gets the text it gets alone, with prompts shorter and longer than the
+    sliding window (5), some arriving while others decode. The library's batch of prompts likewise."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -244,7 +244,7 @@ def test_concurrent_requests_to_an_imported_gemma4_share_forwards(tmp_path):
     pytest.importorskip("fastapi")
     from dlm.sampling import SampleConfig, generate
     from dlm.serve.app import create_app, running
-    from dlm.serve.engine import ARBatcher, Engine
+    from dlm.serve.engine import Engine, RowsBatcher
 
     c, m = hf_model("moe-kv")
     m.save_pretrained(tmp_path / "src")
@@ -259,7 +259,7 @@ def test_concurrent_requests_to_an_imported_gemma4_share_forwards(tmp_path):
     assert batch.texts == [generate(net, ck, p, SampleConfig(max_new_tokens=12)).text for p in first + later]
     engine = Engine([str(tmp_path / "g4")])
     try:
-        assert isinstance(engine.get("g4").batcher, ARBatcher)
+        assert isinstance(engine.get("g4").rows, RowsBatcher)
         with running(create_app(engine, max_concurrency=8, max_queue=8)) as url:
             started = threading.Event()
             go = threading.Barrier(len(first))

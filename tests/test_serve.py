@@ -262,11 +262,11 @@ def joint_url():
 @pytest.mark.parametrize("sampler", ["auto", "self-spec-quadratic", "threshold", "ar"])
 def test_concurrent_joint_streams_are_batched_and_uncorrupted(joint_url, sampler):
     """A joint model's self-speculation (linear, the default, and quadratic), diffusion and AR-mode requests share
-    forwards in the same way (the AR mode on an AR batcher of its own, /health's "joint-small:ar")."""
+    forwards in the same way (the AR mode's rows too: every mode is a row program on the model's one batcher)."""
     eng, url = joint_url
     extra = {} if sampler == "auto" else {"sampler": sampler}
     want = [reference(eng, "joint-small", p, max_new_tokens=16, **extra) for p in PROMPTS[:8]]
-    dlm = _concurrent_rows(url, "joint-small", want, extra, "joint-small:ar" if sampler == "ar" else None)
+    dlm = _concurrent_rows(url, "joint-small", want, extra)
     assert dlm["batch_rows_mean"] > 1
 
 

@@ -153,3 +153,46 @@ def test_one_import_export_driver():
         assert not {d for d in defined if d.startswith(("import_", "export_folder", "export_hf"))}, (name, defined)
     types = [t for f in FAMILIES for t in f.model_types]
     assert len(types) == len(set(types)) and "qwen3_moe" in types
+
+
+def _classes_of_kind(kind: str) -> set[str]:
+    """Every class of the package that derives (directly or not) from the class named `kind`."""
+    bases: dict[str, set[str]] = {}
+    for path in modules().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases.setdefault(node.name, set()).update(b.id if isinstance(b, ast.Name) else getattr(b, "attr", "")
+                                                          for b in node.bases)
+    out, grew = {kind}, True
+    while grew:
+        new = {c for c, bs in bases.items() if bs & out} - out
+        out |= new
+        grew = bool(new)
+    return out
+
+
+def test_one_batch_engine_and_no_drafter_class_checks():
+    """AR decoding is a row program like every sampler's, on the one row batch: the server has one batcher kind (no
+    ARBatcher) and no sampler logic of its own (the samplers draw, stop and score); every sampler module builds its
+    rows with `row_program`; and the row batch, the verifier and the server ask a drafter (or a model) what it can do
+    rather than check its class."""
+    from dlm.sampling import SAMPLERS, speculative
+
+    engine = (ROOT / "serve" / "engine.py").read_text()
+    assert "ARBatcher" not in engine
+    tree = ast.parse(engine)
+    called = {n.func.id if isinstance(n.func, ast.Name) else getattr(n.func, "attr", "")
+              for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    assert called.isdisjoint({"sample_token", "draw", "sample_from", "log_softmax", "topk", "eos_set",
+                              "make_generator", "prefill"})
+    for module in (*SAMPLERS.values(), speculative):
+        assert callable(getattr(module, "row_program", None)), module.__name__
+    drafters = _classes_of_kind("Drafter") | {"DFlashDrafter"}
+    assert {"PromptLookup", "ARDraft", "DFlashDraft", "DiffusionDraft", "SelfDraft"} <= drafters
+    checks = []
+    for rel in ("sampling/rows.py", "sampling/speculative.py", "serve/engine.py"):
+        for node in ast.walk(ast.parse((ROOT / rel).read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "isinstance":
+                kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                checks += [f"{rel}:{node.lineno}" for k in kinds if getattr(k, "id", "") in drafters]
+    assert checks == []

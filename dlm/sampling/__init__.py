@@ -29,7 +29,7 @@ from dlm.errors import DlmError
 from dlm.sampling import ar, joint, mdlm, speculative, usdm
 from dlm.sampling.common import Clock, Done, Event, Prompt, Result, drain
 from dlm.sampling.infill import encode_prompt
-from dlm.sampling.rows import batch_stats, batchable
+from dlm.sampling.rows import RowProgram, batch_stats, batchable
 
 SAMPLERS = {"ar": ar, "mdlm": mdlm, "usdm": usdm, "joint": joint}
 
@@ -71,6 +71,22 @@ def stream(model: nn.Module, ck: Checkpoint, prompts: Sequence[Prompt | Sequence
         raise DlmError(f"checkpoint {ck.path}: objective {ck.objective!r} has no sampler "
                        f"(samplers exist for {sorted(SAMPLERS)}; a dflash drafter is used with --draft)")
     return SAMPLERS[ck.objective].stream(model, ck, ps, cfg, step_events)
+
+
+def row_program(model: nn.Module, ck: Checkpoint, prompt: Prompt, cfg: SampleConfig, row: int = 0, *,
+                drafter: speculative.Drafter | None = None, logprobs: int | None = None,
+                step_events: bool = False) -> RowProgram:
+    """A request as a row of a batch (dlm.sampling.rows.Programs: the server's batchers): the one row constructor of
+    every sampler, `row_program(model, ck, prompt, cfg, row, ...)` in its module, picked as `stream` picks the
+    sampler; its generator is seeded cfg.seed. logprobs (AR, and the target of a speculative model: AR decoding):
+    each token comes as a Scored event with that many alternatives. Raises on bad options, before any work."""
+    if logprobs is not None or (drafter is None and ck.objective == "ar"):
+        return ar.row_program(model, ck, prompt, cfg, row, logprobs=logprobs)
+    if drafter is not None:
+        return speculative.row_program(model, ck, prompt, cfg, row, drafter=drafter)
+    if ck.objective not in SAMPLERS:
+        raise DlmError(f"checkpoint {ck.path}: objective {ck.objective!r} has no sampler")
+    return SAMPLERS[ck.objective].row_program(model, ck, prompt, cfg, row, step_events=step_events)
 
 
 def stream_rows(model: nn.Module, ck: Checkpoint, prompts: Sequence[Prompt | Sequence[int]], cfgs: Sequence[SampleConfig],

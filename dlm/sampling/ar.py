@@ -3,6 +3,8 @@
 `stream` runs a batch of prompts left-padded, each row with its own positions (`decode`); with
 `--naive` it recomputes the whole sequence every step instead, one prompt after another
 (`decode_naive`: the reference that cached decoding must match token for token, and a bench row).
+`row_program` is one request as a row program (dlm.sampling.rows): what the server batches, every request's row
+in one forward per token over the row batch.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from dlm.errors import DlmError, check
 from dlm.masks import causal_layers, key_valid_mask, padded_prefill_mask
 from dlm.model import Transformer
 from dlm.sampling.common import (
-    Clock, Commit, Done, Eos, Event, Prompt, Stats, check_fits, check_sampling, eos_set, is_eos, make_generator,
-    sample_token,
+    Clock, Commit, Done, Eos, Event, Prompt, Sampling, Scored, Stats, check_fits, check_sampling, eos_set, is_eos,
+    make_generator, sample_token,
 )
+from dlm.sampling.rows import RowProgram, Window
 
 
 # the SampleConfig fields this sampler reads (dlm.sampling.OPTIONS gathers every sampler's: the CLI's warnings, the
@@ -57,6 +60,46 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg, step_events: bool
                             tok.eos_ids)
     return decode(model, ids, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, tok.eos_ids,
                   tok.pad_id)
+
+
+def row_program(model: Transformer, ck, prompt: Prompt, cfg, row: int = 0, *, logprobs: int | None = None,
+                step_events: bool = False) -> RowProgram:
+    """A request as a row of a batch (the server's): its prompt prefilled in one request, then one token per request,
+    sampled with a generator of its own seeded cfg.seed (greedy: none); logprobs (None: off): each token comes as a
+    Scored event with its log-probability and that many alternatives. Raises on bad options, before any work."""
+    if cfg.sampler not in ("auto", "ar"):
+        raise DlmError(f"--sampler {cfg.sampler} does not belong to an ar checkpoint (allowed: auto)")
+    check_options(model, [prompt], cfg)
+    gen = make_generator(cfg.seed, model.device) if cfg.temperature > 0 else None
+    stats = Stats()
+    program = _row(prompt.ids, cfg.max_new_tokens, Sampling.of(cfg, gen), eos_set(ck.tokenizer.eos_ids), row, logprobs,
+                   stats, model.device)
+    return RowProgram(program, stats)
+
+
+def _row(ids: list[int], max_new_tokens: int, sampling: Sampling, eos: frozenset[int], row: int,
+         logprobs: int | None, stats: Stats, dev: torch.device) -> Iterator:
+    """One prompt's decoding as a row program: its Commit (Scored) events and its requests, the prompt's then each
+    new token's (causal, kept in the row's cache; the logits of the last position)."""
+    P = len(ids)
+    logits = (yield Window(tokens=torch.tensor(ids, device=dev), mask="causal", keep=P, out=(P - 1, P)))[0, -1]  # (V,)
+    while True:
+        stats.forwards += 1
+        tok = sampling.draw(logits)[0]  # ()
+        t = int(tok)
+        if logprobs is None:
+            yield Commit([t], row)
+        else:
+            lp = torch.log_softmax(logits.float(), -1)
+            top = []
+            if logprobs > 0:
+                vals, idx = torch.topk(lp, logprobs)
+                top = list(zip(idx.tolist(), vals.tolist()))
+            yield Scored([t], row, float(lp[t]), top)
+        stats.new_tokens += 1
+        if t in eos or stats.new_tokens >= max_new_tokens:
+            return
+        logits = (yield Window(tokens=tok.view(1), mask="causal", keep=1, out=(0, 1)))[0, -1]
 
 
 def fill_in_the_middle(model: Transformer, ck, prompts: list[Prompt], cfg) -> Iterator[Event]:

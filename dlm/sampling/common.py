@@ -78,6 +78,14 @@ class Commit(Event):
 
 
 @dataclass
+class Scored(Commit):
+    """One AR token with its log-probability and the top alternatives (a row that asks for logprobs)."""
+
+    logprob: float = 0.0
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class Step(Event):
     """One denoising step of a canvas: what the live view draws and the tests read.
 
@@ -344,6 +352,28 @@ def draw(logits: Tensor, temperature: float, top_k: int, top_p: float,
 def sample_token(logits: Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator | None) -> Tensor:
     """Greedy when temperature == 0, else a draw from the processed distribution. (…, V) -> (…,)."""
     return draw(logits, temperature, top_k, top_p, gen)[0]
+
+
+@dataclass
+class Sampling:
+    """The distribution of a row (temperature, top-k, top-p) and its random stream."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    gen: torch.Generator | None = None
+
+    @classmethod
+    def of(cls, cfg, gen: torch.Generator | None = None) -> Sampling:
+        """A SampleConfig's distribution, drawn with `gen`."""
+        return cls(cfg.temperature, cfg.top_k, cfg.top_p, gen)
+
+    def probs(self, logits: Tensor) -> Tensor:
+        return probs_from_logits(logits, self.temperature, self.top_k, self.top_p)
+
+    def draw(self, logits: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Tokens from logits (…, V) and their draft probabilities (None: greedy, one-hot)."""
+        return draw(logits, self.temperature, self.top_k, self.top_p, self.gen)
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:

@@ -37,8 +37,10 @@ from dlm.masks import quadratic_self_spec_mask
 from dlm.model import Transformer
 from dlm.sampling import ar, mdlm, speculative
 from dlm.sampling.common import Clock, Commit, Eos, Event, Prompt, Stats, Verified, eos_set, make_generator
-from dlm.sampling.rows import Crop, Window, drive, finish, run_one
-from dlm.sampling.speculative import Alone, Sampling, SpecStats, check_lossless_greedy, run_rows, trim, verify
+from dlm.sampling.rows import Crop, RowProgram, Window, drive, run_one
+from dlm.sampling.speculative import (
+    Alone, Drafter, Sampling, SpecStats, check_lossless_greedy, run_rows, trim, verify,
+)
 
 SELF_SPEC = ("self-spec-linear", "self-spec-linear-ar", "self-spec-quadratic")
 DIFFUSION = mdlm.RULES
@@ -48,7 +50,7 @@ SAMPLERS = ("auto", "ar", *SELF_SPEC, *DIFFUSION)
 OPTIONS = ar.OPTIONS | mdlm.OPTIONS | frozenset({"check_lossless"})
 
 
-class SelfDraft:
+class SelfDraft(Drafter):
     """The linear self-speculation drafter: the model's diffusion mode over the target's own KV cache.
 
     Follows the drafter protocol of sampling/speculative.py; `bind` hands it the verifier's cache,
@@ -60,9 +62,7 @@ class SelfDraft:
     from a mask, which agrees with the AR mode's choice far less often (docs/joint.md, per-slot acceptance).
     """
 
-    taps: tuple[int, ...] = ()
-    kind = "self"
-    row_model = None  # (it asks the target)
+    kind = "self"  # (row_model None: it asks the target)
 
     def __init__(self, model: Transformer, mask_id: int, block_size: int, sampling: Sampling, ar_first: bool = False):
         self.model, self.mask_id, self.sampling, self.ar_first = model, mask_id, sampling, ar_first
@@ -71,23 +71,16 @@ class SelfDraft:
         self.name = "self-spec-linear-ar" if ar_first else "self-spec-linear"
         self.cache = None
 
-    def fork(self, cfg) -> SelfDraft:
-        return SelfDraft(self.model, self.mask_id, self.default_block_size,
-                         Sampling(cfg.temperature, cfg.top_k, cfg.top_p), self.ar_first)
+    def fork(self, cfg, gen: torch.Generator | None = None) -> SelfDraft:
+        return SelfDraft(self.model, self.mask_id, self.default_block_size, Sampling.of(cfg, gen), self.ar_first)
 
     def bind(self, cache) -> None:
         self.cache = cache
-
-    def reset(self, prompt: Tensor, feats: Tensor | None) -> None:
-        pass
 
     def answer(self, request):
         if isinstance(request, Crop):
             return self.cache.crop(request.length)
         return run_one(self.model, self.cache, request)
-
-    def propose(self, seq: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
-        return finish(self.draft(seq, k), self.answer)
 
     def draft(self, seq: Tensor, k: int) -> Iterator:
         """A draft pass over the target's cache (it holds the committed positions before the last token), not
@@ -105,9 +98,6 @@ class SelfDraft:
         self.forwards += 1
         logits[:, self.mask_id] = float("-inf")
         return self.sampling.draw(logits)
-
-    def accept(self, ids: Tensor, feats: Tensor | None) -> None:
-        pass
 
 
 @torch.inference_mode()
@@ -189,34 +179,35 @@ def block_of(ck, cfg) -> int:
     return B
 
 
-def batch_row(model: Transformer, ck, prompt: Prompt, cfg, row: int, clock: Clock | None = None,
-              step_events: bool = False) -> tuple:
-    """A request as a row of a speculative.Batch over the joint model (the server's): (program, window, answer (None:
-    its requests are Windows), counters, drafter or None) for its mode, self-speculation or diffusion (not the AR mode: ar.stream), sampling with
-    a generator seeded cfg.seed. Raises on bad options, before any work."""
+def row_program(model: Transformer, ck, prompt: Prompt, cfg, row: int = 0, *, clock: Clock | None = None,
+                step_events: bool = False, logprobs: int | None = None) -> RowProgram:
+    """A request as a row of a batch over the joint model (the server's), in its mode: the AR mode, self-speculation
+    or diffusion, sampling with a generator seeded cfg.seed. Raises on bad options, before any work."""
     sampler = resolve_sampler(cfg)
-    check(sampler != "ar", "joint's AR mode runs on its own (ar.stream), not as a row of a batch")
+    if sampler == "ar":
+        return ar.row_program(model, ck, prompt, cfg.replace(sampler="auto"), row, logprobs=logprobs)
     gen = make_generator(cfg.seed, model.device)
     if sampler in DIFFUSION:
         job, rule, c = mdlm.row_job(model, ck, prompt, cfg.replace(sampler=sampler))
         st = Stats(extra={"steps_per_canvas": []})
-        return (*mdlm.batch_row(model, job, rule, c, row, st, ck.mask_id, ck.tokenizer.eos_set, gen, clock,
-                                step_events), st, None)
+        program, window, answer = mdlm.batch_row(model, job, rule, c, row, st, ck.mask_id, ck.tokenizer.eos_set, gen,
+                                                 clock, step_events)
+        return RowProgram(program, st, window, answer)
     B = block_of(ck, cfg)
     ar.check_options(model, [prompt], cfg, "self-speculation")
     check_lossless_greedy(cfg)
-    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, gen)
+    sampling = Sampling.of(cfg, gen)
     spec = SpecStats()
     if sampler == "self-spec-quadratic":
         program = quadratic_program(prompt.ids, block_size=B, max_new_tokens=cfg.max_new_tokens, mask_id=ck.mask_id,
                                     sampling=sampling, eos_id=ck.tokenizer.eos_set, row=row, stats=spec, clock=clock,
                                     dev=model.device)
-        return program, None, None, spec, None
+        return RowProgram(program, spec)
     d = SelfDraft(model, ck.mask_id, B, sampling, ar_first=sampler == "self-spec-linear-ar")
     program = speculative.speculation(d, prompt.ids, block_size=B, max_new_tokens=cfg.max_new_tokens,
                                       sampling=sampling, eos_id=ck.tokenizer.eos_set, row=row, stats=spec, clock=clock,
                                       dev=model.device)
-    return program, None, None, spec, d
+    return RowProgram(program, spec, drafter=d)
 
 
 def stream(model: Transformer, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> Iterator[Event]:

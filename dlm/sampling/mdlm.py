@@ -117,7 +117,7 @@ from dlm.sampling.common import (
     Clock, Commit, Eos, Event, Prompt, Stats, Step, check_fits, check_sampling, draw, entropy, entropy_bound_accept,
     eos_index, eos_set, is_eos, make_generator, probs_from_logits,
 )
-from dlm.sampling.rows import Crop, Programs, Window, alone, batch_stats, batchable, drive, finish
+from dlm.sampling.rows import Crop, Programs, RowProgram, Window, alone, batch_stats, batchable, drive, finish
 
 RULES = ("confidence", "threshold", "entropy_bound", "entropy", "margin", "origin")
 MAX_REVISIONS = 3  # --revise: times one position may be sent back to <mask> (so a block always ends)
@@ -792,6 +792,16 @@ class Batch(Programs):
         gen = gen if gen is not None else make_generator(row_seed(cfg.seed, row), self.model.device)
         return super().add(*batch_row(self.model, job, rule, cfg, row, stats, self.mask_id, self.eos_id, gen, clock,
                                       step_events), tag)
+
+
+def row_program(model, ck, prompt: Prompt, cfg, row: int = 0, *, step_events: bool = False) -> RowProgram:
+    """A request as a row of a batch (the server's), sampling with a generator seeded cfg.seed. Raises on bad options,
+    before any work."""
+    job, rule, cfg = row_job(model, ck, prompt, cfg)
+    stats = Stats(extra={"steps_per_canvas": []})
+    program, window, answer = batch_row(model, job, rule, cfg, row, stats, ck.mask_id, ck.tokenizer.eos_set,
+                                        make_generator(cfg.seed, model.device), step_events=step_events)
+    return RowProgram(program, stats, window, answer)
 
 
 def batch_row(model, job: Job, rule: Rule, cfg, row: int, stats: Stats, mask_id: int, eos_id: int,

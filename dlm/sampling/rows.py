@@ -28,9 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dlm.drafter import DFlashDrafter
 from dlm.errors import DlmError
-from dlm.masks import LayerMasks, dflash_draft_mask, sliding_band
+from dlm.masks import LayerMasks, sliding_band
 from dlm.model import KVCache, Transformer, canvas_embeds
 from dlm.sampling.common import Event, Stats
 
@@ -73,36 +72,36 @@ class Crop:
     on: str = "target"
 
 
+def same(request):
+    """A request that is already a Window (or Crop)."""
+    return request
+
+
+def outputs(request, out):
+    """The outputs sent back as they are."""
+    return out
+
+
+@dataclass
+class RowProgram:
+    """A request as a row of a batch: what every sampler's `row_program(model, ck, prompt, cfg, row, ...)` returns
+    (the one row constructor; dlm.sampling.row_program picks the sampler).
+
+    program: the row program (yields events and requests); window: a request -> the Window (or Crop) it asks for;
+    answer: (request, outputs (1, n, V|D)) -> what the program is sent back; stats: the row's own counters, which
+    its program keeps; drafter: a speculating row's drafter (its passes: the row's draft forwards)."""
+
+    program: Iterator
+    stats: object
+    window: Callable = same
+    answer: Callable = outputs
+    drafter: object = None
+
+
 def batchable(model) -> bool:
-    """Whether RowBatch can run this model (the backbone, or a DFlash drafter with K/V injection; another model's
-    cache layout would run rows in turn)."""
-    if isinstance(model, DFlashDrafter):
-        return model.injection == "kv"
-    return isinstance(model, Transformer)
-
-
-def _each(x) -> list[Tensor]:
-    """A cache's K (or V) buffers: one (n_layers, rows, H, C, hd), or one (rows, H_i, C, hd_i) per layer where the
-    layers' shapes differ (dlm.model.KVCache); rows at dim -4 and slots at dim -2 in both."""
-    return [x] if isinstance(x, Tensor) else x
-
-
-def _map(x, f):
-    return f(x) if isinstance(x, Tensor) else [f(t) for t in x]
-
-
-def _call(model, x: Tensor | None, embeds: Tensor | None, pos: Tensor, cache: KVCache, mask, write: bool,
-          ctx: Tensor | None, ctx_pos: Tensor | None, taps: tuple[int, ...]) -> tuple[Tensor, dict]:
-    """One forward of the backbone or of a DFlash drafter: the final hidden states (B, T, D) and the taps.
-
-    A drafter reads embeddings, writes the context's K/V into the cache and reads the window without writing it."""
-    if isinstance(model, DFlashDrafter):
-        L0, C = cache.length, 0 if ctx is None else ctx.shape[1]
-        if isinstance(mask, str):
-            mask = dflash_draft_mask(model.injection, L0, C, embeds.shape[1], embeds.device)
-        return model(embeds, ctx, pos, ctx_pos, cache=cache, mask=mask), {}
-    out = model(x, embeds=embeds, pos=pos, cache=cache, mask=mask, write=write, taps=taps, head=False)
-    return out.last, out.taps
+    """Whether RowBatch can run this model: one that answers rows_batchable, rows_cache, rows_band and rows_forward
+    (the backbone, a DFlash drafter with K/V injection); another model's cache layout runs its rows in turn."""
+    return bool(getattr(model, "rows_batchable", False))
 
 
 def run_one(model, cache: KVCache | None, w: Window):
@@ -128,7 +127,7 @@ def run_one(model, cache: KVCache | None, w: Window):
         e = canvas_embeds(model, w.tokens[None], None if w.probs is None else w.probs[None])
     ctx = w.ctx[None] if C else None
     ctx_pos = torch.arange(L0, L0 + C, device=dev) if C else None
-    last, taps = _call(model, x, e, pos, cache, mask, write, ctx, ctx_pos, w.taps)
+    last, taps = model.rows_forward(x, e, pos, cache, mask, write, ctx, ctx_pos, w.taps)
     if write and cache is not None:
         cache.crop(L0 + C + w.keep)
     a, b = w.out
@@ -189,10 +188,8 @@ class RowBatch:
     def __init__(self, model, capacity: int):
         self.model = model
         self.C = capacity  # slots per row: the longest row plus the longest window (grown on demand)
-        self.k: Tensor | list[Tensor] | None = None  # (KVCache.k: one buffer per layer where their shapes differ)
-        self.v: Tensor | list[Tensor] | None = None
-        cfg = model.cfg
-        self.window = cfg.sliding_window if isinstance(model, Transformer) and "sliding" in cfg.layer_types else 0
+        self.cache: KVCache | None = None  # the rows' K/V (its length unused: each row's is in `length`)
+        self.window = model.rows_band
         self.length: list[int] = []
         self.forwards = 0  # model calls (a step may take two: RowBatch.forward)
         self.seconds = 0.0  # wall time of the forwards
@@ -200,25 +197,18 @@ class RowBatch:
     def __len__(self) -> int:
         return len(self.length)
 
-    def _buffers(self, rows: int, C: int) -> KVCache:
-        m = self.model
-        if isinstance(m, DFlashDrafter):
-            p = m.fc.weight
-            return KVCache(m.cfg, rows, C, p.device, p.dtype)
-        return m.new_cache(rows, C)
-
     def _reserve(self, n: int, C: int | None = None) -> None:
         """Buffers for at least n rows of at least C slots (rows grown by doubling, the rows' K/V kept)."""
-        have = 0 if self.k is None else _each(self.k)[0].shape[-4]
+        have = 0 if self.cache is None else self.cache.rows
         C = max(C or self.C, self.C)
-        if n <= have and C == self.C and self.k is not None:
+        if n <= have and C == self.C and self.cache is not None:
             return
         rows = max(n, 2 * have, 1) if n > have else have
-        cache = self._buffers(rows, C)
-        if self.k is not None:
-            for new, old in zip(_each(cache.k) + _each(cache.v), _each(self.k) + _each(self.v)):
+        cache = self.model.rows_cache(rows, C)
+        if self.cache is not None:
+            for new, old in zip(cache.buffers(), self.cache.buffers()):
                 new[..., :have, :, :self.C, :] = old
-        self.k, self.v, self.C = cache.k, cache.v, C
+        self.cache, self.C = cache, C
 
     def add(self) -> int:
         """A new row with an empty cache; its index."""
@@ -238,7 +228,7 @@ class RowBatch:
         moved = None
         if i != last:
             n = self.length[last]
-            for t in _each(self.k) + _each(self.v):
+            for t in self.cache.buffers():
                 t[..., i, :, :n, :] = t[..., last, :, :n, :]
             self.length[i] = n
             moved = last
@@ -272,7 +262,7 @@ class RowBatch:
             for grp in (sorted(order[:cut]), sorted(order[cut:])):
                 for j, r in zip(grp, self._forward([rows[j] for j in grp], [windows[j] for j in grp])):
                     res[j] = r
-        dev = _each(self.k)[0].device
+        dev = self.cache.k[0].device
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         self.seconds += time.perf_counter() - t0
@@ -308,14 +298,11 @@ class RowBatch:
         if n == 1 and not windows[0].canvas:  # one row: its own slots are a cache of its own (the one-row forward)
             b = idx[0]
 
-            def one(t: Tensor) -> Tensor:
-                return t[..., b:b + 1, :, :, :]
-
-            cache = KVCache.over(_map(self.k, one), _map(self.v, one), length[0])
+            cache = self.cache.map(lambda t: t[..., b:b + 1, :, :, :], length[0])
             res = run_one(model, cache, windows[0])
             self.length[b] = cache.length
             return [res]
-        dev = _each(self.k)[0].device
+        dev = self.cache.k[0].device
         prefix = idx == list(range(n))  # rows 0..n-1: the forward runs on a view of the buffers
         lengths = torch.tensor(length, device=dev)
         if all(w.pos is None for w in windows):
@@ -333,7 +320,12 @@ class RowBatch:
         mask[:, 0, :, :Lc] = (torch.arange(Lc, device=dev)[None] < lengths[:, None])[:, None]  # each row's cache
         if Cm:  # each row's new context
             mask[:, 0, :, Lc:Lc + Cm] = (torch.arange(Cm, device=dev)[None] < torch.tensor(Cs, device=dev)[:, None])[:, None]
-        mask[:, 0, :, Lc + Cm:] = torch.eye(T, dtype=torch.bool, device=dev)  # a pad query sees itself only
+        # the window: row b's first Ts[b] queries see its first Ts[b] keys (all of them, or causally; a mask Tensor is
+        # set below), a pad query sees itself only
+        qi, ki = torch.arange(T, device=dev)[None, :, None], torch.arange(T, device=dev)[None, None, :]
+        ti = torch.tensor(Ts, device=dev)[:, None, None]
+        causal = torch.tensor([isinstance(w.mask, str) for w in windows], device=dev)[:, None, None]
+        mask[:, 0, :, Lc + Cm:] = (qi == ki) | ((qi < ti) & (ki < ti) & (~causal | (ki <= qi)))  # (n, T, T)
         embeds = any(w.embeds is not None or w.canvas for w in windows)
         if embeds:
             e0 = next((w.embeds for w in windows if w.embeds is not None), None)
@@ -348,22 +340,16 @@ class RowBatch:
                     for b in rows:
                         x[b, :Ts[b]] = emb[i:i + Ts[b]]
                         i += Ts[b]
-        else:
-            x = torch.zeros(n, T, dtype=torch.long, device=dev)
-        ctx = torch.zeros(n, Cm, model.cfg.dim, dtype=x.dtype if embeds else _each(self.k)[0].dtype,
+        else:  # (n, T) the tokens, right-padded with 0
+            x = torch.nn.utils.rnn.pad_sequence([w.tokens for w in windows], batch_first=True)
+        ctx = torch.zeros(n, Cm, model.cfg.dim, dtype=x.dtype if embeds else self.cache.k[0].dtype,
                           device=dev) if Cm else None
         for b, w in enumerate(windows):
             t = Ts[b]
-            if w.mask is None:
-                mask[b, 0, :t, Lc + Cm:Lc + Cm + t] = True
-            elif isinstance(w.mask, str):  # causal
-                mask[b, 0, :t, Lc + Cm:Lc + Cm + t] = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-            else:
+            if isinstance(w.mask, Tensor):
                 mask[b, 0, :t, Lc + Cm:Lc + Cm + t] = w.mask
             if embeds and not w.canvas:
                 x[b, :t] = w.embeds if w.embeds is not None else model.embed(w.tokens)
-            elif not embeds:
-                x[b, :t] = w.tokens
             if Cs[b]:
                 ctx[b, :Cs[b]] = w.ctx
         ctx_pos = lengths[:, None] + torch.arange(Cm, device=dev)[None] if Cm else None
@@ -377,20 +363,24 @@ class RowBatch:
             return torch.cat([t[..., idx, :, :Lc, :], t.new_empty(*t.shape[:-4], n, t.shape[-3], Cm + T, t.shape[-1])],
                              -2)
 
-        cache = KVCache.over(_map(self.k, rows_of), _map(self.v, rows_of), Lc)
+        cache = self.cache.map(rows_of, Lc)
         spec: Tensor | str | LayerMasks = "full" if bool(mask.all()) else mask
         if self.window:  # sliding-window layers: each row's band
             spec = LayerMasks(mask, mask & self._band(windows, lengths, pos, Lc))
         # (write: slots Lc.. are scratch: writing the window there spares the attention a copy of the cache)
-        last, tapped = _call(model, None if embeds else x, x if embeds else None, pos, cache, spec, True, ctx, ctx_pos,
-                             taps)
+        last, tapped = model.rows_forward(None if embeds else x, x if embeds else None, pos, cache, spec, True, ctx,
+                                          ctx_pos, taps)
+        moves: list[tuple[int, int, int, int]] = []  # (row, its index in the forward, from slot, to slot)
         for j, (b, m) in enumerate(zip(idx, keep)):
             a = self.length[b]
             for src, dst, k in ((Lc, a, Cs[j]), (Lc + Cm, a + Cs[j], m)):  # the new context, then the kept window
                 if k and (src != dst or not prefix):  # from the scratch slots to the row's own
-                    for mine, got in zip(_each(self.k) + _each(self.v), _each(cache.k) + _each(cache.v)):
-                        mine[..., b, :, dst:dst + k, :] = got[..., j, :, src:src + k, :].clone()
+                    moves += [(b, j, src + i, dst + i) for i in range(k)]
             self.length[b] = a + Cs[j] + m
+        if moves:  # one gather (every source read before any slot is written) and one scatter per buffer
+            b_, j_, src_, dst_ = torch.tensor(moves, device=dev).unbind(1)
+            for mine, got in zip(self.cache.buffers(), cache.buffers()):
+                mine[..., b_, :, dst_, :] = got[..., j_, :, src_, :]
         # the head only where a row asked for logits (one matmul over all of them)
         res: list = [None] * n
         want = [(j, w) for j, w in enumerate(windows) if not w.hidden and w.out[1] > w.out[0]]
@@ -412,6 +402,14 @@ class RowBatch:
 
 
 @dataclass
+class Raised(Event):
+    """A row's program raised an exception (Programs with isolate=True: that row ends, the others go on)."""
+
+    error: Exception
+    row: int = 0
+
+
+@dataclass
 class _Live:
     program: Iterator
     window: Callable  # request -> Window (or Crop)
@@ -429,7 +427,8 @@ class Programs:
     `drop` is called (the last row takes the freed index). Events come back as (tag, event).
     """
 
-    def __init__(self, model: Transformer, capacity: int, models: dict | None = None):
+    def __init__(self, model: Transformer, capacity: int, models: dict | None = None, isolate: bool = False):
+        self.isolate = isolate  # a row whose program raises ends with a Raised event (else the exception propagates)
         self.batches = {"target": RowBatch(model, capacity)}
         for name, m in (models or {}).items():
             self.batches[name] = RowBatch(m, capacity)
@@ -442,6 +441,10 @@ class Programs:
     @property
     def forwards(self) -> int:
         return self.rows.forwards
+
+    def add_row(self, row: RowProgram, tag: object = None) -> list[tuple]:
+        """A new row (a sampler's row_program); returns the events its program yields before its first request."""
+        return Programs.add(self, row.program, row.window, row.answer, tag)  # (the base's: a subclass's add differs)
 
     def add(self, program: Iterator, window: Callable, answer: Callable, tag: object = None) -> list[tuple]:
         """A new row; returns the events its program yields before its first request."""
@@ -475,6 +478,11 @@ class Programs:
             try:
                 ev = live.program.send(msg)
             except StopIteration:
+                return False
+            except Exception as e:
+                if not self.isolate:
+                    raise
+                out.append((live.tag, Raised(e)))
                 return False
             msg = None
             if isinstance(ev, Crop):

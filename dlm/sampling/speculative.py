@@ -14,7 +14,8 @@ The target's cache is cropped back to the committed length; the drafter is told 
 tokens were accepted (and given the target's features of the committed positions, if it reads
 them), and rolls its own state back.
 
-Drafter protocol (three methods; attributes taps, and name/default_block_size/forwards for reports):
+The Drafter base (every kind derives from it; three methods matter to the verifier; attributes taps, and
+name/default_block_size/forwards for reports):
   taps                      target layers whose outputs the drafter reads (() for none)
   reset(prompt, feats)      a new sequence: prompt ids (P,), the target's taps over it (P, F) or None
   propose(seq, k)           committed ids so far (S,) -> (tokens (k',), q (k', V) or None), k' <= k
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -49,11 +50,12 @@ from dlm.masks import mdlm_denoise_mask
 from dlm.model import KVCache, Transformer
 from dlm.sampling import ar
 from dlm.sampling.common import (
-    Clock, Commit, Eos, Event, Prompt, Stats, Verified, draw, eos_set, make_generator, probs_from_logits,
-    sample_from, through_eos,
+    Clock, Commit, Eos, Event, Prompt, Sampling, Stats, Verified, eos_set, make_generator, sample_from, through_eos,
 )
 from dlm.sampling.mdlm import row_seed
-from dlm.sampling.rows import Crop, Programs, Window, batchable, drive, finish, run_one
+from dlm.sampling.rows import (
+    Crop, Programs, RowProgram, Window, batchable, drive, finish, outputs, run_one, same,
+)
 
 AR_DRAFT_BLOCK = 5  # default block of an AR draft model: 4 proposals + the bonus
 LOOKUP_BLOCK = 8
@@ -68,72 +70,60 @@ DRAFTER_OPTIONS = {"draft_passes": (("dflash", "diffusion"), "a DFlash or diffus
 DIFFUSION_DRAFT_PASSES = 3  # refinement passes of a diffusion drafter at most (--draft-passes)
 
 
-@dataclass
-class Sampling:
-    """The distribution of a call (temperature, top-k, top-p) and its random stream."""
+class Drafter:
+    """What the verifier needs of a drafter, and the base of every kind (prompt lookup, an AR draft model, DFlash, a
+    diffusion model, self-speculation): a kind overrides `draft` and `fork`, and what it keeps between cycles.
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    gen: torch.Generator | None = None
+    Built once from a checkpoint by dlm.drafters.load_drafter (the sampler reads nothing from disk); `fork(cfg, gen)`
+    gives each request a drafter of its own that shares the loaded weights and draws from the request's distribution
+    with its generator (a row's Sampling comes from there)."""
 
-    def probs(self, logits: Tensor) -> Tensor:
-        return probs_from_logits(logits, self.temperature, self.top_k, self.top_p)
+    taps: tuple[int, ...] = ()  # target layers whose outputs it reads (() for none)
+    kind = ""  # lookup | ar | dflash | diffusion | self: which of DRAFTER_OPTIONS it reads
+    name = ""
+    default_block_size = LOOKUP_BLOCK
+    max_block_size: int | None = None  # the largest block it can draft (None: MAX_BLOCK)
+    row_model = None  # the model its `on="draft"` requests run on (None: it asks for none, or asks the target)
+    forwards = 0  # forward passes of the drafter's model so far
+    sampling = Sampling()  # the distribution it proposes from (a fork's: its request's)
 
-    def draw(self, logits: Tensor) -> tuple[Tensor, Tensor | None]:
-        """Tokens from logits (…, V) and their draft probabilities (None: greedy, one-hot)."""
-        return draw(logits, self.temperature, self.top_k, self.top_p, self.gen)
-
-
-class Drafter(Protocol):
-    """What the verifier needs of a drafter (every kind: prompt lookup, an AR draft model, DFlash, self-speculation).
-
-    Built once from a checkpoint by dlm.drafters.load_drafter (the sampler reads nothing from disk); `fork` gives
-    each request a drafter of its own that shares the loaded weights."""
-
-    taps: tuple[int, ...]  # target layers whose outputs it reads (() for none)
-    kind: str  # lookup | ar | dflash | diffusion | self: which of DRAFTER_OPTIONS it reads
-    name: str
-    default_block_size: int
-    forwards: int  # forward passes of the drafter's model so far
-    sampling: Sampling  # the distribution it proposes from: the verifier sets the call's before the first cycle
-
-    row_model: object  # the model its `on="draft"` requests run on (None: it asks for none, or asks the target)
+    def fork(self, cfg, gen: torch.Generator | None = None) -> Drafter:
+        """A fresh drafter for a request with these SampleConfig options, sharing this one's weights, drawing with
+        `gen`."""
+        raise NotImplementedError
 
     def bind(self, cache: KVCache) -> None:
         """The target's KV cache of this sequence (self-speculation drafts over it; the others ignore it)."""
 
-    def draft(self, seq: Tensor, k: int) -> Iterator:
-        """`propose` as a row program: yields Window / Crop requests, returns (tokens, q)."""
-
-    def answer(self, request):
-        """A request of its draft answered over its own cache (the one-row path)."""
-
     def reset(self, prompt: Tensor, feats: Tensor | None) -> None:
         """A new sequence: prompt ids (P,), the target's taps over it (P, F) or None."""
-
-    def propose(self, seq: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
-        """Committed ids (S,) -> up to k proposals (k',) and their probabilities (k', V) or None (one-hot)."""
 
     def accept(self, ids: Tensor, feats: Tensor | None) -> None:
         """The verified positions that stay: the last committed token and the accepted proposals, with taps."""
 
-    def fork(self, cfg) -> Drafter:
-        """A fresh drafter for a request with these SampleConfig options, sharing this one's weights."""
+    def draft(self, seq: Tensor, k: int) -> Iterator:
+        """`propose` as a row program: yields Window / Crop requests, returns (tokens, q)."""
+        raise NotImplementedError
+
+    def answer(self, request):
+        """A request of its draft answered over its own cache (the one-row path)."""
+        raise AssertionError(f"{self.name} runs no model of its own")
+
+    def propose(self, seq: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
+        """Committed ids (S,) -> up to k proposals (k',) and their probabilities (k', V) or None (one-hot)."""
+        return finish(self.draft(seq, k), self.answer)
 
 
 # drafters -------------------------------------------------------------------------------------------
 
-class PromptLookup:
+class PromptLookup(Drafter):
     """Propose the tokens that followed an earlier occurrence of the context's last n-gram.
 
     The longest n (<= max_ngram) with a match wins; among its matches the most recent one that is
     followed by k tokens, else the earliest (the longest continuation there is).
     """
 
-    taps: tuple[int, ...] = ()
     kind = "lookup"
-    row_model = None
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         check(max_ngram >= 1, f"--lookup-ngram must be >= 1, got {max_ngram}")
@@ -143,21 +133,14 @@ class PromptLookup:
         self.name = f"lookup (n<={max_ngram})"
         self.sampling = Sampling()
 
-    def fork(self, cfg) -> PromptLookup:
-        return PromptLookup(cfg.lookup_ngram, self.min_ngram)
-
-    def bind(self, cache: KVCache) -> None:
-        pass
-
-    def reset(self, prompt: Tensor, feats: Tensor | None) -> None:
-        pass
+    def fork(self, cfg, gen: torch.Generator | None = None) -> PromptLookup:
+        d = PromptLookup(cfg.lookup_ngram, self.min_ngram)
+        d.sampling = Sampling.of(cfg, gen)
+        return d
 
     def draft(self, seq: Tensor, k: int) -> Iterator:
         return self.propose(seq, k)
         yield  # (a program that asks for no forward)
-
-    def answer(self, request):
-        raise AssertionError("prompt lookup runs no model")
 
     def propose(self, seq: Tensor, k: int) -> tuple[Tensor, None]:
         S = seq.shape[0]
@@ -170,11 +153,8 @@ class PromptLookup:
                 return seq[start:start + k], None
         return seq[:0], None
 
-    def accept(self, ids: Tensor, feats: Tensor | None) -> None:
-        pass
 
-
-class _OwnModel:
+class _OwnModel(Drafter):
     """A drafter with a model of its own (`model`, `capacity`): its requests run on that model (`row_model`); alone,
     over a cache of its own, made on the first request."""
 
@@ -193,7 +173,6 @@ class _OwnModel:
 class ARDraft(_OwnModel):
     """A small AR model (same tokenizer) drafting one token per forward with its own KV cache."""
 
-    taps: tuple[int, ...] = ()
     kind = "ar"
 
     def __init__(self, model: Transformer, sampling: Sampling, capacity: int, name: str = "ar-draft"):
@@ -202,19 +181,13 @@ class ARDraft(_OwnModel):
         self.default_block_size = AR_DRAFT_BLOCK
         self.name = name
 
-    def fork(self, cfg) -> ARDraft:
-        return ARDraft(self.model, Sampling(cfg.temperature, cfg.top_k, cfg.top_p), self.capacity, self.name)
-
-    def bind(self, cache: KVCache) -> None:
-        pass
+    def fork(self, cfg, gen: torch.Generator | None = None) -> ARDraft:
+        return ARDraft(self.model, Sampling.of(cfg, gen), self.capacity, self.name)
 
     def reset(self, prompt: Tensor, feats: Tensor | None) -> None:
         self.cache = None  # its own cache, made on the first request of the one-row path
         self.cached = 0  # positions in its cache
         self.base = 0
-
-    def propose(self, seq: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
-        return finish(self.draft(seq, k), self.answer)
 
     def draft(self, seq: Tensor, k: int) -> Iterator:
         yield Crop(self.cached, on="draft")  # the rejected proposals of the last cycle leave its cache
@@ -239,7 +212,24 @@ class ARDraft(_OwnModel):
         self.cached = min(self.cached, self.base + ids.shape[0] - 1)
 
 
-class DFlashDraft:
+REFINE_CONFIDENCE = 0.9  # a refining drafter keeps the slots it is this sure of (--draft-passes > 1)
+
+
+def refine(logits: Tensor, passes: int, mask_id: int, again) -> Iterator:
+    """The masked-draft refinement of every drafter that denoises a block (DFlash, a diffusion model): up to passes - 1
+    times, keep the slots the draft is sure of (p >= REFINE_CONFIDENCE) and re-predict the others given them
+    (`again(slots)`: a row program over the slots (k,), kept ones filled in and the others <mask>, that returns the
+    new logits (k, V)); stops when every slot or none is sure. logits (k, V) -> (k, V)."""
+    for _ in range(passes - 1):
+        conf, guess = logits.float().softmax(-1).max(-1)  # (k,)
+        keep = conf >= REFINE_CONFIDENCE
+        if bool(keep.all()) or not bool(keep.any()):
+            break
+        logits = torch.where(keep[:, None], logits, (yield from again(torch.where(keep, guess, mask_id))))
+    return logits
+
+
+class DFlashDraft(Drafter):
     """A DFlash drafter: one bidirectional pass over [last token, masks] conditioned on target features."""
 
     kind = "dflash"
@@ -257,16 +247,13 @@ class DFlashDraft:
         self.top_k = top_k
         self.taps = drafter.taps
         self.forwards = 0
-        self.default_block_size = drafter.block_size
+        self.default_block_size = self.max_block_size = drafter.block_size
         self.name = name
         self.noise: torch.Generator | None = None  # a uniform-noise drafter's random first block
 
-    def fork(self, cfg) -> DFlashDraft:
-        return DFlashDraft(self.d, self.target, Sampling(cfg.temperature, cfg.top_k, cfg.top_p), self.capacity,
-                           cfg.draft_passes, self.name, cfg.draft_top_k)
-
-    def bind(self, cache: KVCache) -> None:
-        pass
+    def fork(self, cfg, gen: torch.Generator | None = None) -> DFlashDraft:
+        return DFlashDraft(self.d, self.target, Sampling.of(cfg, gen), self.capacity, cfg.draft_passes, self.name,
+                           cfg.draft_top_k)
 
     def _feats(self, ids: Tensor, feats: Tensor | None) -> Tensor:
         if self.d.target_features:
@@ -287,9 +274,6 @@ class DFlashDraft:
         if isinstance(request, Crop):
             return self.cache.crop(request.length)
         return run_one(self.d, self.cache, request)
-
-    def propose(self, seq: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
-        return finish(self.draft(seq, k), self.answer)
 
     def draft(self, seq: Tensor, k: int) -> Iterator:
         if k == 0:
@@ -337,14 +321,14 @@ class DFlashDraft:
         for _ in range(self.passes - 1 if uniform else 0):  # revise: every slot re-predicted from the last guesses
             block[0, 1:] = logits.argmax(-1)
             logits = self.d.head(self.target, (yield from ask()))
-        for _ in range(0 if uniform else self.passes - 1):  # refine: keep confident slots, re-predict the others
-            conf, guess = logits.float().softmax(-1).max(-1)  # (k,)
-            keep = conf >= 0.9
-            if bool(keep.all()) or not bool(keep.any()):
-                break
-            block[0, 1:] = torch.where(keep, guess, self.d.mask_id)
-            logits = torch.where(keep[:, None], logits, self.d.head(self.target, (yield from ask())))
-        return logits
+        if uniform:
+            return logits
+
+        def again(slots: Tensor) -> Iterator:
+            block[0, 1:] = slots
+            return self.d.head(self.target, (yield from ask()))
+
+        return (yield from refine(logits, self.passes, self.d.mask_id, again))
 
     def accept(self, ids: Tensor, feats: Tensor | None) -> None:
         self.pending = torch.cat((self.pending, self._feats(ids, feats)), dim=1)
@@ -360,7 +344,6 @@ class DiffusionDraft(_OwnModel):
     tokens in finished blocks are written to the cache once, block-causally (causally for a joint model), and the
     committed tokens of the current block are denoised together with the slots, which see all of them."""
 
-    taps: tuple[int, ...] = ()
     kind = "diffusion"
 
     def __init__(self, model: Transformer, mask_id: int, grid: int, sampling: Sampling, capacity: int,
@@ -372,19 +355,13 @@ class DiffusionDraft(_OwnModel):
         self.default_block_size = LOOKUP_BLOCK
         self.cached = 0
 
-    def fork(self, cfg) -> DiffusionDraft:
-        return DiffusionDraft(self.model, self.mask_id, self.grid, Sampling(cfg.temperature, cfg.top_k, cfg.top_p),
-                              self.capacity, cfg.draft_passes, self.causal_context, self.name)
-
-    def bind(self, cache: KVCache) -> None:
-        pass
+    def fork(self, cfg, gen: torch.Generator | None = None) -> DiffusionDraft:
+        return DiffusionDraft(self.model, self.mask_id, self.grid, Sampling.of(cfg, gen), self.capacity,
+                              cfg.draft_passes, self.causal_context, self.name)
 
     def reset(self, prompt: Tensor, feats: Tensor | None) -> None:
         self.cache = None  # its own cache, made on the first request of the one-row path
         self.cached = 0
-
-    def propose(self, seq: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
-        return finish(self.draft(seq, k), self.answer)
 
     def draft(self, seq: Tensor, k: int) -> Iterator:
         if k == 0:
@@ -400,20 +377,14 @@ class DiffusionDraft(_OwnModel):
         self.forwards += 1
         self.cached = cur  # the finished blocks' K/V stay
         logits[:, self.mask_id] = float("-inf")
-        for _ in range(self.passes - 1):  # refine: keep confident slots, re-predict the others given them
-            conf, guess = logits.float().softmax(-1).max(-1)  # (k,)
-            keep = conf >= 0.9
-            if bool(keep.all()) or not bool(keep.any()):
-                break
-            block = torch.cat((seq[cur:], torch.where(keep, guess, self.mask_id)))
-            again = (yield Window(tokens=block, out=(S - cur, stop - cur), on="draft"))[0]
-            self.forwards += 1
-            again[:, self.mask_id] = float("-inf")
-            logits = torch.where(keep[:, None], logits, again)
-        return self.sampling.draw(logits)
 
-    def accept(self, ids: Tensor, feats: Tensor | None) -> None:
-        pass
+        def again(slots: Tensor) -> Iterator:
+            out = (yield Window(tokens=torch.cat((seq[cur:], slots)), out=(S - cur, stop - cur), on="draft"))[0]
+            self.forwards += 1
+            out[:, self.mask_id] = float("-inf")
+            return out
+
+        return self.sampling.draw((yield from refine(logits, self.passes, self.mask_id, again)))
 
 
 # the verifier ----------------------------------------------------------------------------------------
@@ -536,14 +507,6 @@ def speculation(drafter: Drafter, prompt: Sequence[int], *, block_size: int, max
         yield Commit(committed, row=row)
 
 
-def _same(request):
-    return request
-
-
-def _out(request, out):
-    return out
-
-
 def _split(out, taps: tuple[int, ...]) -> tuple[Tensor, Tensor | None]:
     return out if taps else (out, None)
 
@@ -588,9 +551,9 @@ def resolve_block_size(drafter: Drafter, block_size: int | None) -> int:
         return drafter.default_block_size
     check(2 <= block_size <= MAX_BLOCK,
           f"--block-size must be in [2, {MAX_BLOCK}] (the last token + at least one proposal), got {block_size}")
-    if isinstance(drafter, DFlashDraft) and block_size > drafter.d.block_size:
+    if drafter.max_block_size is not None and block_size > drafter.max_block_size:
         raise DlmError(f"--block-size {block_size} is larger than the block size the drafter was built for "
-                       f"({drafter.d.block_size})")
+                       f"({drafter.max_block_size})")
     return block_size
 
 
@@ -615,29 +578,33 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg, drafter: Drafter 
     eos = ck.tokenizer.eos_ids
 
     def row(b: int, p: list[int], sampling: Sampling, spec: SpecStats, clock: Clock) -> tuple:
-        d = drafter.fork(cfg) if len(prompts) > 1 else drafter
-        d.sampling = sampling  # the drafter draws from its row's distribution and random stream
-        program = speculation(d, p, block_size=block_size, max_new_tokens=cfg.max_new_tokens, sampling=sampling,
+        if len(prompts) > 1:
+            d = drafter.fork(cfg, sampling.gen)
+        else:  # a lone row drafts with the caller's drafter (built with these options), from the row's distribution
+            d = drafter
+            d.sampling = sampling
+        program = speculation(d, p, block_size=block_size, max_new_tokens=cfg.max_new_tokens, sampling=d.sampling,
                               eos_id=eos, row=b, stats=spec, clock=clock, dev=model.device)
         return program, d, len(p) + cfg.max_new_tokens + block_size + 1
 
     return run_rows(model, ck, [p.ids for p in prompts], cfg, row, drafter.name, block_size, drafter)
 
 
-def batch_row(model: Transformer, ck, prompt: Prompt, cfg, base: Drafter, row: int, stats: SpecStats,
-              clock: Clock | None = None) -> tuple[Iterator, Drafter]:
-    """A request as a row of a Batch (the server's): its program and its own fork of `base`, sampling with a generator
-    seeded cfg.seed. Raises on bad options, before any work."""
+def row_program(model: Transformer, ck, prompt: Prompt, cfg, row: int = 0, *, drafter: Drafter,
+                stats: SpecStats | None = None, clock: Clock | None = None) -> RowProgram:
+    """A request as a row of a batch (the server's): its program and its own fork of `drafter`, drawing with a
+    generator seeded cfg.seed. Raises on bad options, before any work."""
     if ck.objective not in ("ar", "joint"):
         raise DlmError(f"--draft: speculative decoding verifies with an AR target; {ck.path} is a "
                        f"{ck.objective} checkpoint")
     ar.check_options(model, [prompt], cfg, "speculative decoding")
     check_lossless_greedy(cfg)
-    d = base.fork(cfg)
-    d.sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, make_generator(cfg.seed, model.device))
+    d = drafter.fork(cfg, make_generator(cfg.seed, model.device))
     B = resolve_block_size(d, cfg.block_size)
-    return speculation(d, prompt.ids, block_size=B, max_new_tokens=cfg.max_new_tokens, sampling=d.sampling,
-                       eos_id=ck.tokenizer.eos_ids, row=row, stats=stats, clock=clock, dev=model.device), d
+    stats = stats if stats is not None else SpecStats()
+    program = speculation(d, prompt.ids, block_size=B, max_new_tokens=cfg.max_new_tokens, sampling=d.sampling,
+                          eos_id=ck.tokenizer.eos_ids, row=row, stats=stats, clock=clock, dev=model.device)
+    return RowProgram(program, stats, drafter=d)
 
 
 def spec_stats(spec: SpecStats, drafter: str, block_size: int, new: int, draft_forwards: int) -> Stats:
@@ -691,9 +658,10 @@ def stream_rows(model: Transformer, ck, prompts: list[Prompt], cfgs: list, draft
     its own fork of `drafter`) in one Batch (dlm.sampling.stream_rows: eval's cases). Bad options raise here."""
     clock = Clock()
     specs = [SpecStats() for _ in prompts]
-    built = [batch_row(model, ck, p, c, drafter, r, specs[r], clock) for r, (p, c) in enumerate(zip(prompts, cfgs))]
-    rows = [(prog, d, len(p.ids) + c.max_new_tokens + MAX_BLOCK + 1)
-            for (prog, d), p, c in zip(built, prompts, cfgs)]
+    built = [row_program(model, ck, p, c, r, drafter=drafter, stats=specs[r], clock=clock)
+             for r, (p, c) in enumerate(zip(prompts, cfgs))]
+    rows = [(rp.program, rp.drafter, len(p.ids) + c.max_new_tokens + MAX_BLOCK + 1)
+            for rp, p, c in zip(built, prompts, cfgs)]
     B = max(resolve_block_size(drafter, c.block_size) for c in cfgs)
     lossless = [c.max_new_tokens for c in cfgs] if any(c.check_lossless for c in cfgs) else None
     return _run(model, ck, [p.ids for p in prompts], rows, specs, clock, drafter.name, B, drafter, lossless)
@@ -757,7 +725,7 @@ class Batch(Programs):
     def add(self, program: Iterator, tag: object = None, window=None, answer=None) -> list[tuple]:
         """A new row: a row program whose requests are Windows (`speculation`, joint's `quadratic_program`), or one
         with its own `window` and `answer` (a joint model's diffusion row: mdlm.batch_row)."""
-        return super().add(program, window or _same, answer or _out, tag)
+        return super().add(program, window or same, answer or outputs, tag)
 
     @property
     def draft_forwards(self) -> int:

@@ -54,7 +54,7 @@ from dlm.sampling.common import (
     Clock, Commit, Eos, Event, Prompt, Stats, Step, check_fits, check_sampling, entropy,
     eos_set, make_generator, probs_from_logits, sample_from, through_eos,
 )
-from dlm.sampling.rows import Programs, Window, alone, batch_stats, batchable, drive
+from dlm.sampling.rows import Programs, RowProgram, Window, alone, batch_stats, batchable, drive
 
 DEFAULT_STEPS = 48  # DiffusionGemma's max_denoising_steps
 # the SampleConfig fields this sampler reads (see dlm.sampling.OPTIONS); --temperature is read to be refused with
@@ -257,11 +257,28 @@ class Batch(Programs):
             step_events: bool = False) -> list[tuple[object, Event]]:
         """A new row (p: its prompt, an empty one already replaced by <eos>; cfg: its SampleConfig; gen: its
         generator, default seeded row_seed(cfg.seed, row)); returns its events before its first pass (none)."""
-        model = self.model
-        gen = gen if gen is not None else make_generator(row_seed(cfg.seed, row), model.device)
-        program = _row(p, L, steps, N, eos_id, cfg, gen, row, clock, stats, step_events, model.device,
-                       model.cfg.max_seq_len, model.cfg.canvas_shift)
-        return super().add(program, lambda w: w, lambda w, out: out, tag)
+        gen = gen if gen is not None else make_generator(row_seed(cfg.seed, row), self.model.device)
+        return self.add_row(_row_program(self.model, p, L, steps, N, eos_id, cfg, row, stats, gen, clock, step_events),
+                            tag)
+
+
+def row_program(model: Transformer, ck, prompt: Prompt, cfg, row: int = 0, *, step_events: bool = False) -> RowProgram:
+    """A request as a row of a batch (the server's), sampling with a generator seeded cfg.seed. Raises on bad options,
+    before any work."""
+    L, steps = check_options(model, ck, cfg)
+    cfg = with_last_canvas(ck, cfg)
+    p = row_prompt(ck, model, prompt, cfg)
+    stats = Stats(extra={"steps_per_canvas": []})
+    return _row_program(model, p, L, steps, ck.noise_vocab, ck.tokenizer.eos_set, cfg, row, stats,
+                        make_generator(cfg.seed, model.device), None, step_events)
+
+
+def _row_program(model: Transformer, p: Prompt, L: int, steps: int, N: int, eos_id: Eos, cfg, row: int, stats: Stats,
+                 gen: torch.Generator, clock: Clock | None, step_events: bool) -> RowProgram:
+    """The row's program yields its Windows itself (prefill, canvases): the row's window and answer are the identity."""
+    program = _row(p, L, steps, N, eos_id, cfg, gen, row, clock, stats, step_events, model.device,
+                   model.cfg.max_seq_len, model.cfg.canvas_shift)
+    return RowProgram(program, stats)
 
 
 def prefill(ids: list[int], shift: bool, dev: torch.device) -> Iterator[Window]:

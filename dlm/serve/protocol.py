@@ -28,10 +28,10 @@ from dlm import chat
 from dlm.config import ALIASES
 from dlm.errors import DlmError
 from dlm.sampling import SampleConfig, encode, options_read
-from dlm.sampling.common import Commit, Done, Event, Prompt, Step, Verified, before_eos, eos_index
+from dlm.sampling.common import Commit, Done, Event, Prompt, Scored, Step, Verified, before_eos, eos_index
 from dlm.sampling.infill import FILL_RE
 from dlm.sampling.speculative import DRAFTER_OPTIONS
-from dlm.serve.engine import Engine, Row, Scored, Served
+from dlm.serve.engine import Engine, Row, Served
 
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 16  # prompts per request

@@ -1,0 +1,128 @@
+"""AR decoding as a row program (ar.row_program) on the one row batch (rows.Programs, what the server runs): each
+row comes out as `ar.decode` gives that prompt alone with its own seed, token for token, whatever it shares a batch
+with and whenever it joins; its logprobs are the lone model's; a row whose program raises ends alone.
+
+A tiny random model in float64 with a 24-token vocabulary (the rounding of batched matmuls never tips an argmax or a
+draw there) whose <eos> is likely after some contexts, so rows end at different points."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import random_transformer
+
+from dlm.config import SampleConfig
+from dlm.sampling import ar, row_program
+from dlm.sampling.common import Commit, Prompt, Scored
+from dlm.sampling.rows import Programs, Raised
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+V, EOS = 24, 2
+CK = SimpleNamespace(objective="ar", path="tiny", fim=False, tokenizer=SimpleNamespace(eos_ids=(EOS,), pad_id=0))
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = random_transformer(3, 0.3, vocab_size=V, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, ffn_dim=64,
+                           max_seq_len=96)
+    with torch.no_grad():
+        m.lm_head.weight[EOS] = 1.1 * m.lm_head.weight[7]  # <eos> wherever 7 is likely
+    return m.double().eval()
+
+
+def alone(model, prompt: list[int], cfg: SampleConfig) -> list[int]:
+    return [t for ev in ar.decode(model, [prompt], cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
+                                  cfg.seed, EOS) if isinstance(ev, Commit) for t in ev.tokens]
+
+
+rows = st.lists(st.tuples(st.lists(st.integers(3, V - 1), min_size=1, max_size=20),  # prompt
+                          st.integers(1, 30),  # max new tokens
+                          st.sampled_from([(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 5, 0.9)]),  # temperature, top-k, top-p
+                          st.integers(0, 2 ** 20),  # seed
+                          st.integers(0, 6)),  # the step it joins at
+                min_size=2, max_size=6)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, database=None)
+@given(rows=rows)
+def test_ar_rows_joining_a_running_batch_equal_each_prompt_alone(model, rows):
+    cfgs = [SampleConfig(max_new_tokens=n, temperature=t, top_k=k, top_p=p, seed=s) for _, n, (t, k, p), s, _ in rows]
+    batch = Programs(model, 64)
+    got: list[list[int]] = [[] for _ in rows]
+    forwards, step = 0, 0
+    with torch.inference_mode():
+        while step <= max(r[4] for r in rows) or len(batch):
+            for i, r in enumerate(rows):
+                if r[4] == step:
+                    assert batch.add_row(row_program(model, CK, Prompt(r[0]), cfgs[i], i), i) == []
+            events = batch.step() if len(batch) else []
+            forwards += bool(events)
+            for i, ev in events:
+                assert ev.row == i
+                got[i].extend(ev.tokens)
+            step += 1
+    want = [alone(model, r[0], c) for r, c in zip(rows, cfgs)]
+    assert got == want
+    assert batch.forwards <= sum(len(w) for w in want)  # rows shared forwards (or ended at once)
+
+
+def test_rows_end_at_eos_or_their_budget_and_score_as_the_lone_model(model):
+    prompts = [[5, 9, 3], [7], [4, 11, 6, 8, 10, 3, 12, 9, 5, 13, 7], [15, 3, 8, 21, 6]]
+    cfgs = [SampleConfig(max_new_tokens=n, temperature=1.0, seed=5 + i) for i, n in enumerate([20, 2, 20, 3])]
+    batch = Programs(model, 64)
+    scored: list[list[Scored]] = [[] for _ in prompts]
+    with torch.inference_mode():
+        for i, p in enumerate(prompts):
+            batch.add_row(row_program(model, CK, Prompt(p), cfgs[i], i, logprobs=3), i)
+        while len(batch):
+            for i, ev in batch.step():
+                assert isinstance(ev, Scored)
+                scored[i].append(ev)
+        for i, p in enumerate(prompts):
+            toks = [e.tokens[0] for e in scored[i]]
+            assert toks == alone(model, p, cfgs[i])
+            lp = torch.log_softmax(model(torch.tensor([p + toks[:-1]])).logits[0, len(p) - 1:].float(), -1)
+            assert [e.logprob for e in scored[i]] == pytest.approx(lp[torch.arange(len(toks)), toks].tolist(),
+                                                                   abs=1e-9)
+            for e, row in zip(scored[i], lp):
+                vals, idx = row.topk(3)
+                assert [a for a, _ in e.top] == idx.tolist()
+                assert [b for _, b in e.top] == pytest.approx(vals.tolist(), abs=1e-9)
+    ends = [e[-1].tokens[0] == EOS for e in scored]
+    assert any(ends) and not all(ends)  # some rows stop at <eos>, others run to their budget
+
+
+def test_a_row_whose_program_raises_ends_alone(model):
+    def sampled_then_broken():
+        program = row_program(model, CK, Prompt([4, 4]), SampleConfig(max_new_tokens=8), 0).program
+        msg = None
+        for _ in range(3):
+            req = program.send(msg)
+            msg = yield req
+        raise RuntimeError("mid-way")
+
+    good = [5, 3, 8]
+    for isolate in (True, False):
+        batch = Programs(model, 64, isolate=isolate)
+        out, raised = [], []
+        with torch.inference_mode():
+            batch.add_row(row_program(model, CK, Prompt(good), SampleConfig(max_new_tokens=12), 0), "good")
+            batch.add(sampled_then_broken(), lambda r: r, lambda r, o: o, "bad")
+            if not isolate:
+                with pytest.raises(RuntimeError, match="mid-way"):
+                    while len(batch):
+                        batch.step()
+                continue
+            while len(batch):
+                for tag, ev in batch.step():
+                    (raised if isinstance(ev, Raised) else out).append((tag, ev))
+        assert [tag for tag, _ in raised] == ["bad"] and str(raised[0][1].error) == "mid-way"
+        assert [t for tag, ev in out if tag == "good" for t in ev.tokens] == alone(model, good, SampleConfig(
+            max_new_tokens=12))
