@@ -357,6 +357,8 @@ class EosAt(torch.nn.Module):
     def new_cache(self, *a, **kw):
         return self.inner.new_cache(*a, **kw)
 
+    rows_forward = Transformer.rows_forward  # a row's forward: the final hidden states (here its logits)
+
     def head(self, h):  # (its final hidden states are the logits)
         return h
 

@@ -13,6 +13,7 @@ import torch
 
 from conftest import cli
 from dlm.errors import DlmError
+from dlm.model import Transformer
 from dlm.sampling import SampleConfig
 from dlm.sampling.common import Commit, Stats, Step
 from dlm.sampling.mdlm import MAX_REVISIONS, Job, Rule, check_options, denoise_sequence
@@ -43,6 +44,8 @@ class Fickle(torch.nn.Module):
 
     def new_cache(self, *a, **kw):
         return None
+
+    rows_forward = Transformer.rows_forward  # a row's forward: the final hidden states (here its logits)
 
     def head(self, h):  # (its final hidden states are its logits)
         return h
