@@ -106,7 +106,7 @@ class KVCache:
     `length` slots are valid. `update` writes at `length`; `crop(n)` rolls back to n slots.
     Slots need not equal positions (positions are baked into the keys by RoPE).
 
-    `slot`, when set (a (1,) long tensor on the cache's device), is where a step writes instead, and every slot is
+    `slot`, when set (a (T,) long tensor on the cache's device), is where a step of T tokens writes instead, and every slot is
     attended to (the caller's mask hides the unwritten ones): no Python number decides a shape or an offset, so the
     step can be captured once as a CUDA graph and replayed (dlm.sampling.graphs).
     """
