@@ -218,6 +218,35 @@ def part_graphs(new: int = 16 if DRY else 256) -> dict:
 
 
 @torch.inference_mode()
+def part_graphs_fp32() -> dict:
+    """Graphed against eager decode in float32, greedy, 16 rows of unequal prompts (left-padded): the shipped ar-small
+    and Qwen3-0.6B's shape (random weights); the tokens should agree but at exact ties."""
+    from dlm.bench.cost import shape_model
+    from dlm.checkpoint import load_model
+    from dlm.sampling.ar import decode
+    from dlm.sampling.common import Commit
+
+    res = {}
+    g = torch.Generator().manual_seed(1)
+    for name in ("ar-small", "qwen3-0.6b"):
+        if name == "ar-small":
+            model, _ = load_model(ROOT / "checkpoints" / "ar-small", device=DEV)
+        else:
+            model, _ = shape_model("ar-small" if DRY else name, device=DEV)
+        lengths = torch.randint(3, 40, (16,), generator=g).tolist()
+        prompts = [torch.randint(5, 4000, (n,), generator=g).tolist() for n in lengths]
+        out = {}
+        for graphs in (False, True):
+            out[graphs] = [(ev.row, ev.tokens[0]) for ev in decode(model, prompts, 64, eos_id=None, cuda_graphs=graphs)
+                           if isinstance(ev, Commit)]
+        res[name] = {"same": out[False] == out[True], "tokens": len(out[False]),
+                     "rows_equal": sum(all(a == b for (ra, a), (rb, b) in zip(out[False], out[True]) if ra == r)
+                                       for r in range(16))}
+        del model
+    return res
+
+
+@torch.inference_mode()
 def part_graph_curve() -> dict:
     """The cost curve with graphed steps: T new tokens over a cache of 256 (a verify of T), relative to T = 1."""
     from dlm.bench.cost import shape_model
@@ -376,7 +405,8 @@ def main() -> None:
     start, res = time.time(), {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     parts = {"machine": part_machine, "devices": lambda: part_devices(Path(a.refs), out), "decode": part_decode,
              "cost": lambda: part_cost(out), "usdm": part_usdm, "train": part_train, "static": part_static,
-             "graphs": part_graphs, "graph_curve": part_graph_curve}
+             "graphs": part_graphs, "graph_curve": part_graph_curve,
+             "graphs_fp32": part_graphs_fp32}
     for name in a.parts.split(","):
         if time.time() - start > a.budget:
             res[name] = {"skipped": "out of time"}
