@@ -80,3 +80,22 @@ def test_what_cannot_be_captured_decodes_eagerly():
     step = StepGraph(sliding, cache, capture=False)
     with pytest.raises(DlmError, match="sliding-window"):
         step(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), torch.ones(1, 16, dtype=torch.bool))
+
+
+def test_a_step_that_cannot_be_captured_decodes_eagerly_with_a_warning(monkeypatch):
+    import dlm.sampling.graphs as graphs
+
+    model = model_of(seed=3, heads=2, kv=1, head_dim=8, qk_norm=True, bias=False, tie=True)
+    prompts = [[5, 6, 7], [8, 9]]
+    with torch.inference_mode():
+        want = tokens(model, prompts, 6, False)
+
+        def refuse(*a, **kw):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+        monkeypatch.setattr(graphs, "graphable", lambda m: True)  # as on a GPU
+        monkeypatch.setattr(graphs.StepGraph, "__init__", refuse)
+        with pytest.warns(UserWarning, match="without CUDA graphs"):
+            assert tokens(model, prompts, 6, None) == want
+        with pytest.raises(RuntimeError, match="capturing"):  # asked for by name: the error, not a fallback
+            tokens(model, prompts, 6, True)

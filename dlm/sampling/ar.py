@@ -9,6 +9,8 @@ in one forward per token over the row batch.
 
 from __future__ import annotations
 
+import warnings
+
 from typing import Iterator, Sequence
 
 import torch
@@ -190,7 +192,15 @@ def decode(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens:
     B, P = len(prompts), max(len(p) for p in prompts)
     logits, cache, valid, pos = prefill(model, prompts, P + max_new_tokens, pad_id)
     graphed = graphable(model) if cuda_graphs is None else cuda_graphs
-    step = StepGraph(model, cache, capture=model.device.type == "cuda") if graphed and max_new_tokens > 1 else None
+    step = None
+    if graphed and max_new_tokens > 1:
+        try:
+            step = StepGraph(model, cache, capture=model.device.type == "cuda")
+        except RuntimeError as e:  # a step the CUDA graph cannot hold (an op that waits on the host): run eagerly
+            cache.slot = None  # (the warm-up wrote only the next step's slot, which that step overwrites)
+            if cuda_graphs:
+                raise
+            warnings.warn(f"decoding without CUDA graphs: the step could not be captured ({e})", stacklevel=2)
     stats = Stats(forwards=1)
     done = torch.zeros(B, dtype=torch.bool, device=model.device)
     for i in range(max_new_tokens):
