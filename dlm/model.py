@@ -406,43 +406,46 @@ def run_blocks(
             raise DlmError("context features (DFlash drafter injection) are not supported with sliding-window layers")
         ctx_rope = rope_cos_sin(freqs["full"], ctx_pos if ctx_pos.dim() == 2 else ctx_pos[None], x.dtype, factor)
     layered = isinstance(mask, LayerMasks)
-    if cache is not None and cache.slot is not None:  # a step over every slot (KVCache.slot)
+    static = cache is not None and cache.slot is not None  # a step over every slot (KVCache.slot)
+    if static:
         if C or "sliding" in kinds or not write or not isinstance(mask, Tensor):
             raise DlmError("a cache step at a slot tensor takes a bool mask over every slot, writes, and has no "
                            "context features or sliding-window layers")
-        attn_mask, _ = sdpa_mask(mask, T, cache.capacity, x.device)
-        out_taps = {}
-        for i, block in enumerate(blocks):
-            x = block(x, ropes[block.kind], attn_mask, False, cache, i, write, None, None, 0)
-            if i in taps:
-                out_taps[i] = x
-        return x, out_taps
-    attn_mask, is_causal = sdpa_mask(mask.full if layered else mask, T, L0 + C + T, x.device)
-    masks = {"full": (attn_mask, is_causal, 0)}  # (mask, is_causal, lo: the first cache slot any query sees)
-    if "sliding" in kinds:
-        if layered:  # a training layout: the caller built the sliding layers' mask (dlm.masks)
-            masks["sliding"] = (sdpa_mask(mask.sliding, T, L0 + T, x.device)[0], False, 0)
-        elif isinstance(mask, Tensor):  # which keys form a canvas (seen whole) is not in a bool mask
-            raise DlmError("a backbone with sliding-window layers needs its sliding layers' mask beside a "
-                           "bool mask (dlm.masks.LayerMasks); this layout has none yet")
-        else:  # slots are positions: query i at slot L0 + i; a "full" block over the cache starts at slot L0
-            window = next(b.window for b in blocks if b.kind == "sliding")
-            q = torch.arange(L0, L0 + T, device=x.device)[:, None]
-            band = sliding_band(q, torch.arange(L0 + T, device=x.device)[None], window,
-                                L0 if mask == "full" else None)[None, None]  # (1, 1, T, S)
-            # the keys before the cache's last window - 1 are seen by no query: left out (transformers' sliding cache
-            # keeps no more, and a longer row of keys rounds differently)
-            lo = max(0, L0 - (window - 1))
-            masks["sliding"] = ((band if attn_mask is None else attn_mask & band)[..., lo:], False, lo)
+        masks = {"full": (sdpa_mask(mask, T, cache.capacity, x.device)[0], False, 0)}
+    else:
+        masks = layer_masks(blocks, kinds, mask, layered, T, L0, C, x.device)
     out_taps: dict[int, Tensor] = {}
     for i, block in enumerate(blocks):
         m, c, lo = masks[block.kind]
         x = block(x, ropes[block.kind], m, c, cache, i, write, ctx, ctx_rope, lo)
         if i in taps:
             out_taps[i] = x
-    if cache is not None:
+    if cache is not None and not static:  # (a slot step's caller advances the length)
         cache.length = L0 + C + (T if write else 0)
     return x, out_taps
+
+
+def layer_masks(blocks, kinds, mask, layered: bool, T: int, L0: int, C: int, device) -> dict:
+    """Each layer kind's (SDPA mask, is_causal, lo: the first cache slot any query sees) for a forward of T
+    queries after L0 cached slots and C context slots."""
+    attn_mask, is_causal = sdpa_mask(mask.full if layered else mask, T, L0 + C + T, device)
+    masks = {"full": (attn_mask, is_causal, 0)}  # (mask, is_causal, lo: the first cache slot any query sees)
+    if "sliding" in kinds:
+        if layered:  # a training layout: the caller built the sliding layers' mask (dlm.masks)
+            masks["sliding"] = (sdpa_mask(mask.sliding, T, L0 + T, device)[0], False, 0)
+        elif isinstance(mask, Tensor):  # which keys form a canvas (seen whole) is not in a bool mask
+            raise DlmError("a backbone with sliding-window layers needs its sliding layers' mask beside a "
+                           "bool mask (dlm.masks.LayerMasks); this layout has none yet")
+        else:  # slots are positions: query i at slot L0 + i; a "full" block over the cache starts at slot L0
+            window = next(b.window for b in blocks if b.kind == "sliding")
+            q = torch.arange(L0, L0 + T, device=device)[:, None]
+            band = sliding_band(q, torch.arange(L0 + T, device=device)[None], window,
+                                L0 if mask == "full" else None)[None, None]  # (1, 1, T, S)
+            # the keys before the cache's last window - 1 are seen by no query: left out (transformers' sliding cache
+            # keeps no more, and a longer row of keys rounds differently)
+            lo = max(0, L0 - (window - 1))
+            masks["sliding"] = ((band if attn_mask is None else attn_mask & band)[..., lo:], False, lo)
+    return masks
 
 
 def softcap(logits: Tensor, cap: float) -> Tensor:
