@@ -538,7 +538,8 @@ def record_llada2(code: list[Path], out: Path) -> None:
     # the threshold); steps above gen_length shrink to it; eos_early_stop changes when it returns, not what
     v20_settings = [{"gen_length": n, "block_length": b, "steps": st, "threshold": t}
                     for n, b, st, t in ((16, 8, 8, 0.95), (16, 8, 8, 0.5), (16, 8, 8, 1.0), (24, 8, 4, 0.9),
-                                        (12, 4, 4, 0.7), (16, 8, 32, 0.9), (20, 8, 2, 0.8))]
+                                        (12, 4, 4, 0.7), (16, 8, 32, 0.9), (20, 8, 2, 0.8),
+                                        (6, 8, 8, 0.9), (3, 4, 4, 1.0))]
     v20_settings.append({**v20_settings[1], "eos_early_stop": True})
     # sampled (torch.manual_seed(S) before it): a multinomial draw for every position of the block, the threshold read
     # on the drawn token's probability under the tempered, top-k / top-p distribution

@@ -77,8 +77,8 @@ def fast_dllm_v2_options(a: dict) -> SampleConfig:
 
 def llada2_options(a: dict) -> SampleConfig:
     """LLaDA 2.0's generate(gen_length, block_length, steps, threshold, temperature, top_k, top_p),
-    torch.manual_seed(seed) before it: the llada2 preset with its block, steps (its generate shrinks them to
-    gen_length), threshold and sampling (the same seed: dlm's row generator draws what torch's global one draws). LLaDA 2.1's generate(gen_length,
+    torch.manual_seed(seed) before it: the llada2 preset with its block, steps (shrunk to gen_length by its
+    generate and by dlm's block schedule alike), threshold and sampling (the same seed: dlm's row generator draws what torch's global one draws). LLaDA 2.1's generate(gen_length,
     block_length, threshold, editing_threshold, max_post_steps, num_to_transfer, temperature, top_k, top_p): the
     llada2.1 preset with those, and num_to_transfer k as steps of k positions (block / k). The preset's settings are spelled out (preset none) so
     that a value equal to SampleConfig's default still counts."""
@@ -86,7 +86,7 @@ def llada2_options(a: dict) -> SampleConfig:
 
     if a["version"] == "2.0":
         return SampleConfig(**{**PRESETS["llada2"], "preset": "none", "max_new_tokens": a["gen_length"],
-                               "block_size": a["block_length"], "steps": min(a["steps"], a["gen_length"]),
+                               "block_size": a["block_length"], "steps": a["steps"],
                                "threshold": a["threshold"], "temperature": a.get("temperature", 0.0),
                                "top_k": a.get("top_k") or 0, "top_p": a.get("top_p") or 1.0,
                                "seed": a.get("seed", 0)})

@@ -486,8 +486,9 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
         masked = hole[s:e].clone()  # (Lb,)
         n = int(masked.sum())
         budget = step_budget(n, steps or n) if n else []
-        if n and schedule == "block":  # LLaDA 2: the block's length over the steps, prompt positions included
-            budget = step_budget(e - s, steps or (e - s))
+        if n and schedule == "block":  # LLaDA 2: the block's length over the steps, prompt positions included; steps
+            # above the generation's length shrink to it (LLaDA 2's generate: min(steps, gen_length))
+            budget = step_budget(e - s, min(steps or (e - s), (job.limit or len(job.known)) - P))
         step = 0
         g = max(s, P)  # the block's generated part starts here
         left = torch.full_like(masked, MAX_REVISIONS, dtype=torch.long) if revise > 0 else None
