@@ -141,11 +141,10 @@ class DFlash(Objective):
                                f"not from objective {ck.objective!r}")
             d = ck.config["dflash"]
             check_target(d, self.target, self.target_ck.tokenizer.sha256, str(ck.path))
-            if (d["target_layer_ids"], d["block_size"], d.get("injection", "kv")) != (
-                    self.layer_ids, self.block_size, self.cfg.injection):
-                raise DlmError(f"--init-from {ck.path}: target layers {d['target_layer_ids']}, block size "
-                               f"{d['block_size']}, injection {d.get('injection', 'kv')!r}; this run has "
-                               f"{self.layer_ids}, {self.block_size}, {self.cfg.injection!r}")
+            # (the block size may change: no weight depends on it, and a drafter decodes at any block)
+            if (d["target_layer_ids"], d.get("injection", "kv")) != (self.layer_ids, self.cfg.injection):
+                raise DlmError(f"--init-from {ck.path}: target layers {d['target_layer_ids']}, injection "
+                               f"{d.get('injection', 'kv')!r}; this run has {self.layer_ids}, {self.cfg.injection!r}")
             for name, default in (("conv_kernel_size", 0), ("selector_rank", 0)):
                 had = d.get(name, default)
                 grown = name == "selector_rank" and had < dflash2[name]  # a wider selector: see the loading below
