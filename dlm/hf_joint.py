@@ -1,4 +1,7 @@
-"""Nemotron-Labs-Diffusion (model_type `ministral_dlm`, paradigm `sbd_block_diff`) <-> a dlm `joint` checkpoint.
+"""Nemotron-Labs-Diffusion <-> a dlm `joint` checkpoint. Two generations of the released folders: model_type
+`ministral_dlm` (MinistralDiffEncoderModel, paradigm `sbd_block_diff`) and `nemotron_labs_diffusion`
+(NemotronLabsDiffusionModel, paradigm `bidirectional` as the folders ship it, `block_diff` in training); the same
+weights and keys, the same backbone; the export keeps the folder's own model_type, architecture and paradigm.
 
 One set of weights with an AR mode and a block-diffusion mode, as dlm's joint paradigm is: the backbone is Ministral
 3 (Llama's layers: no q/k-norm, no biases, SwiGLU) with YaRN RoPE and the queries' attention temperature by position
@@ -23,17 +26,21 @@ from dlm.errors import DlmError
 from dlm.hf_layout import hf_config, model_config_from_hf
 from dlm.tokenizer import Tokenizer
 
-MODEL_TYPES = ("ministral_dlm",)
+MODEL_TYPES = ("ministral_dlm", "nemotron_labs_diffusion")
 FAMILY = "nemotron-labs-diffusion"
 ARCHITECTURE = "MinistralDiffEncoderModel"
+# model_type -> (its architecture, the dlm_paradigm values of a joint AR + diffusion folder, the first the default)
+LAYOUTS = {"ministral_dlm": ("MinistralDiffEncoderModel", ("sbd_block_diff",)),
+           "nemotron_labs_diffusion": ("NemotronLabsDiffusionModel", ("bidirectional", "block_diff"))}
 MASK_ID, BLOCK = 100, 32  # the released models' (the config's keys win)
 
 
 def model_config(hf: dict[str, Any], source: Path) -> ModelConfig:
-    paradigm = hf.get("dlm_paradigm", "sbd_block_diff")
-    if paradigm != "sbd_block_diff":
+    _, paradigms = LAYOUTS.get(hf.get("model_type"), LAYOUTS["ministral_dlm"])
+    paradigm = hf.get("dlm_paradigm", paradigms[0])
+    if paradigm not in paradigms:
         raise DlmError(f"{source}: dlm_paradigm {paradigm!r}: dlm imports the joint AR + diffusion checkpoints "
-                       "(sbd_block_diff)")
+                       f"({' or '.join(paradigms)} for model_type {hf.get('model_type', 'ministral_dlm')})")
     if hf.get("dlm_type", "llada") != "llada":
         raise DlmError(f"{source}: dlm_type {hf.get('dlm_type')!r} (shifted predictions) is not supported by dlm's joint "
                        "samplers (dlm_type llada is)")
@@ -53,12 +60,16 @@ def conventions(hf: dict[str, Any], cfg: ModelConfig, source: Path) -> dict[str,
 
 
 def export_config(model, tok: Tokenizer, dname: str, meta: dict[str, Any]) -> dict[str, Any]:
-    """config.json back in the ministral_dlm layout: the imported one, its shape keys rewritten where the checkpoint
-    no longer matches them, its <mask> id and block."""
+    """config.json back in the imported folder's layout (ministral_dlm when none was imported): the imported one, its
+    shape keys rewritten where the checkpoint no longer matches them, its <mask> id and block."""
     cfg = model.cfg
     src = dict(meta.get("hf_config") or {})
-    out = {**src, "model_type": "ministral_dlm", "dlm_paradigm": "sbd_block_diff"}
-    out.setdefault("architectures", [ARCHITECTURE])
+    kind = src.get("model_type") if src.get("model_type") in LAYOUTS else "ministral_dlm"
+    arch, paradigms = LAYOUTS[kind]
+    out = {**src, "model_type": kind}
+    if out.get("dlm_paradigm") not in paradigms:
+        out["dlm_paradigm"] = paradigms[0]
+    out.setdefault("architectures", [arch])
     try:
         same = bool(src) and model_config(out, Path("config.json")) == cfg
     except DlmError:

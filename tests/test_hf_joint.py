@@ -107,3 +107,27 @@ def test_an_imported_model_evaluates_its_ar_mode_as_transformers_scores_it(tmp_p
     out = cli("eval", "--model", str(tmp_path / "ck"), "--data", str(data), "--split", "test", "--seq-len", "32",
               "--json", check=True).stdout
     assert "ar_mode_perplexity" in out
+
+
+def test_the_newer_folders_nemotron_labs_diffusion_import_and_export_as_they_are(tmp_path):
+    """The newer folders (model_type nemotron_labs_diffusion, NemotronLabsDiffusionModel, dlm_paradigm bidirectional as
+    they ship, block_diff as trained): the same weights and keys; the export keeps their model_type, architecture and
+    paradigm; a paradigm of the other generation is refused."""
+    new = {"model_type": "nemotron_labs_diffusion", "architectures": ["NemotronLabsDiffusionModel"],
+           "auto_map": {"AutoModel": "modeling_nemotron_labs_diffusion.NemotronLabsDiffusionModel"}}
+    for i, paradigm in enumerate(("bidirectional", "block_diff")):
+        src, m = nemotron_folder(tmp_path / f"n{i}", **new, dlm_paradigm=paradigm)
+        cli("import", "--hf", str(src), "--out", str(tmp_path / f"ck{i}"), check=True)
+        net, ck = load_model(str(tmp_path / f"ck{i}"))
+        assert ck.objective == "joint" and ck.config["family"] == "nemotron-labs-diffusion" and ck.mask_id == 4
+        ids = torch.randint(5, 97, (1, 20), generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            torch.testing.assert_close(net(ids).logits, m(ids).logits, atol=1e-4, rtol=1e-4)
+        cli("export", "--model", str(tmp_path / f"ck{i}"), "--format", "hf", "--out", str(tmp_path / f"back{i}"),
+            check=True)
+        got = json.loads((tmp_path / f"back{i}" / "config.json").read_text())
+        assert (got["model_type"], got["architectures"], got["dlm_paradigm"]) == \
+            ("nemotron_labs_diffusion", ["NemotronLabsDiffusionModel"], paradigm)
+    bad, _ = nemotron_folder(tmp_path / "bad", **new, dlm_paradigm="sbd_block_diff")
+    code, _, err = cli("import", "--hf", str(bad), "--out", str(tmp_path / "x"))
+    assert code == 2 and "dlm_paradigm 'sbd_block_diff'" in err and len(err.strip().splitlines()) == 1
