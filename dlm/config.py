@@ -637,6 +637,8 @@ class SampleConfig:
         confidence_threshold: usdm adaptive stopping: mean entropy below which a canvas may stop
         adaptive: usdm: stop a canvas early (adaptive stopping); off = always the full number of steps
         self_cond_input: usdm: what the next step is self-conditioned on: tempered (the softmax of the temperature-scaled logits, as DiffusionGemma's reference sampler) or untempered (their T = 1 softmax, what training feeds)
+        ar_seed: joint, the diffusion samplers: blocks start right after the prompt; each block's first token is the AR mode's next token, read from the causal pass that writes the prompt or the block before to the cache, and its other positions are denoised over that cache (confidence: --steps of the block's budget, default one per position; threshold: every hole at or above --threshold, at least the most confident; at temperature > 0 LLaDA's float64 Gumbel draw): Nemotron-Labs-Diffusion's generate. Default: on for an imported Nemotron-Labs-Diffusion, off for dlm's own joint checkpoints (blocks on the training grid, finished blocks written in the next block's first pass)
+        draft_threshold: self-spec-linear: the draft is denoised in passes over the cache, each committing every slot whose confidence is at or above this (at least the most confident), until the block is full (Nemotron-Labs-Diffusion's linear_spec_generate threshold); 0: one pass fills every slot
         last_canvas: usdm, when --max-new-tokens ends inside a canvas: whole (denoise a whole canvas, as DiffusionGemma's generate does; what lies past --max-new-tokens is dropped) or fit (a canvas of only the positions left); default: whole for an imported DiffusionGemma, fit for dlm's own usdm checkpoints
         suffix: infilling: text after the hole (pinned, comes out byte-exact)
         fill_length: template markers: positions per <fill> (<fill:N> asks for N)
@@ -680,6 +682,9 @@ class SampleConfig:
     adaptive: bool = True
     self_cond_input: str = "tempered"
     last_canvas: str | None = None
+    # joint
+    ar_seed: bool | None = None
+    draft_threshold: float = 0.0
     suffix: str | None = None
     fill_length: int = 16
     # speculative decoding

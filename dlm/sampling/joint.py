@@ -4,7 +4,9 @@
   ar                   the AR half alone: KV-cached decoding (sampling/ar.py)
   confidence | threshold | entropy_bound | entropy | margin
                        the diffusion half: the mdlm samplers, block by block, the finished blocks
-                       written causally as the AR half computes them (sampling/mdlm.py)
+                       written causally as the AR half computes them (sampling/mdlm.py); with
+                       --ar-seed (an imported Nemotron-Labs-Diffusion's default) its generate instead
+                       (`seeded_program`): blocks from the prompt's end, each seeded by the AR mode
   self-spec-linear     (auto) two forwards per cycle: a draft pass [last token, <mask> x (B-1)],
                        bidirectional over the cached prefix without writing it (`SelfDraft`), then
                        the one verifier's causal pass over the filled block (sampling/speculative.py)
@@ -36,18 +38,21 @@ from dlm.errors import DlmError, check
 from dlm.masks import quadratic_self_spec_mask
 from dlm.model import Transformer
 from dlm.sampling import ar, mdlm, speculative
-from dlm.sampling.common import Clock, Commit, Eos, Event, Prompt, Stats, Verified, eos_set, make_generator
+from dlm.sampling.common import (
+    Clock, Commit, Eos, Event, Prompt, Stats, Step, Verified, eos_set, is_eos, make_generator,
+)
 from dlm.sampling.rows import Crop, RowProgram, Window, drive, run_one
 from dlm.sampling.speculative import (
     Alone, Drafter, Sampling, SpecStats, check_lossless_greedy, run_rows, trim, verify,
 )
 
 SELF_SPEC = ("self-spec-linear", "self-spec-linear-ar", "self-spec-quadratic")
+SEEDED_FAMILIES = ("nemotron-labs-diffusion",)  # imported families whose diffusion mode is --ar-seed by default
 DIFFUSION = mdlm.RULES
 SAMPLERS = ("auto", "ar", *SELF_SPEC, *DIFFUSION)
 # the SampleConfig fields this sampler reads (see dlm.sampling.OPTIONS): its AR mode's, its diffusion mode's and
 # self-speculation's
-OPTIONS = ar.OPTIONS | mdlm.OPTIONS | frozenset({"check_lossless"})
+OPTIONS = ar.OPTIONS | mdlm.OPTIONS | frozenset({"check_lossless", "ar_seed", "draft_threshold"})
 
 
 class SelfDraft(Drafter):
@@ -64,15 +69,18 @@ class SelfDraft(Drafter):
 
     kind = "self"  # (row_model None: it asks the target)
 
-    def __init__(self, model: Transformer, mask_id: int, block_size: int, sampling: Sampling, ar_first: bool = False):
+    def __init__(self, model: Transformer, mask_id: int, block_size: int, sampling: Sampling, ar_first: bool = False,
+                 threshold: float = 0.0):
         self.model, self.mask_id, self.sampling, self.ar_first = model, mask_id, sampling, ar_first
+        self.threshold = threshold  # > 0: the draft in passes (--draft-threshold)
         self.default_block_size = block_size
         self.forwards = 0
         self.name = "self-spec-linear-ar" if ar_first else "self-spec-linear"
         self.cache = None
 
     def fork(self, cfg, gen: torch.Generator | None = None) -> SelfDraft:
-        return SelfDraft(self.model, self.mask_id, self.default_block_size, Sampling.of(cfg, gen), self.ar_first)
+        return SelfDraft(self.model, self.mask_id, self.default_block_size, Sampling.of(cfg, gen), self.ar_first,
+                         cfg.draft_threshold)
 
     def bind(self, cache) -> None:
         self.cache = cache
@@ -93,11 +101,31 @@ class SelfDraft(Drafter):
             sees = quadratic_self_spec_mask(0, k, 0, seq.device)
             logits = (yield Window(tokens=block, mask=sees, out=(0, k + 1)))[0]  # (k + 1, V)
             logits = torch.cat([logits[:1], logits[2:]])  # slot 1 from the AR logit; the mask there is context only
+        elif self.threshold > 0 and self.sampling.temperature == 0:
+            return (yield from self.draft_in_passes(block))
         else:
             logits = (yield Window(tokens=block, out=(1, k + 1)))[0]  # (k, V)
         self.forwards += 1
         logits[:, self.mask_id] = float("-inf")
         return self.sampling.draw(logits)
+
+    def draft_in_passes(self, block: Tensor) -> Iterator:
+        """--draft-threshold T (greedy): passes over [last token, slots] until no slot is a hole, each committing every
+        hole whose proposal (the argmax, <mask> among the candidates) has probability >= T, at least the most probable
+        (linear_spec_generate with its threshold)."""
+        slots = block[1:].clone()  # (k,)
+        while bool((slots == self.mask_id).any()):
+            logits = (yield Window(tokens=torch.cat([block[:1], slots]), out=(1, len(block))))[0]  # (k, V)
+            self.forwards += 1
+            p = torch.softmax(logits.float(), dim=-1)
+            cand = p.argmax(-1)
+            conf = torch.where(slots == self.mask_id, p.gather(-1, cand[:, None])[:, 0], float("-inf"))
+            take = conf >= self.threshold
+            if not bool(take.any()):
+                take = torch.zeros_like(take)
+                take[conf.argmax()] = True
+            slots = torch.where(take, cand, slots)
+        return slots, None
 
 
 @torch.inference_mode()
@@ -161,6 +189,118 @@ def quadratic_program(prompt: Sequence[int], *, block_size: int, max_new_tokens:
         d0 = bonus
 
 
+# an imported Nemotron-Labs-Diffusion's block diffusion (--ar-seed) -----------------------------------------------
+
+def seeded_capacity(P: int, max_new_tokens: int, L: int) -> int:
+    return P + -(-max_new_tokens // L) * L + L
+
+
+def seeded_program(prompt: Sequence[int], *, block_size: int, max_new_tokens: int, steps: int | None, rule: mdlm.Rule,
+                   mask_id: int, temperature: float, gen: torch.Generator | None, eos_id: Eos, stats: Stats,
+                   row: int = 0, clock: Clock | None = None, dev: torch.device | str = "cpu",
+                   step_events: bool = False) -> Iterator:
+    """Block diffusion seeded by the AR mode, as Nemotron-Labs-Diffusion's `generate` decodes (causal_context on).
+
+    A causal pass writes the prompt to the cache; its last output is the AR mode's next token (argmax, or a draw at
+    temperature T from softmax(logits / T)), the first token of the first block. A block is [that token, <mask> x
+    (L-1)] right after what the cache holds; each denoising pass runs it over the cache (every position of the block
+    seeing every other), not written. A pass proposes argmax(logits) (<mask> among the candidates: a position that
+    proposes it stays a hole), at temperature T the argmax of exp(logits) / (-log u)^T with u uniform in float64 per
+    entry of the block's logits (LLaDA's Gumbel draw), scored by softmax(logits) of the proposal; it commits the
+    rule's choice among the holes: threshold: every hole at or above --threshold and at least the most confident;
+    otherwise the rule with the step's budget (the block's holes spread over --steps, default L, the remainder first).
+    A block stops early once it holds an <eos> with no hole before it. A causal pass over the whole block then writes
+    it to the cache and gives the next block's first token. The answer is cut after its first <eos> (no block
+    follows) or at max_new_tokens. step_events: a Step event (the block) after every denoising pass."""
+    L, P = block_size, len(prompt)
+    stop = sorted(eos_set(eos_id))
+
+    def seed_of(logits: Tensor) -> int:  # (1, V) -> the AR mode's next token
+        if temperature > 0:
+            return int(torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=gen)[0, 0])
+        return int(logits[0].argmax())
+
+    seed = seed_of((yield Window(tokens=torch.tensor(list(prompt), device=dev), mask="causal", keep=P,
+                                 out=(P - 1, P)))[0])
+    stats.forwards += 1
+    new, index = 0, 0
+    while new < max_new_tokens:
+        block = torch.full((L,), mask_id, dtype=torch.long, device=dev)
+        block[0] = seed
+        holes = block == mask_id  # (L,)
+        budget = mdlm.step_budget(int(holes.sum()), steps or L)
+        for i in range(steps or L):
+            if not bool(holes.any()):
+                break
+            logits = (yield Window(tokens=block, out=(0, L)))[0].float()  # (L, V)
+            stats.forwards += 1
+            stats.steps += 1
+            if temperature > 0:
+                u = torch.rand(logits.shape, dtype=torch.float64, generator=gen, device=logits.device)
+                cand = (logits.double().exp() / (-torch.log(u)) ** temperature).argmax(-1)
+            else:
+                cand = logits.argmax(-1)
+            conf = torch.softmax(logits, -1).gather(-1, cand[:, None])[:, 0]
+            conf = torch.where(holes, conf, float("-inf"))
+            if rule.kind == "threshold":
+                take = holes & (conf >= rule.threshold)
+                take[conf.argmax()] = True
+            else:
+                k = budget[i] if i < len(budget) else 0
+                take = rule.select(conf, conf.new_zeros(L), holes, k, gen) if k else torch.zeros_like(holes)
+            block = torch.where(take, cand, block)
+            holes = block == mask_id
+            if step_events:
+                yield Step(block.tolist(), (~holes).tolist(), i + 1, canvas_index=index, row=row, offset=new)
+            ends = is_eos(block, stop).nonzero()
+            if len(ends) and not bool(holes[:int(ends[0, 0])].any()):
+                break
+        logits = (yield Window(tokens=block, mask="causal", keep=L, out=(L - 1, L)))[0]
+        stats.forwards += 1
+        seed = seed_of(logits)
+        stats.canvases += 1
+        out = block.tolist()[:max_new_tokens - new]
+        ends = [j for j, t in enumerate(out) if t in stop]
+        out = out[:ends[0] + 1] if ends else out
+        stats.new_tokens += len(out)
+        new += len(out)
+        if clock is not None:
+            clock.mark_first()
+        yield Commit(out, row=row)
+        index += 1
+        if ends:
+            break
+
+
+def seeded(ck, cfg) -> bool:
+    """Whether a joint checkpoint's diffusion mode runs seeded_program: --ar-seed, else its family's default."""
+    return cfg.ar_seed if cfg.ar_seed is not None else ck.config.get("family") in SEEDED_FAMILIES
+
+
+def seeded_row(model: Transformer, ck, prompt: list[int], cfg, sampler: str, row: int, stats: Stats,
+               clock: Clock | None, gen: torch.Generator | None, step_events: bool = False) -> Iterator:
+    rule = mdlm.check_options(cfg.replace(sampler=sampler))
+    if cfg.top_k or cfg.top_p < 1:
+        raise DlmError("--ar-seed draws as Nemotron-Labs-Diffusion's generate does (temperature only): "
+                       "--top-k and --top-p do not apply")
+    return seeded_program(prompt, block_size=block_of(ck, cfg), max_new_tokens=cfg.max_new_tokens, steps=cfg.steps,
+                          rule=rule, mask_id=ck.mask_id, temperature=cfg.temperature, gen=gen,
+                          eos_id=ck.tokenizer.eos_set, stats=stats, row=row, clock=clock, dev=model.device,
+                          step_events=step_events)
+
+
+def seeded_stream(model: Transformer, ck, prompts: list[Prompt], cfg, sampler: str,
+                  step_events: bool = False) -> Iterator[Event]:
+    """Each prompt in turn through seeded_program (row r seeded cfg.seed + r); one Done."""
+    clock, stats = Clock(), Stats()
+    programs = [seeded_row(model, ck, p.ids, cfg, sampler, r, stats, clock,
+                           make_generator(mdlm.row_seed(cfg.seed, r), model.device), step_events)
+                for r, p in enumerate(prompts)]
+    for p, program in zip(prompts, programs):
+        yield from drive(program, Alone(model, seeded_capacity(len(p.ids), cfg.max_new_tokens, block_of(ck, cfg))))
+    yield clock.finish(stats)
+
+
 # the sampler ----------------------------------------------------------------------------------------
 
 def resolve_sampler(cfg) -> str:
@@ -187,6 +327,9 @@ def row_program(model: Transformer, ck, prompt: Prompt, cfg, row: int = 0, *, cl
     if sampler == "ar":
         return ar.row_program(model, ck, prompt, cfg.replace(sampler="auto"), row, logprobs=logprobs)
     gen = make_generator(cfg.seed, model.device)
+    if sampler in DIFFUSION and seeded(ck, cfg):
+        st = Stats()
+        return RowProgram(seeded_row(model, ck, prompt.ids, cfg, sampler, row, st, clock, gen, step_events), st)
     if sampler in DIFFUSION:
         job, rule, c = mdlm.row_job(model, ck, prompt, cfg.replace(sampler=sampler))
         st = Stats(extra={"steps_per_canvas": []})
@@ -203,7 +346,8 @@ def row_program(model: Transformer, ck, prompt: Prompt, cfg, row: int = 0, *, cl
                                     sampling=sampling, eos_id=ck.tokenizer.eos_set, row=row, stats=spec, clock=clock,
                                     dev=model.device)
         return RowProgram(program, spec)
-    d = SelfDraft(model, ck.mask_id, B, sampling, ar_first=sampler == "self-spec-linear-ar")
+    d = SelfDraft(model, ck.mask_id, B, sampling, ar_first=sampler == "self-spec-linear-ar",
+                  threshold=cfg.draft_threshold)
     program = speculative.speculation(d, prompt.ids, block_size=B, max_new_tokens=cfg.max_new_tokens,
                                       sampling=sampling, eos_id=ck.tokenizer.eos_set, row=row, stats=spec, clock=clock,
                                       dev=model.device)
@@ -216,13 +360,17 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg, step_events: bool
     if cfg.check_lossless and not sampler.startswith("self-spec"):
         raise DlmError(f"--check-lossless checks self-speculation (--sampler self-spec-linear, self-spec-quadratic) "
                        f"against the AR mode; --sampler {sampler} does not speculate: there is nothing to check")
+    check(0 <= cfg.draft_threshold <= 1, f"--draft-threshold must be in [0, 1] (0 = one pass), got {cfg.draft_threshold}")
+    if sampler in DIFFUSION and seeded(ck, cfg):
+        return seeded_stream(model, ck, prompts, cfg, sampler, step_events)
     if sampler in DIFFUSION:
         return mdlm.stream(model, ck, prompts, cfg.replace(sampler=sampler), step_events)
     if sampler == "ar":
         return ar.stream(model, ck, prompts, cfg.replace(sampler="auto"))
     B = block_of(ck, cfg)
     if sampler in ("self-spec-linear", "self-spec-linear-ar"):
-        drafter = SelfDraft(model, ck.mask_id, B, Sampling(), ar_first=sampler == "self-spec-linear-ar")
+        drafter = SelfDraft(model, ck.mask_id, B, Sampling(), ar_first=sampler == "self-spec-linear-ar",
+                            threshold=cfg.draft_threshold)
         return speculative.stream(model, ck, prompts, cfg, drafter)  # (the drafter's default block is B)
     ar.check_options(model, prompts, cfg, "self-speculation")
     check_lossless_greedy(cfg)
