@@ -590,8 +590,280 @@ def record_llada2(code: list[Path], out: Path) -> None:
                                             "mask_token": "<|mask|>"}, rec)
 
 
+# Nemotron-Labs-Diffusion (the model folders' remote code: modeling_nemotron_labs_diffusion.py with
+# configuration_nemotron_labs_diffusion.py for `generate` and `linear_spec_generate`; the earlier folders'
+# modeling_ministral_dlm.py with configuration_ministral_dlm.py for the quadratic `self_spec_generate` and their
+# `linear_spec_generate`). Both import `.modeling_ministral`, which no copy reachable here holds: the script puts in
+# its place the backbone that code reads, built from transformers' own Ministral 3 parts (nemotron_backbone). -----
+
+NEMO_SPECIALS = ["<unk>", "<s>", "</s>", "<mask>"]
+NEMO_ROPE = dict(rope_type="yarn", rope_theta=1000000.0, factor=16.0, original_max_position_embeddings=4096,
+                 beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
+
+
+def nemotron_backbone(name: str) -> types.ModuleType:
+    """The module the remote code imports as `.modeling_ministral`, on transformers 5.x's Ministral 3 parts (MLP,
+    RMSNorm, YaRN rotary embedding, rotate-half RoPE, repeat_kv, the pretrained-model base). What the remote code
+    reads from it, as its callers use it (the attention classes of modeling_ministral_dlm.py and of a public port's
+    mask-aware subclass, which re-states the native forward):
+      Ministral3Attention   q/k/v/o projections; RoPE; the queries times 1 + beta * log(1 + floor(p / original
+                            max positions)) at the cache positions p; with a cache: written (use_cache) or read
+                            and concatenated (not use_cache); attention over every key when `diffusion_lm` is on,
+                            else under the model's causal mask (none: every key). softmax(q k^T / sqrt(d)) v.
+      Ministral3Model       layers of `config.attn_class`; positions and cache positions counted from the cache;
+                            the causal mask (query i sees the cache and the block's keys <= i) only when
+                            use_causal_mask=True; returns last_hidden_state and past_key_values.
+    The recordings keep every position below original_max_position_embeddings (4096), where that factor is 1, so
+    which positions feed it (cache positions or position ids, which differ in the quadratic rows) does not matter."""
+    from dataclasses import dataclass
+
+    from transformers.cache_utils import DynamicCache
+    from transformers.models.ministral3 import modeling_ministral3 as stock
+
+    m = types.ModuleType(name)
+    m.apply_rotary_pos_emb, m.repeat_kv = stock.apply_rotary_pos_emb, stock.repeat_kv
+
+    def llama_4_attn_scale(positions, beta, max_position_embeddings):
+        return (1 + beta * torch.log(1 + torch.floor(positions / max_position_embeddings))).unsqueeze(-1)
+
+    class Ministral3Attention(torch.nn.Module):
+        def __init__(self, config, layer_idx):
+            super().__init__()
+            self.config, self.layer_idx = config, layer_idx
+            self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+            self.scaling = self.head_dim ** -0.5
+            self.diffusion_lm = getattr(config, "diffusion_lm", False)
+            H, KV, D = config.num_attention_heads, config.num_key_value_heads, self.head_dim
+            self.q_proj = torch.nn.Linear(config.hidden_size, H * D, bias=False)
+            self.k_proj = torch.nn.Linear(config.hidden_size, KV * D, bias=False)
+            self.v_proj = torch.nn.Linear(config.hidden_size, KV * D, bias=False)
+            self.o_proj = torch.nn.Linear(H * D, config.hidden_size, bias=False)
+
+        def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
+                    cache_position=None, use_cache=False, **_):
+            shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+            q = self.q_proj(hidden_states).view(shape).transpose(1, 2)  # (B, H, T, D)
+            k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+            v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+            cos, sin = position_embeddings
+            q, k = stock.apply_rotary_pos_emb(q, k, cos, sin)
+            rp = self.config.rope_parameters
+            q = q * llama_4_attn_scale(cache_position, rp.get("llama_4_scaling_beta"),
+                                       rp.get("original_max_position_embeddings")).to(q.dtype)
+            if past_key_values is not None:
+                if use_cache:
+                    k, v = past_key_values.update(k, v, self.layer_idx)
+                else:
+                    layer = past_key_values.layers[self.layer_idx]
+                    k, v = torch.cat([layer.keys, k], dim=-2), torch.cat([layer.values, v], dim=-2)
+            k, v = stock.repeat_kv(k, self.num_key_value_groups), stock.repeat_kv(v, self.num_key_value_groups)
+            mask = None if self.diffusion_lm else attention_mask
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
+            return self.o_proj(o.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1)), None
+
+    class Ministral3DecoderLayer(torch.nn.Module):
+        def __init__(self, config, layer_idx):
+            super().__init__()
+            self.self_attn = getattr(config, "attn_class", Ministral3Attention)(config, layer_idx)
+            self.mlp = stock.Ministral3MLP(config)
+            self.input_layernorm = stock.Ministral3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.post_attention_layernorm = stock.Ministral3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+        def forward(self, h, attention_mask, position_embeddings, past_key_values, cache_position, use_cache,
+                    is_training):
+            r = h
+            h, _ = self.self_attn(hidden_states=self.input_layernorm(h), position_embeddings=position_embeddings,
+                                  attention_mask=attention_mask, past_key_values=past_key_values,
+                                  cache_position=cache_position, use_cache=use_cache, is_training=is_training)
+            h = r + h
+            return h + self.mlp(self.post_attention_layernorm(h))
+
+    @dataclass
+    class Output:
+        last_hidden_state: torch.Tensor | None = None
+        past_key_values: object = None
+
+    class Ministral3Model(stock.Ministral3PreTrainedModel):
+        def __init__(self, config):
+            super().__init__(config)
+            self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+            self.layers = torch.nn.ModuleList([Ministral3DecoderLayer(config, i)
+                                               for i in range(config.num_hidden_layers)])
+            self.norm = stock.Ministral3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.rotary_emb = stock.Ministral3RotaryEmbedding(config=config)
+            self.post_init()
+
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                    inputs_embeds=None, use_cache=None, cache_position=None, is_training=False,
+                    use_causal_mask=False, **_):
+            h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, C)
+            if use_cache and past_key_values is None:
+                past_key_values = DynamicCache()
+            past = past_key_values.get_seq_length() if past_key_values is not None else 0
+            T = h.shape[1]
+            if cache_position is None:
+                cache_position = torch.arange(past, past + T, device=h.device)
+            if position_ids is None:
+                position_ids = cache_position.unsqueeze(0)
+            causal = None
+            if use_causal_mask:  # (T, past + T): query i sees the cache and the block's keys up to itself
+                causal = torch.arange(past + T, device=h.device)[None, :] <= past + torch.arange(T, device=h.device)[:, None]
+            pe = self.rotary_emb(h, position_ids=position_ids)
+            for layer in self.layers:
+                h = layer(h, causal, pe, past_key_values, cache_position, use_cache, is_training)
+            return Output(last_hidden_state=self.norm(h), past_key_values=past_key_values if use_cache else None)
+
+    m.Ministral3Attention, m.Ministral3Model = Ministral3Attention, Ministral3Model
+    m.Ministral3PreTrainedModel = stock.Ministral3PreTrainedModel
+    m._get_llama_4_attn_scale = llama_4_attn_scale
+    return m
+
+
+def shim_nemotron(pkg: str) -> None:
+    """The backbone module (nemotron_backbone); transformers 5.x's renaming of `past_key_values=` off; DynamicCache.crop(n) keeping n positions, as
+    before 5.x (5.x takes the number to remove); flash-attn's kernel as SDPA with the same causal flag (bottom-right
+    aligned, as flash-attn aligns a shorter query block with the keys); flex attention's block masks made on the CPU
+    (`create_block_mask(..., device="cuda")` -> device "cpu"; flex_attention itself runs eagerly on the CPU)."""
+    import torch.nn.attention.flex_attention as fx
+    import transformers.utils.generic as generic
+
+    # (5.x renames past_key_values to cache in every ModelOutput, on construction and on every attribute write: the
+    # remote code's output classes declare a past_key_values field and read it back, which would read None)
+    generic._rename_kwargs_for_bc = lambda kwargs: None
+    generic.ModelOutput._replace_old_cache_name = lambda self, key: key
+    sys.modules[f"{pkg}.modeling_ministral"] = nemotron_backbone(f"{pkg}.modeling_ministral")
+    from transformers.cache_utils import DynamicCache
+
+    def crop(self, max_length: int) -> None:  # (transformers < 5.x: keep max_length positions; 5.x refuses a positive)
+        for layer in self.layers:
+            if layer.is_initialized:
+                n = layer.keys.shape[-2]
+                keep = max_length if max_length >= 0 else n + max_length
+                layer.keys, layer.values = layer.keys[..., :keep, :], layer.values[..., :keep, :]
+
+    DynamicCache.crop = crop
+
+    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, **_):  # (B, L, H, D)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        mask = None
+        if causal:
+            Lq, Lk = q.shape[2], k.shape[2]
+            mask = torch.arange(Lk)[None, :] <= (Lk - Lq) + torch.arange(Lq)[:, None]
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                scale=softmax_scale).transpose(1, 2)
+
+    fa = types.ModuleType("flash_attn")
+    fa.flash_attn_func = flash_attn_func
+    fa.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)
+    sys.modules["flash_attn"] = fa
+    make = fx.create_block_mask
+
+    def create_block_mask(*a, device=None, **k):
+        return make(*a, device="cpu", **k)
+
+    fx.create_block_mask = create_block_mask  # (read at the remote code's import: `from ... import create_block_mask`)
+
+
+class Calls:
+    """The input ids of every forward of the model's encoder, in order (a forward pre-hook: what each step of a
+    generate function ran on, read without touching the function)."""
+
+    def __init__(self, encoder):
+        self.ids: list[list[int]] = []
+        encoder.register_forward_pre_hook(lambda mod, a, k: self.ids.append((k.get("input_ids") if "input_ids" in k
+                                                                             else a[0])[0].tolist()),
+                                          with_kwargs=True)
+
+
+def record_nemotron(code: list[Path], out: Path) -> None:
+    """code: one folder holding the remote code of both generations of the model folders (modeling_nemotron_labs_
+    diffusion.py, configuration_nemotron_labs_diffusion.py, modeling_ministral_dlm.py, configuration_ministral_dlm.py;
+    relative imports between them, so loaded as a package); `.modeling_ministral` is shimmed (shim_nemotron)."""
+    (folder,) = code
+    shim_nemotron("nld_upstream")
+    new = load_package("nld_upstream", folder)
+    new_cfg = load_module("nld_upstream.configuration_nemotron_labs_diffusion",
+                          folder / "configuration_nemotron_labs_diffusion.py")
+    new_mod = load_module("nld_upstream.modeling_nemotron_labs_diffusion", folder / "modeling_nemotron_labs_diffusion.py")
+    old_cfg = load_module("nld_upstream.configuration_ministral_dlm", folder / "configuration_ministral_dlm.py")
+    old_mod = load_module("nld_upstream.modeling_ministral_dlm", folder / "modeling_ministral_dlm.py")
+    del new
+    tok = word_tokenizer(NEMO_SPECIALS)
+    V = tok.get_vocab_size()
+    bos, eos, mask = 1, 2, 3
+    shape = dict(vocab_size=V, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                 num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS,
+                 max_position_embeddings=128, rms_norm_eps=1e-5, rope_parameters=dict(NEMO_ROPE), bos_token_id=bos,
+                 eos_token_id=eos, pad_token_id=0, mask_token_id=mask, block_size=8, tie_word_embeddings=False)
+    cfg = new_cfg.NemotronLabsDiffusionConfig(dlm_paradigm="bidirectional", **shape)
+    cfg._attn_implementation = "sdpa"
+    model = new_mod.NemotronLabsDiffusionModel(cfg).eval()
+    head = model.diffusion_head.weight
+    randomize(model, head, eos, mask, eos_gain=1.6)
+
+    def old_model(self_spec: bool):
+        # (rope_scaling given too: on transformers 5.x it is an alias of rope_parameters, and the class's
+        # `self.rope_scaling = rope_scaling` would otherwise reset them to plain RoPE)
+        c = old_cfg.MinistralDLMConfig(dlm_paradigm="bidirectional", dlm_type="llada", enable_self_spec=self_spec,
+                                       max_seq_length=64, rope_scaling=dict(NEMO_ROPE), **shape)
+        assert c.rope_parameters == model.config.rope_parameters
+        c._attn_implementation = "sdpa"
+        m = old_mod.MinistralDiffEncoderModel(c).eval()
+        m.load_state_dict(model.state_dict())
+        return m
+
+    prompts = [[len(NEMO_SPECIALS) + i for i in p] for p in PROMPTS]
+    cases = []
+    settings = [{"mode": "generate", "max_new_tokens": n, "block_length": b, "threshold": t}
+                for n, b in ((16, 4), (16, 8), (24, 8)) for t in (None, 0.9, 0.5)]
+    settings += [{"mode": "generate", "max_new_tokens": 16, "block_length": b, "threshold": t, "temperature": 0.8,
+                  "seed": 5} for b, t in ((4, None), (8, 0.9))]
+    settings += [{"mode": "linear_spec_generate", "max_new_tokens": n, "block_length": b, "threshold": t}
+                 for n, b in ((16, 4), (24, 8)) for t in (0.0, 0.5, 0.9)]
+    settings += [{"mode": "linear_spec_generate", "code": "ministral_dlm", "max_new_tokens": n, "block_length": b,
+                  "threshold": 0.0} for n, b in ((16, 4), (24, 8))]
+    settings += [{"mode": "self_spec_generate", "code": "ministral_dlm", "max_new_tokens": n, "block_length": b,
+                  "steps": n} for n, b in ((16, 4), (24, 8), (16, 8))]
+    for case, p, kw in each_case(head, eos, settings, prompts):
+        kw = dict(kw)
+        mode, which = kw.pop("mode"), kw.pop("code", "nemotron_labs_diffusion")
+        if which == "ministral_dlm":
+            m = old_model(mode == "self_spec_generate")
+            with torch.no_grad():
+                m.diffusion_head.weight.copy_(head)  # (the <eos> row as this case has it)
+        else:
+            m = model
+        calls = Calls(m.encoder)
+        x, nfe = getattr(m, mode)(torch.tensor([p]), **kw)
+        cases.append({**case, "ids": x[0, len(p):].tolist(), "nfe": nfe, "calls": [c for c in calls.ids]})
+        m.encoder._forward_pre_hooks.clear()
+    with torch.no_grad():
+        for layer in model.encoder.layers:
+            layer.self_attn.diffusion_lm = False
+        logits = model(torch.tensor([prompts[1]]), use_causal_mask=True).logits[0]  # the AR mode
+        for layer in model.encoder.layers:
+            layer.self_attn.diffusion_lm = True
+    generic = ("_attn_implementation_autoset", "transformers_version", "_name_or_path", "id2label", "label2id",
+               "chunk_size_feed_forward", "is_encoder_decoder", "output_attentions", "output_hidden_states",
+               "problem_type", "return_dict", "dtype", "rope_scaling", "rope_theta")
+    config = {**{k: v for k, v in json.loads(cfg.to_json_string(use_diff=False)).items() if k not in generic},
+              "architectures": ["NemotronLabsDiffusionModel"], "torch_dtype": "float32",
+              "auto_map": {"AutoConfig": "configuration_nemotron_labs_diffusion.NemotronLabsDiffusionConfig",
+                           "AutoModel": "modeling_nemotron_labs_diffusion.NemotronLabsDiffusionModel"}}
+    live_eos = sum(c["eos"] == "live" and eos in c["ids"] for c in cases)
+    rec = {"family": "nemotron", "upstream": {"files": "modeling_nemotron_labs_diffusion.py, "
+                                              "configuration_nemotron_labs_diffusion.py, modeling_ministral_dlm.py, "
+                                              "configuration_ministral_dlm.py (docs/log/parity.md: where from)",
+                                              "backbone": "modeling_ministral.py reconstructed (nemotron_backbone)"},
+           "eos_id": eos, "mask_id": mask, "prompts": prompts, "logits": logits_summary(logits), "cases": cases}
+    print(f"nemotron: {len(cases)} cases, <eos> generated in {live_eos} of the live ones")
+    write_fixture(out, model, tok, config, {"eos_token": "</s>", "bos_token": "<s>", "unk_token": "<unk>",
+                                            "mask_token": "<mask>"}, rec)
+
+
 FAMILIES = {"dream": record_dream, "llada": record_llada, "sdar": record_sdar, "fast-dllm-v2": record_fast_dllm_v2,
-            "llada2": record_llada2}
+            "llada2": record_llada2, "nemotron": record_nemotron}
 
 
 def main() -> None:
