@@ -780,7 +780,7 @@ def record_nemotron(code: list[Path], out: Path) -> None:
     """code: one folder holding the remote code of both generations of the model folders (modeling_nemotron_labs_
     diffusion.py, configuration_nemotron_labs_diffusion.py, modeling_ministral_dlm.py, configuration_ministral_dlm.py;
     relative imports between them, so loaded as a package); `.modeling_ministral` is shimmed (shim_nemotron)."""
-    (folder,) = code
+    (folder,) = code  # (+ chat_utils.py, which modeling_ministral_dlm.py imports)
     shim_nemotron("nld_upstream")
     new = load_package("nld_upstream", folder)
     new_cfg = load_module("nld_upstream.configuration_nemotron_labs_diffusion",
@@ -802,11 +802,14 @@ def record_nemotron(code: list[Path], out: Path) -> None:
     head = model.diffusion_head.weight
     randomize(model, head, eos, mask, eos_gain=1.6)
 
-    def old_model(self_spec: bool):
+    def old_model(paradigm: str):
+        """The earlier class on the same weights: sbd_block_diff (the joint folders' paradigm: MinistralFlexAttention
+        on every layer) for generate_diffusion and self_spec_generate; bidirectional with the plain attention for
+        linear_spec_generate (under sbd_block_diff its encoder calls would take the training block mask)."""
         # (rope_scaling given too: on transformers 5.x it is an alias of rope_parameters, and the class's
         # `self.rope_scaling = rope_scaling` would otherwise reset them to plain RoPE)
-        c = old_cfg.MinistralDLMConfig(dlm_paradigm="bidirectional", dlm_type="llada", enable_self_spec=self_spec,
-                                       max_seq_length=64, rope_scaling=dict(NEMO_ROPE), **shape)
+        c = old_cfg.MinistralDLMConfig(dlm_paradigm=paradigm, dlm_type="llada", max_seq_length=64,
+                                       rope_scaling=dict(NEMO_ROPE), **shape)
         assert c.rope_parameters == model.config.rope_parameters
         c._attn_implementation = "sdpa"
         m = old_mod.MinistralDiffEncoderModel(c).eval()
@@ -825,11 +828,18 @@ def record_nemotron(code: list[Path], out: Path) -> None:
                   "threshold": 0.0} for n, b in ((16, 4), (24, 8))]
     settings += [{"mode": "self_spec_generate", "code": "ministral_dlm", "max_new_tokens": n, "block_length": b,
                   "steps": n} for n, b in ((16, 4), (24, 8), (16, 8))]
+    settings += [{"mode": "generate_diffusion", "code": "ministral_dlm", "max_new_tokens": n, "block_length": b,
+                  "steps": st, "threshold": t} for n, b, st in ((16, 8, 16), (16, 8, 8), (24, 4, 12))
+                 for t in (None, 0.9)]
+    settings += [{"mode": "generate_diffusion", "code": "ministral_dlm", "max_new_tokens": 16, "block_length": 8,
+                  "steps": 16, "threshold": 0.5, "temperature": 0.7, "seed": 3}]
     for case, p, kw in each_case(head, eos, settings, prompts):
         kw = dict(kw)
         mode, which = kw.pop("mode"), kw.pop("code", "nemotron_labs_diffusion")
         if which == "ministral_dlm":
-            m = old_model(mode == "self_spec_generate")
+            rng = torch.get_rng_state()  # (building a model draws its initial weights: the case's seed stays)
+            m = old_model("bidirectional" if mode == "linear_spec_generate" else "sbd_block_diff")
+            torch.set_rng_state(rng)
             with torch.no_grad():
                 m.diffusion_head.weight.copy_(head)  # (the <eos> row as this case has it)
         else:

@@ -3,8 +3,9 @@
 
 A tiny random fp32 model in the released layout (model_type nemotron_labs_diffusion), and what its remote code's three
 decoding modes produced on it: `generate` (block diffusion seeded by the AR mode; confidence and threshold, greedy
-and sampled), `linear_spec_generate` (of both generations of the remote code; its draft threshold) and the quadratic
-`self_spec_generate`, `<eos>` live and suppressed. Besides the generated ids, the recorder kept the input ids of every
+and sampled; the earlier folders' generate_diffusion through chat_utils, with its steps), `linear_spec_generate` (of
+both generations of the remote code; its draft threshold) and the quadratic `self_spec_generate`, `<eos>` live and
+suppressed. Besides the generated ids, the recorder kept the input ids of every
 forward the upstream function ran: the block before each denoising pass, and the drafts each verify pass checked.
 dlm imports the folder (`dlm import --hf`'s import) and must reproduce all of it: the ids up to the first `<eos>`, the
 block after every denoising pass, and the draft of every verify cycle.
@@ -38,12 +39,15 @@ def imported(tmp_path_factory):
 def options(a: dict, **over) -> SampleConfig:
     """The upstream call -> dlm's options: generate(max_new_tokens, block_length, threshold, temperature) is the
     diffusion mode (an imported Nemotron-Labs-Diffusion seeds its blocks by the AR mode: --ar-seed), threshold None
-    its confidence rule; linear_spec_generate(block_length, threshold) is self-spec-linear with --draft-threshold;
+    its confidence rule; the earlier folders' generate_diffusion (chat_utils' generate_with_prefix_cache_block_diff)
+    the same with its steps; linear_spec_generate(block_length, threshold) is self-spec-linear with --draft-threshold;
     self_spec_generate(block_length) is self-spec-quadratic."""
     o = {"max_new_tokens": a["max_new_tokens"], "block_size": a["block_length"]}
-    if a["mode"] == "generate":
+    if a["mode"] in ("generate", "generate_diffusion"):
         o |= {"temperature": a.get("temperature", 0.0), "seed": a.get("seed", 0), "threshold": a["threshold"] or 0.9,
               "sampler": "threshold" if a["threshold"] is not None else "confidence"}
+        if "steps" in a:  # (generate_diffusion's steps are for the whole generation, dlm's --steps per block)
+            o["steps"] = a["steps"] // (a["max_new_tokens"] // a["block_length"])
     elif a["mode"] == "linear_spec_generate":
         o |= {"sampler": "self-spec-linear", "draft_threshold": a["threshold"]}
     else:
@@ -86,7 +90,7 @@ def test_every_recording_is_reproduced(index, imported):
     ids, steps, cycles, _ = run(model, ck, case)
     assert ids == until_eos(case["ids"][:a["max_new_tokens"]], [REC["eos_id"]])
     calls = case["calls"]
-    if a["mode"] == "generate":  # every forward after the prompt's: each block before each pass, then its write
+    if a["mode"] in ("generate", "generate_diffusion"):  # every forward after the prompt's: each block before each pass, then its write
         want = []
         for i, st in enumerate(steps):
             if st.step == 1:
@@ -120,7 +124,7 @@ def test_the_options_are_what_makes_them_equal(imported):
     """Without --ar-seed (dlm's own joint layout: blocks on the training grid) the block-diffusion recordings mostly
     differ; without --draft-threshold the threshold recordings' drafts do."""
     model, ck = imported
-    gen = [c for c in CASES if c["args"]["mode"] == "generate"]
+    gen = [c for c in CASES if c["args"]["mode"] in ("generate", "generate_diffusion")]
     differ = sum(run(model, ck, c, ar_seed=False)[0] != until_eos(c["ids"][:c["args"]["max_new_tokens"]],
                                                                    [REC["eos_id"]]) for c in gen[::3])
     assert differ >= len(gen[::3]) // 2
