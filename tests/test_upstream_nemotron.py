@@ -147,3 +147,30 @@ def test_export_is_the_folder_again(tmp_path, imported):
     assert json.loads((out / "config.json").read_text()) == json.loads((FOLDER / "config.json").read_text())
     want, got = load_file(FOLDER / "model.safetensors"), load_file(out / "model.safetensors")
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_rows_in_one_batch_reproduce_the_recordings(imported):
+    """The server's path: the block-diffusion and quadratic recordings as rows of one batch (dlm.sampling.row_program,
+    rows.Programs: one forward per step for all of them), each row's ids equal to its recording."""
+    from dlm.sampling import row_program
+    from dlm.sampling.rows import Programs
+
+    model, ck = imported
+    picked = [i for i, c in enumerate(CASES) if c["eos"] == "suppressed"
+              and c["args"]["mode"] in ("generate", "generate_diffusion", "self_spec_generate")][::4]
+    with eos_row(model, REC["eos_id"], False):
+        progs = Programs(model, 256)
+        got: dict[int, list[int]] = {i: [] for i in picked}
+        events = []
+        for r, i in enumerate(picked):
+            c = CASES[i]
+            events += progs.add_row(row_program(model, ck, Prompt(REC["prompts"][c["prompt"]]), options(c["args"]), r),
+                                    tag=i)
+        while len(progs):
+            events += progs.step()
+        for tag, ev in events:
+            if isinstance(ev, Commit):
+                got[tag] += ev.tokens
+    assert len(picked) >= 5
+    for i in picked:
+        assert got[i] == CASES[i]["ids"][:CASES[i]["args"]["max_new_tokens"]], CASES[i]["args"]
