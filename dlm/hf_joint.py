@@ -11,9 +11,11 @@ config's `<mask>` id (`mask_token_id`, 100 in the released models) and block (`b
 config.json is kept (`hf_config`) with the tokenizer's side files and the remote code, and the export writes the
 same layout back (the row of dlm.families: weights `encoder.*`, head `diffusion_head.weight`).
 
-Decoding (dlm's joint samplers): `--sampler ar` is `ar_generate`; `--sampler threshold --threshold 0.9 --block-size
-32` is `generate` (block diffusion over a causal prefix cache); `--sampler self-spec-linear --block-size 32` is
-`linear_spec_generate`; `--sampler self-spec-quadratic --block-size 16` is `self_spec_generate`.
+Decoding (dlm's joint samplers, held to the authors' functions by tests/test_upstream_nemotron.py): `--sampler ar` is
+`ar_generate`; `--sampler threshold --threshold 0.9 --block-size 32` is `generate` (block diffusion seeded by the AR
+mode over a causal prefix cache: `--ar-seed`, this family's default); `--sampler self-spec-linear --block-size 32` is
+`linear_spec_generate` (`--draft-threshold T` its threshold); `--sampler self-spec-quadratic --block-size 16` is
+`self_spec_generate`.
 """
 
 from __future__ import annotations
