@@ -101,7 +101,7 @@ class SelfDraft(Drafter):
             sees = quadratic_self_spec_mask(0, k, 0, seq.device)
             logits = (yield Window(tokens=block, mask=sees, out=(0, k + 1)))[0]  # (k + 1, V)
             logits = torch.cat([logits[:1], logits[2:]])  # slot 1 from the AR logit; the mask there is context only
-        elif self.threshold > 0 and self.sampling.temperature == 0:
+        elif self.threshold > 0:  # (greedy: checked with the options)
             return (yield from self.draft_in_passes(block))
         else:
             logits = (yield Window(tokens=block, out=(1, k + 1)))[0]  # (k, V)
@@ -312,6 +312,14 @@ def resolve_sampler(cfg) -> str:
     return sampler
 
 
+def check_draft_threshold(cfg, sampler: str) -> None:
+    T = cfg.draft_threshold
+    check(0 <= T <= 1, f"--draft-threshold must be in [0, 1] (0 = one pass), got {T}")
+    check(T == 0 or (sampler == "self-spec-linear" and cfg.temperature == 0),
+          f"--draft-threshold is the greedy draft of --sampler self-spec-linear (linear_spec_generate's threshold); "
+          f"got --sampler {sampler} at --temperature {cfg.temperature}")
+
+
 def block_of(ck, cfg) -> int:
     """The block of self-speculation: --block-size, else the checkpoint's, else DEFAULT_BLOCK_SIZE."""
     B = cfg.block_size if cfg.block_size is not None else (ck.block_size or DEFAULT_BLOCK_SIZE)
@@ -324,6 +332,7 @@ def row_program(model: Transformer, ck, prompt: Prompt, cfg, row: int = 0, *, cl
     """A request as a row of a batch over the joint model (the server's), in its mode: the AR mode, self-speculation
     or diffusion, sampling with a generator seeded cfg.seed. Raises on bad options, before any work."""
     sampler = resolve_sampler(cfg)
+    check_draft_threshold(cfg, sampler)
     if sampler == "ar":
         return ar.row_program(model, ck, prompt, cfg.replace(sampler="auto"), row, logprobs=logprobs)
     gen = make_generator(cfg.seed, model.device)
@@ -360,7 +369,7 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg, step_events: bool
     if cfg.check_lossless and not sampler.startswith("self-spec"):
         raise DlmError(f"--check-lossless checks self-speculation (--sampler self-spec-linear, self-spec-quadratic) "
                        f"against the AR mode; --sampler {sampler} does not speculate: there is nothing to check")
-    check(0 <= cfg.draft_threshold <= 1, f"--draft-threshold must be in [0, 1] (0 = one pass), got {cfg.draft_threshold}")
+    check_draft_threshold(cfg, sampler)
     if sampler in DIFFUSION and seeded(ck, cfg):
         return seeded_stream(model, ck, prompts, cfg, sampler, step_events)
     if sampler in DIFFUSION:
