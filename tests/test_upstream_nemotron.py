@@ -176,13 +176,16 @@ def test_rows_in_one_batch_reproduce_the_recordings(imported):
         assert got[i] == CASES[i]["ids"][:CASES[i]["args"]["max_new_tokens"]], CASES[i]["args"]
 
 
-def test_bad_draft_thresholds_are_refused(imported, tmp_path):
-    """--draft-threshold outside [0, 1], or with a mode it does not belong to: one line, exit code 2."""
+def test_bad_options_are_refused(imported, tmp_path):
+    """--draft-threshold outside [0, 1], or with a mode it does not belong to; --ar-seed with a rule its generate does
+    not have: one line, exit code 2."""
     from conftest import cli
 
     ck_dir = import_hf(FOLDER, tmp_path / "ck")
     for extra, needle in ((["--draft-threshold", "1.5"], "must be in [0, 1]"),
                           (["--draft-threshold", "0.5", "--sampler", "self-spec-quadratic"], "self-spec-linear"),
-                          (["--draft-threshold", "0.5", "--temperature", "0.7"], "greedy draft")):
+                          (["--draft-threshold", "0.5", "--temperature", "0.7"], "greedy draft"),
+                          (["--sampler", "entropy"], "--sampler confidence"),
+                          (["--sampler", "threshold", "--top-k", "5", "--temperature", "0.5"], "--top-k")):
         code, _, err = cli("generate", "--model", str(ck_dir), "--prompt", "w1 w2", "--max-new-tokens", "4", *extra)
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err

@@ -279,7 +279,12 @@ def seeded(ck, cfg) -> bool:
 
 def seeded_row(model: Transformer, ck, prompt: list[int], cfg, sampler: str, row: int, stats: Stats,
                clock: Clock | None, gen: torch.Generator | None, step_events: bool = False) -> Iterator:
+    """seeded_program for one prompt, its options checked (its generate's two rules, temperature only)."""
     rule = mdlm.check_options(cfg.replace(sampler=sampler))
+    if rule.kind not in ("confidence", "threshold") or rule.random:
+        raise DlmError(f"--ar-seed decodes as Nemotron-Labs-Diffusion's generate: --sampler confidence (low-confidence "
+                       f"remasking) or threshold, got --sampler {sampler}"
+                       + (" --remasking random" if rule.random else "") + " (--no-ar-seed for dlm's own layout)")
     if cfg.top_k or cfg.top_p < 1:
         raise DlmError("--ar-seed draws as Nemotron-Labs-Diffusion's generate does (temperature only): "
                        "--top-k and --top-p do not apply")
