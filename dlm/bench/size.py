@@ -46,6 +46,29 @@ QWEN3_1_7B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_
                   tie_word_embeddings=True, hidden_act="silu", attention_bias=False, torch_dtype="bfloat16")
 QWEN3_8B = dict(QWEN3_1_7B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                 tie_word_embeddings=False)
+# Ministral 3 8B (transformers' Ministral3Config defaults: mistralai/Ministral-3-8B-Base-2512's text stack)
+MINISTRAL3_8B = dict(architectures=["Ministral3ForCausalLM"], model_type="ministral3", vocab_size=131072,
+                     hidden_size=4096, intermediate_size=14336, num_hidden_layers=34, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, hidden_act="silu", max_position_embeddings=262144,
+                     rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None,
+                     rope_parameters={"type": "yarn", "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
+                                      "original_max_position_embeddings": 16384, "max_position_embeddings": 262144,
+                                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+                                      "llama_4_scaling_beta": 0.1}, torch_dtype="bfloat16")
+# the text stack of Gemma 4 26B-A4B and DiffusionGemma 26B-A4B (the published text_config; transformers' class
+# defaults are a smaller dense model): 5 sliding (window 1024) : 1 full layers, full layers head_dim 512 with 2 KV
+# heads and K = V, a dense GeGLU MLP and 128 experts (top 8) in every layer
+GEMMA4_26B_A4B = dict(vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
+                      num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=2, head_dim=256,
+                      global_head_dim=512, attention_k_eq_v=True, enable_moe_block=True, num_experts=128,
+                      top_k_experts=8, moe_intermediate_size=704, hidden_activation="gelu_pytorch_tanh",
+                      max_position_embeddings=262144, rms_norm_eps=1e-6, sliding_window=1024,
+                      final_logit_softcapping=30.0, attention_bias=False, hidden_size_per_layer_input=0,
+                      num_kv_shared_layers=0, use_double_wide_mlp=False, tie_word_embeddings=True,
+                      layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5,
+                      rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                       "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                          "rope_theta": 1000000.0}})
 # the public configs: the keys that shape the model as published, and the <mask> id; no EOS / BOS ids (the tokenizer
 # is not the models' own: its own special tokens are used)
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -86,8 +109,35 @@ CONFIGS: dict[str, dict[str, Any]] = {
                             num_target_layers=36,
                             dflash_config={"target_layer_ids": [1, 9, 17, 25, 33], "mask_token_id": 151669,
                                            "block_size": 16}, torch_dtype="bfloat16"),
+    "ministral3-8b": MINISTRAL3_8B,
+    # Nemotron-Labs-Diffusion 8B: the Ministral 3 8B backbone under encoder.* + diffusion_head, <mask> 100, block 32
+    "nemotron-labs-diffusion-8b": dict(MINISTRAL3_8B, architectures=["MinistralDiffEncoderModel"],
+                                       model_type="ministral_dlm", dlm_paradigm="sbd_block_diff", dlm_type="llada",
+                                       mask_token_id=100, block_size=32),
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
+                          hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                          tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
+                          use_sliding_window=False, torch_dtype="bfloat16"),
+    "diffusiongemma-26b-a4b": dict(architectures=["DiffusionGemmaForBlockDiffusion"], model_type="diffusion_gemma",
+                                   canvas_length=256, tie_word_embeddings=True, torch_dtype="bfloat16",
+                                   text_config=dict(GEMMA4_26B_A4B, model_type="diffusion_gemma_text")),
+    "gemma4-26b-a4b": dict(architectures=["Gemma4ForConditionalGeneration"], model_type="gemma4",
+                           tie_word_embeddings=True, torch_dtype="bfloat16",
+                           text_config=dict(GEMMA4_26B_A4B, model_type="gemma4_text")),
 }
 LAYER_KEY = {"llada": "n_layers"}  # the depth's key where it is not num_hidden_layers
+
+
+def _text(hf: dict[str, Any]) -> dict[str, Any]:
+    """The part of a config.json that holds the layers: text_config (Gemma 4, DiffusionGemma), else the whole."""
+    return hf["text_config"] if isinstance(hf.get("text_config"), dict) else hf
+
+
+def depth(hf: dict[str, Any]) -> int:
+    return _text(hf)[LAYER_KEY.get(hf["model_type"], "num_hidden_layers")]
 
 
 def tokenizer_file() -> Path:
@@ -101,7 +151,10 @@ def config_of(name: str, layers: int = 0) -> dict[str, Any]:
         raise DlmError(f"unknown config {name!r} (one of {', '.join(CONFIGS)})")
     hf = json.loads(json.dumps(CONFIGS[name]))
     if layers:
-        hf[LAYER_KEY.get(hf["model_type"], "num_hidden_layers")] = layers
+        t = _text(hf)
+        t[LAYER_KEY.get(hf["model_type"], "num_hidden_layers")] = layers
+        if "layer_types" in t:  # (the published pattern's first layers)
+            t["layer_types"] = t["layer_types"][:layers]
     return hf
 
 
@@ -125,7 +178,9 @@ def hf_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     fam = family_of(hf, Path("config.json"))  # the family's row: its names and transforms, as import reads them
     cfg = fam.config(hf, Path("config.json"))
     expected, _ = param_shapes(cfg)
-    return {h: s for h, (s, _) in hf_plan(fam, cfg, expected).items()}
+    # a tensor stored under several names (DiffusionGemma's encoder copy of the decoder's text stack) is saved once,
+    # under the first: transformers' save_pretrained writes a tied tensor once, under the tie's source
+    return {h: s for h, (s, (_, hfs, tr)) in hf_plan(fam, cfg, expected).items() if tr or h == hfs[0]}
 
 
 def _shard(shapes: dict[str, tuple[int, ...]], itemsize: int, shard_bytes: int) -> list[list[str]]:
@@ -188,7 +243,7 @@ def write(name: str | dict[str, Any], folder: str | os.PathLike, layers: int = 0
     (folder / "config.json").write_text(json.dumps(hf, indent=2))
     shutil.copyfile(tokenizer_file(), folder / "tokenizer.json")
     largest = max(math.prod(s) for s in shapes.values()) * pool.dtype.itemsize
-    return {"name": name, "layers": hf.get(LAYER_KEY.get(hf["model_type"], "num_hidden_layers")), "params": total,
+    return {"name": name, "layers": depth(hf), "params": total,
             "bytes": total * pool.dtype.itemsize, "shards": len(files), "tensors": len(shapes),
             "largest_tensor_bytes": largest, "write_seconds": time.perf_counter() - t0}
 
@@ -237,6 +292,9 @@ def run_measured(cmd: list[str], env: dict[str, str] | None = None) -> dict[str,
 
 
 GENERATE = ["--prompt", "def main(", "--max-new-tokens", "8", "--json"]
+# DiffusionGemma denoises a whole canvas (256 positions, 48 steps) before its first token, each step a forward of
+# the canvas through the 262144-row head: on a CPU that is many minutes, so it is measured on a canvas of 32 in 8 steps
+GENERATE_ARGS = {"diffusiongemma-26b-a4b": ["--canvas-length", "32", "--steps", "8"]}
 
 
 def measure(name: str, work: str | os.PathLike, layers: int = 0, target: str | None = None,
@@ -263,12 +321,13 @@ def measure(name: str, work: str | os.PathLike, layers: int = 0, target: str | N
             * row["bytes"] // row["params"]  # (LLaDA 2: a layer's stacked experts)
         shutil.rmtree(src)  # (the disk: only the checkpoint is needed from here on)
         gen_model = ["--model", target, "--draft", str(ck)] if target else ["--model", str(ck)]
-        gen = run_measured(dlm + ["generate"] + gen_model + GENERATE, env)
+        gen = run_measured(dlm + ["generate"] + gen_model + GENERATE + GENERATE_ARGS.get(name, []), env)
         if gen["rc"]:
             raise DlmError(f"generate failed: {gen['stderr']}")
         res = json.loads(gen["stdout"].strip().splitlines()[-1])
         row["generate"] = {**{k: v for k, v in gen.items() if k not in ("stdout", "stderr")},
-                           "ttft": res.get("ttft"), "new_tokens": res.get("new_tokens"), "forwards": res.get("forwards")}
+                           "ttft": res.get("ttft"), "new_tokens": res.get("new_tokens"), "forwards": res.get("forwards"),
+                           **({"args": GENERATE_ARGS[name]} if name in GENERATE_ARGS else {})}
     finally:
         if not keep:
             for p in (src, ck):
@@ -278,7 +337,9 @@ def measure(name: str, work: str | os.PathLike, layers: int = 0, target: str | N
 
 FAMILY = {"qwen3-1.7b": "AR (Qwen3)", "qwen3-8b": "AR (Qwen3)", "llada-8b": "LLaDA", "dream-7b": "Dream",
           "sdar-1.7b": "SDAR", "fast-dllm-v2-1.5b": "Fast-dLLM v2", "llada2.0-mini": "LLaDA 2 (MoE)",
-          "qwen3-8b-dflash": "DFlash drafter"}
+          "qwen3-8b-dflash": "DFlash drafter", "ministral3-8b": "AR (Ministral 3)",
+          "nemotron-labs-diffusion-8b": "Nemotron-Labs-Diffusion (joint)", "qwen3-30b-a3b": "AR (Qwen3-MoE)",
+          "diffusiongemma-26b-a4b": "DiffusionGemma (usdm)", "gemma4-26b-a4b": "AR (Gemma 4)"}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -290,8 +351,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         if "import" not in r:
             continue
         i, g = r["import"], r["generate"]
-        depth = CONFIGS[r["name"]].get(LAYER_KEY.get(CONFIGS[r["name"]]["model_type"], "num_hidden_layers"))
-        layers = f"{r['layers']} of {depth} layers" if r["layers"] != depth else f"{depth} layers"
+        full = depth(CONFIGS[r["name"]])
+        layers = f"{r['layers']} of {full} layers" if r["layers"] != full else f"{full} layers"
         largest = max(r["largest_tensor_bytes"], r.get("largest_output_bytes", 0))
         out.append(f"| {FAMILY.get(r['name'], r['name'])} | {r['name']} ({layers}) | {r['params'] / 1e9:.2f}B "
                    f"| {r['bytes'] / G:.2f} GiB | {largest / G:.2f} GiB "
