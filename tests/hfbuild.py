@@ -54,12 +54,15 @@ def bpe_tokenizer(n_vocab: int, special_ids: dict[str, int], post: str = "") -> 
     return tk
 
 
-def save_folder(folder: Path, model, tk: HFTokenizer, eos_ids: list[int]) -> Path:
+def save_folder(folder: Path, model, tk: HFTokenizer, eos_ids: list[int], sampling: dict | None = None) -> Path:
     """The hub folder: the model (fp32 safetensors), tokenizer.json, tokenizer_config.json and a
-    generation_config.json whose eos_token_id is the list eos_ids (greedy, as the model's defaults)."""
+    generation_config.json whose eos_token_id is the list eos_ids (greedy, as the model's defaults; sampling: do_sample
+    with these keys, e.g. temperature, top_k, top_p)."""
     folder.mkdir(parents=True, exist_ok=True)
     model.generation_config.eos_token_id = list(eos_ids)
-    model.generation_config.do_sample = False
+    model.generation_config.do_sample = sampling is not None
+    for k, v in (sampling or {}).items():
+        setattr(model.generation_config, k, v)
     model.save_pretrained(folder)
     tk.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({

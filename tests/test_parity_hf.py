@@ -8,8 +8,7 @@ AutoModelForCausalLM: the prompt's ids, the logits, the greedy tokens of `genera
 ids) and the text decoded from them; then dlm's export of the import loads in transformers as the same class with the
 same tokenizer, EOS ids and logits.
 
-Sampled generation is not compared: dlm's AR sampler draws from a generator of its own (seeded by --seed), not
-from torch's global one as transformers' generate does, so equal seeds give different (equally distributed) draws.
+Sampled generation, same seed, draw for draw: tests/test_parity_sampled.py.
 """
 
 from __future__ import annotations

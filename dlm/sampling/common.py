@@ -242,24 +242,29 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
     check(0 < top_p <= 1, f"--top-p must be in (0, 1], got {top_p}")
 
 
-def probs_from_logits(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
-    """The sampling distribution (…, V) in fp32: temperature, then top-k, then top-p (nucleus)."""
+def filtered_logits(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """The logits (…, V) a draw's distribution is the softmax of, in fp32: temperature, then top-k, then top-p
+    (nucleus), the tokens left out at -inf. transformers' sampling warpers in their order and arithmetic (its
+    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper), so that a draw from the same generator is its draw."""
     logits = logits.float()
     if temperature != 1.0:  # (x / 1.0 is x: the pass is skipped, not the arithmetic changed)
         logits = logits / max(temperature, 1e-6)
     if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (…, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
     if top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
-        # drop a token when the mass before it already reaches top_p (the first token always stays)
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
-        drop[..., 0] = False  # (a top_p below float32's range compares as 0: the first token must stay all the same)
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+        # a token goes when the mass of the tokens no more likely than it, itself included, is <= 1 - top_p (the
+        # mass before it in descending order already reaches top_p); the most likely always stays
+        ranked, idx = torch.sort(logits, dim=-1)  # ascending
+        drop = ranked.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[..., -1] = False
+        logits = logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
+    return logits
+
+
+def probs_from_logits(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """The sampling distribution (…, V) in fp32: the softmax of filtered_logits (temperature, top-k, top-p)."""
+    return torch.softmax(filtered_logits(logits, temperature, top_k, top_p), dim=-1)
 
 
 NONFINITE = ("the model's output holds NaN or infinite values: its weights are damaged, or the dtype overflowed "
