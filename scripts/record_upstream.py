@@ -283,9 +283,16 @@ def record_llada(code: list[Path], out: Path) -> None:
         settings.append({"gen_length": n, "block_length": block, "steps": steps, "remasking": "low_confidence"})
     for n, block, steps in ((16, 8, 8), (16, 16, 16)):
         settings.append({"gen_length": n, "block_length": block, "steps": steps, "remasking": "random", "seed": 7})
+    # sampled: the float64 Gumbel noise over the whole sequence (and, with random remasking, the uniforms after it)
+    for n, block, steps in ((16, 16, 16), (16, 8, 8), (24, 8, 12), (16, 16, 4)):
+        for temp in (0.5, 1.0):
+            settings.append({"gen_length": n, "block_length": block, "steps": steps, "remasking": "low_confidence",
+                             "temperature": temp, "seed": 5})
+    settings.append({"gen_length": 16, "block_length": 8, "steps": 8, "remasking": "random", "temperature": 0.8,
+                     "seed": 5})
     cases = []
     for case, p, kw in each_case(head, eos, settings, prompts):
-        x = gen.generate(Called(model), torch.tensor([p]), temperature=0.0, cfg_scale=0.0, mask_id=mask, **kw)
+        x = gen.generate(Called(model), torch.tensor([p]), cfg_scale=0.0, mask_id=mask, **{"temperature": 0.0, **kw})
         cases.append({**case, "ids": x[0, len(p):].tolist()})
     with torch.no_grad():
         logits = Called(model)(torch.tensor([prompts[1]])).logits[0]

@@ -47,11 +47,13 @@ def dream_options(a: dict) -> SampleConfig:
 
 
 def llada_options(a: dict) -> SampleConfig:
-    """LLaDA's generate(steps, gen_length, block_length, remasking, temperature 0): its steps are for the whole
-    generation, dlm's --steps per block."""
+    """LLaDA's generate(steps, gen_length, block_length, remasking, temperature), torch.manual_seed(seed) before it:
+    its steps are for the whole generation, dlm's --steps per block; the llada preset (its float64 Gumbel draw over
+    the whole sequence, --gumbel), the same seed."""
     blocks = a["gen_length"] // a["block_length"]
     return SampleConfig(preset="llada", max_new_tokens=a["gen_length"], block_size=a["block_length"],
-                        steps=a["steps"] // blocks, remasking=a["remasking"], seed=a.get("seed", 0))
+                        steps=a["steps"] // blocks, remasking=a["remasking"], temperature=a.get("temperature", 0.0),
+                        seed=a.get("seed", 0))
 
 
 def sdar_options(a: dict) -> SampleConfig:
@@ -320,6 +322,23 @@ def test_dream_canvas_after_every_step_equals_the_recording(index, imported):
     history = case["steps"]
     assert canvases == history[:len(canvases)]
     assert all(h == history[-1] for h in history[len(canvases) - 1:])
+
+
+def test_llada_sampled_recordings_need_the_gumbel_draw(imported):
+    """LLaDA's sampled recordings hold its float64 Gumbel draw over the whole sequence: the llada preset without
+    --gumbel (one Exp(1) race per position of the block, the same distribution) differs from most of them."""
+    from dlm.sampling.mdlm import PRESETS
+
+    rec = recordings("llada")
+    model, ck = imported["llada"]
+    cases = [c for c in rec["cases"] if c["args"].get("temperature")]
+    differ = 0
+    for c in cases:
+        cfg = llada_options(c["args"]).replace(preset="none", **{**PRESETS["llada"], "gumbel": False})
+        with eos_row(model, rec["eos_id"], c["eos"] == "live"):
+            got = dlm_ids(model, ck, rec["prompts"][c["prompt"]], cfg)
+        differ += got != until_eos(c["ids"][:c["args"]["gen_length"]], eos_ids(rec))
+    assert len(cases) >= 32 and differ >= len(cases) // 2, differ
 
 
 def test_llada21_recordings_exercise_token_editing(imported):

@@ -54,6 +54,11 @@ tokens stay.
 families' own generate functions (a position whose proposal is <mask> stays a hole; a trained model rarely proposes
 it); past the planned --steps it is excluded, so a block always ends. Off: <mask> is never proposed.
 
+`--gumbel` (the llada preset): at temperature > 0 a pass draws as LLaDA's generate does, float64 Gumbel noise for every
+token of every position of the whole sequence (gumbel_draw), so that `--seed S` gives the tokens LLaDA's generate gives
+after torch.manual_seed(S). The distribution is the same as the default draw's (one Exp(1) race per position of the
+block); the draws are L x V float64 uniforms a pass instead of N x V float32 ones.
+
 `--whole-blocks` (SDAR, Fast-dLLM v2): the last block is padded with holes to its full size and denoised whole,
 as in training; what lies past `--max-new-tokens` is dropped.
 
@@ -115,7 +120,7 @@ from dlm.errors import DlmError, check
 from dlm.masks import mdlm_denoise_mask
 from dlm.sampling.common import (
     Clock, Commit, Eos, Event, Prompt, Stats, Step, check_fits, check_sampling, draw, entropy, entropy_bound_accept,
-    eos_index, eos_set, is_eos, make_generator, probs_from_logits,
+    eos_index, eos_set, filtered_logits, is_eos, make_generator, probs_from_logits,
 )
 from dlm.sampling.rows import Crop, Programs, RowProgram, Window, alone, batch_stats, batchable, drive, finish
 
@@ -125,13 +130,13 @@ MAX_REVISIONS = 3  # --revise: times one position may be sent back to <mask> (so
 OPTIONS = frozenset({"temperature", "top_k", "top_p", "naive", "sampler", "steps", "threshold", "entropy_bound",
                      "block_size", "remasking", "revise", "suffix", "fill_length", "preset", "prefix_cache",
                      "sub_block", "schedule", "whole_blocks", "eos_early_stop", "confidence",
-                     "mask_proposals", "draw_holes", "editing_threshold", "max_post_steps"})
+                     "mask_proposals", "draw_holes", "gumbel", "editing_threshold", "max_post_steps"})
 
 # The published decoding recipes of the public masked-diffusion families, as SampleConfig settings (docs/public-
 # models.md has a command for each). steps: per block; block_size None: the whole generation.
 PRESETS: dict[str, dict] = {
     # LLaDA: low-confidence remasking, semi-autoregressive blocks of 32, one token per step (steps = gen length)
-    "llada": {"sampler": "confidence", "block_size": 32, "steps": 32, "mask_proposals": True},
+    "llada": {"sampler": "confidence", "block_size": 32, "steps": 32, "mask_proposals": True, "gumbel": True},
     # Fast-dLLM (v1) on LLaDA / Dream: every position with confidence > 0.9 (at least one), blocks of 32 over the
     # prefix cache
     "fast-dllm": {"sampler": "threshold", "threshold": 0.9, "block_size": 32, "prefix_cache": True},
@@ -262,6 +267,7 @@ class Rule:
     sampled: bool = False  # confidence read from the distribution the token was drawn from (SDAR), not the model's
     holes: bool = False  # at temperature > 0: draw for the masked positions only, every score from the drawn
     # distribution (Dream's sample_tokens)
+    gumbel: bool = False  # at temperature > 0: LLaDA's float64 Gumbel draw over the whole sequence (gumbel_draw)
 
     def select(self, conf: Tensor, ent: Tensor, masked: Tensor, k: int | float | Tensor, gen: torch.Generator | None,
                margin: Tensor | None = None, span: tuple[int, int] | None = None) -> Tensor:
@@ -285,14 +291,37 @@ def top_margin(logits: Tensor) -> Tensor:
     return top2[:, 0] - top2[:, 1]
 
 
+def gumbel_draw(logits: Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator | None,
+                span: tuple[int, int] | None = None) -> Tensor:
+    """LLaDA's draw (its generate's add_gumbel_noise): logits (N, V) -> tokens (N,), the argmax of
+    exp(logits) / (-log u)^T in float64, u uniform in float64 for every token of every position of the row's whole
+    sequence (span (offset, total): the N rows from offset are read; None: the N alone), drawn in one call from gen.
+    The distribution is the tempered softmax's, as any draw's; with --seed S these are the draws of LLaDA's generate
+    after torch.manual_seed(S) (on the CPU). top-k / top-p leave tokens out (exp(-inf) = 0)."""
+    N, V = logits.shape
+    at, total = span if span is not None else (0, N)
+    u = torch.rand(total, V, dtype=torch.float64, generator=gen, device=logits.device)[at:at + N]  # (N, V)
+    x = logits.double()
+    if top_k or top_p < 1.0:
+        x = x.masked_fill(filtered_logits(logits, temperature, top_k, top_p) == float("-inf"), float("-inf"))
+    return (x.exp() / (-torch.log(u)) ** temperature).argmax(-1)
+
+
 def propose(logits: Tensor, temperature: float, top_k: int, top_p: float,
-            gen: torch.Generator | None, sampled: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+            gen: torch.Generator | None, sampled: bool = False, gumbel: bool = False,
+            span: tuple[int, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """logits (N, V) -> proposed tokens (N,), their probability (N,), entropy (N,) in nats of the model's
     distribution. The probability is the model's; sampled (at temperature > 0): the one of the distribution the token
-    was drawn from (temperature, top-k, top-p applied), as SDAR's generate reads its confidence."""
+    was drawn from (temperature, top-k, top-p applied), as SDAR's generate reads its confidence. gumbel: drawn by
+    gumbel_draw (span: its rows' place in the whole sequence)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     ent = entropy(logp.exp())
-    cand, probs = draw(logits, temperature, top_k, top_p, gen)
+    if gumbel and temperature > 0:
+        cand, probs = gumbel_draw(logits, temperature, top_k, top_p, gen, span), None
+        if sampled:
+            probs = probs_from_logits(logits, temperature, top_k, top_p)
+    else:
+        cand, probs = draw(logits, temperature, top_k, top_p, gen)
     if sampled and probs is not None:
         return cand, probs.gather(-1, cand[:, None])[:, 0], ent
     conf = logp.gather(-1, cand[:, None])[:, 0].exp()
@@ -322,7 +351,7 @@ def denoise_step(logits: Tensor, x: Tensor, masked: Tensor, rule: Rule, k: int, 
             return _commit(rule, x, masked, k, gen, span, cand, conf, ent,
                            x.float().new_zeros(masked.shape).scatter(0, at, top2[:, 0] - top2[:, 1]))
     else:  # a draw for every position (what each row's generator consumes stays as it was)
-        cand, conf, ent = propose(logits, temperature, top_k, top_p, gen, rule.sampled)
+        cand, conf, ent = propose(logits, temperature, top_k, top_p, gen, rule.sampled, rule.gumbel, span)
     margin = top_margin(logits) if rule.kind == "margin" else None
     return _commit(rule, x, masked, k, gen, span, cand, conf, ent, margin)
 
@@ -536,11 +565,11 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
                 part = torch.arange(len(free), device=free.device) // sub_block
                 free = free & (part == part[free][0])
             proposed = None
+            # (full context: random remasking and the Gumbel draw draw over the whole sequence, as LLaDA's generate)
+            span = (s, len(seq)) if job.full_context else None
             if edit is not None:  # (LLaDA 2.1: one proposal for every position of the block, for the masks and edits)
-                proposed = propose(logits, temperature, top_k, top_p, gen, rule.sampled)
+                proposed = propose(logits, temperature, top_k, top_p, gen, rule.sampled, rule.gumbel, span)
             if bool(free.any()):
-                # (full context: random remasking draws over the whole sequence, as LLaDA's generate)
-                span = (s, len(seq)) if job.full_context else None
                 if proposed is None:
                     x, chosen, ent = denoise_step(logits, seq[s:e], free, rule, k, temperature, top_k, top_p, gen,
                                                   span)
@@ -620,8 +649,9 @@ def check_options(cfg) -> Rule:
     check(cfg.confidence in ("model", "sampled"), f"--confidence must be model or sampled, got {cfg.confidence!r}")
     revise = getattr(cfg, "revise", 0.0)
     check(0 <= revise < 1, f"--revise must be in [0, 1) (0 = off), got {revise}")
+    check(not (cfg.gumbel and cfg.draw_holes), "--gumbel and --draw-holes are two ways to draw: give one")
     return Rule(sampler, cfg.threshold, cfg.entropy_bound, cfg.remasking == "random", cfg.confidence == "sampled",
-                cfg.draw_holes)
+                cfg.draw_holes, cfg.gumbel)
 
 
 def make_job(prompt: Prompt, cfg, train_block: int, context: int, causal_context: bool = False,

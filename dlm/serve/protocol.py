@@ -146,6 +146,7 @@ class DlmFields(_Strict):
     confidence: str | None = None
     mask_proposals: bool | None = None
     draw_holes: bool | None = None
+    gumbel: bool | None = None
     canvas_length: int | None = None
     t_max: float | None = None
     t_min: float | None = None
