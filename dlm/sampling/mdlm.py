@@ -649,7 +649,8 @@ def check_options(cfg) -> Rule:
     check(cfg.confidence in ("model", "sampled"), f"--confidence must be model or sampled, got {cfg.confidence!r}")
     revise = getattr(cfg, "revise", 0.0)
     check(0 <= revise < 1, f"--revise must be in [0, 1) (0 = off), got {revise}")
-    check(not (cfg.gumbel and cfg.draw_holes), "--gumbel and --draw-holes are two ways to draw: give one")
+    check(not (cfg.gumbel and cfg.draw_holes), "--gumbel (the llada preset's) and --draw-holes (the dream preset's) "
+          "are two ways to draw: give one (--no-gumbel or --no-draw-holes)")
     return Rule(sampler, cfg.threshold, cfg.entropy_bound, cfg.remasking == "random", cfg.confidence == "sampled",
                 cfg.draw_holes, cfg.gumbel)
 
