@@ -1,12 +1,13 @@
 """dlm's sampled AR generation against transformers' `generate(do_sample=True)` with the same seed, draw for draw, on
-configurations nobody here chose: the tiny models of tests/test_parity_hf.py and tests/test_parity_gemma4.py (Qwen2,
-Qwen3, Llama, Ministral 3, Gemma 4 text; random configs, tokenizers with and without post-processors, EOS lists)
-with a generation_config.json whose sampling defaults are drawn (temperature, top_k set, 0 or left to transformers'
-default of 50, top_p). transformers samples at those defaults after `torch.manual_seed(seed)`; dlm is given the same
-values and `--seed seed`, and its tokens must be transformers' exactly: through `dlm generate`'s path (ar.decode) and
-through the row program the server batches (a batch of one row). The EOS ids are tokens transformers' own sampled
-run writes (at drawn steps), so generation ends on an `<eos>` in most examples. Gemma 4's sliding window is drawn from 2
-up (see window_of_two). Below: the processed distribution is transformers' bit for bit on drawn logits, ties included.
+configurations nobody here chose: the tiny models of tests/test_parity_hf.py, tests/test_parity_gemma4.py and
+tests/test_parity_moe.py (Qwen2, Qwen3, Llama, Ministral 3, Gemma 4 text, Qwen3-MoE; random configs, tokenizers with
+and without post-processors, EOS lists) with a generation_config.json whose sampling defaults are drawn
+(temperature, top_k set, 0 or left to transformers' default of 50, top_p). transformers samples at those defaults
+after `torch.manual_seed(seed)`; dlm is given the same values and `--seed seed`, and its tokens must be
+transformers' exactly: through `dlm generate`'s path (ar.decode) and through the row program the server batches (a
+batch of one row). The EOS ids are tokens transformers' own sampled run writes (at drawn steps), so generation ends
+on an `<eos>` in most examples. Gemma 4's sliding window is drawn from 2 up (see window_of_two). Below: the
+processed distribution is transformers' bit for bit on drawn logits, ties included.
 
 What makes the draws equal: a generator of dlm's own seeded `seed` holds the stream torch's global generator holds after
 `torch.manual_seed(seed)`; dlm's CPU draw is torch.multinomial's own (an Exp(1) per entry, the argmax of p / q); and the
@@ -28,6 +29,7 @@ from transformers.generation.logits_process import (  # noqa: E402
 
 import test_parity_gemma4 as gemma4  # noqa: E402
 import test_parity_hf as parity  # noqa: E402
+import test_parity_moe as moe  # noqa: E402
 from dlm.checkpoint import load_model  # noqa: E402
 from dlm.hf import import_hf  # noqa: E402
 from dlm.sampling import SampleConfig, generate, row_program  # noqa: E402
@@ -55,8 +57,17 @@ def window_of_two(case: dict) -> dict:
     return {**case, "config": {**case["config"], "sliding_window": max(2, case["config"]["sliding_window"])}}
 
 
+FAMILIES = {**parity.FAMILIES, "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM)}
+# how transformers runs each family's reference (Qwen3-MoE: its loop over experts; its grouped_mm kernel wants 16-byte
+# strides, which tiny shapes lack)
+HOW = {"qwen3_moe": {"experts_implementation": moe.EAGER}}
+
+
 def cases(family: str):
-    base = gemma4.cases().map(window_of_two) if family == "gemma4_text" else parity.cases(family)
+    if family == "gemma4_text":
+        base = gemma4.cases().map(window_of_two)
+    else:
+        base = moe.qwen3_moe_cases() if family == "qwen3_moe" else parity.cases(family)
     return st.tuples(base, sampling(), st.integers(0, 2**31 - 1))
 
 
@@ -72,9 +83,10 @@ def hf_sampled(m, ids: list[int], n: int, seed: int) -> list[int]:
 def build(family: str, case: dict, gen: dict, seed: int, folder):
     """The case's model with a sampling generation_config, saved; (folder, EOS ids): ids transformers' sampled run
     writes at the case's eos_at steps (and the tokenizer's <eos> or not)."""
-    config_cls, model_cls = parity.FAMILIES[family]
+    config_cls, model_cls = FAMILIES[family]
     sp = case["specials"]
-    c = config_cls(**case["config"], bos_token_id=sp["<bos>"], eos_token_id=sp["<eos>"], pad_token_id=sp["<pad>"])
+    c = config_cls(**case["config"], bos_token_id=sp["<bos>"], eos_token_id=sp["<eos>"], pad_token_id=sp["<pad>"],
+                   **HOW.get(family, {}))
     torch.manual_seed(case["seed"])
     m = model_cls(c).eval()
     randomize(m, case["seed"], case["std"])
@@ -93,7 +105,7 @@ def check(family: str, case: dict, gen: dict, seed: int, tmp) -> None:
     src, eos = build(family, case, gen, seed, tmp / "hf")
     import_hf(src, tmp / "ck", overwrite=True)
     net, ck = load_model(str(tmp / "ck"))
-    tok, model = AutoTokenizer.from_pretrained(src), AutoModelForCausalLM.from_pretrained(src).eval()
+    tok, model = AutoTokenizer.from_pretrained(src), AutoModelForCausalLM.from_pretrained(src, **HOW.get(family, {})).eval()
     gc = model.generation_config
     assert gc.do_sample and gc.eos_token_id == eos
     ids = tok(case["prompt"])["input_ids"]
@@ -114,7 +126,7 @@ def check(family: str, case: dict, gen: dict, seed: int, tmp) -> None:
 SETTINGS = settings(parity.SETTINGS, max_examples=8)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "ministral3", "gemma4_text"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "ministral3", "gemma4_text", "qwen3_moe"])
 def test_sampled_generation_draws_as_transformers(family, tmp_path_factory):
     @SETTINGS
     @given(drawn=cases(family))
