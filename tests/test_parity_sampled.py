@@ -5,9 +5,10 @@ and without post-processors, EOS lists) with a generation_config.json whose samp
 (temperature, top_k set, 0 or left to transformers' default of 50, top_p). transformers samples at those defaults
 after `torch.manual_seed(seed)`; dlm is given the same values and `--seed seed`, and its tokens must be
 transformers' exactly: through `dlm generate`'s path (ar.decode) and through the row program the server batches (a
-batch of one row). The EOS ids are tokens transformers' own sampled run writes (at drawn steps), so generation ends
-on an `<eos>` in most examples. Gemma 4's sliding window is drawn from 2 up (see window_of_two). Below: the
-processed distribution is transformers' bit for bit on drawn logits, ties included.
+batch of one row). The EOS ids are tokens transformers' own sampled run writes (at drawn steps within the budget),
+so generation ends on an `<eos>` in about half of the examples (21 of 48). Gemma 4's sliding window is drawn from 2
+up (see window_of_two). Below: the processed distribution is transformers' bit for bit on drawn logits, ties
+included.
 
 What makes the draws equal: a generator of dlm's own seeded `seed` holds the stream torch's global generator holds after
 `torch.manual_seed(seed)`; dlm's CPU draw is torch.multinomial's own (an Exp(1) per entry, the argmax of p / q); and the
@@ -82,7 +83,7 @@ def hf_sampled(m, ids: list[int], n: int, seed: int) -> list[int]:
 
 def build(family: str, case: dict, gen: dict, seed: int, folder):
     """The case's model with a sampling generation_config, saved; (folder, EOS ids): ids transformers' sampled run
-    writes at the case's eos_at steps (and the tokenizer's <eos> or not)."""
+    writes at the case's eos_at steps (modulo its budget, so they fall inside it) and the tokenizer's <eos> or not."""
     config_cls, model_cls = FAMILIES[family]
     sp = case["specials"]
     c = config_cls(**case["config"], bos_token_id=sp["<bos>"], eos_token_id=sp["<eos>"], pad_token_id=sp["<pad>"],
@@ -96,7 +97,7 @@ def build(family: str, case: dict, gen: dict, seed: int, folder):
         setattr(m.generation_config, k, v)
     m.generation_config.eos_token_id = None  # what it writes with no EOS: some of those become EOS ids
     written = hf_sampled(m, tk.encode(case["prompt"]).ids, 12, seed)
-    eos = ([sp["<eos>"]] if case["eos_tok"] else []) + [written[i] for i in case["eos_at"] if i < len(written)]
+    eos = ([sp["<eos>"]] if case["eos_tok"] else []) + [written[i % case["new"]] for i in case["eos_at"]]
     eos = list(dict.fromkeys(eos)) or [sp["<eos>"]]
     return save_folder(folder, m, tk, eos, gen), eos
 
