@@ -106,7 +106,8 @@ def check(family: str, case: dict, gen: dict, seed: int, tmp) -> None:
     src, eos = build(family, case, gen, seed, tmp / "hf")
     import_hf(src, tmp / "ck", overwrite=True)
     net, ck = load_model(str(tmp / "ck"))
-    tok, model = AutoTokenizer.from_pretrained(src), AutoModelForCausalLM.from_pretrained(src, **HOW.get(family, {})).eval()
+    tok = AutoTokenizer.from_pretrained(src)
+    model = AutoModelForCausalLM.from_pretrained(src, **HOW.get(family, {})).eval()
     gc = model.generation_config
     assert gc.do_sample and gc.eos_token_id == eos
     ids = tok(case["prompt"])["input_ids"]

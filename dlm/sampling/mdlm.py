@@ -565,7 +565,8 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
                 part = torch.arange(len(free), device=free.device) // sub_block
                 free = free & (part == part[free][0])
             proposed = None
-            # (full context: random remasking and the Gumbel draw draw over the whole sequence, as LLaDA's generate)
+            # (full context: random remasking and the Gumbel draw take uniforms for the whole sequence, as LLaDA's
+            # generate does)
             span = (s, len(seq)) if job.full_context else None
             if edit is not None:  # (LLaDA 2.1: one proposal for every position of the block, for the masks and edits)
                 proposed = propose(logits, temperature, top_k, top_p, gen, rule.sampled, rule.gumbel, span)
