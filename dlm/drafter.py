@@ -402,17 +402,17 @@ class DFlashDrafter(nn.Module):
             cache.crop(L0 + C)
         return self.norm(h[:, C:])
 
-    def new_cache(self, capacity: int, dtype: torch.dtype | None = None, rows: int = 1) -> KVCache:
+    def new_cache(self, capacity: int, dtype: torch.dtype | None = None, rows: int = 1, fill: bool = True) -> KVCache:
         p = self.fc.weight
-        return KVCache(self.cfg, rows, capacity, p.device, dtype or p.dtype)
+        return KVCache(self.cfg, rows, capacity, p.device, dtype or p.dtype, fill)
 
     # what the row batch (dlm.sampling.rows) asks of a model it serves, as of the backbone (dlm.model.Transformer)
     @property
     def rows_batchable(self) -> bool:
         return self.injection == "kv"  # (input injection: the context runs through the layers, rows in turn)
 
-    def rows_cache(self, rows: int, capacity: int) -> KVCache:
-        return self.new_cache(capacity, rows=rows)
+    def rows_cache(self, rows: int, capacity: int, fill: bool = True) -> KVCache:
+        return self.new_cache(capacity, rows=rows, fill=fill)
 
     rows_band = 0
 

@@ -112,15 +112,17 @@ class KVCache:
     """
 
     def __init__(self, cfg: ModelConfig, batch: int, capacity: int, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, fill: bool = True):
+        """fill=False: the buffers are left unfilled (torch.empty); the caller keeps unwritten slots from being read."""
         shapes = [cfg.layer(i)[1:3] for i in range(cfg.n_layers)]  # (head_dim, n_kv_heads)
+        make = torch.zeros if fill else torch.empty
         if len(set(shapes)) == 1:
             hd, kv = shapes[0]
-            self.k = torch.zeros((cfg.n_layers, batch, kv, capacity, hd), device=device, dtype=dtype)
-            self.v = torch.zeros_like(self.k)
+            self.k = make((cfg.n_layers, batch, kv, capacity, hd), device=device, dtype=dtype)
+            self.v = make(self.k.shape, device=device, dtype=dtype)
         else:
-            self.k = [torch.zeros(batch, kv, capacity, hd, device=device, dtype=dtype) for hd, kv in shapes]
-            self.v = [torch.zeros_like(k) for k in self.k]
+            self.k = [make(batch, kv, capacity, hd, device=device, dtype=dtype) for hd, kv in shapes]
+            self.v = [make(k.shape, device=device, dtype=dtype) for k in self.k]
         self.length = 0
         self.slot: Tensor | None = None
 
@@ -531,16 +533,17 @@ class Transformer(nn.Module):
             return {"full": self.inv_freq, "sliding": self.inv_freq_sliding}
         return {"full": self.inv_freq}
 
-    def new_cache(self, batch: int, capacity: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
+    def new_cache(self, batch: int, capacity: int | None = None, dtype: torch.dtype | None = None,
+                  fill: bool = True) -> KVCache:
         p = self.embed_tokens.weight
-        return KVCache(self.cfg, batch, capacity or self.cfg.max_seq_len, p.device, dtype or p.dtype)
+        return KVCache(self.cfg, batch, capacity or self.cfg.max_seq_len, p.device, dtype or p.dtype, fill)
 
     # what the row batch (dlm.sampling.rows) asks of a model it serves: rows_batchable, rows_cache, rows_band,
     # rows_forward (a DFlash drafter answers the same four)
     rows_batchable = True
 
-    def rows_cache(self, rows: int, capacity: int) -> KVCache:
-        return self.new_cache(rows, capacity)
+    def rows_cache(self, rows: int, capacity: int, fill: bool = True) -> KVCache:
+        return self.new_cache(rows, capacity, fill=fill)
 
     @property
     def rows_band(self) -> int:

@@ -53,8 +53,41 @@ rows = st.lists(st.tuples(st.lists(st.integers(3, V - 1), min_size=1, max_size=2
 @settings(max_examples=12, deadline=None, derandomize=True, database=None)
 @given(rows=rows)
 def test_ar_rows_joining_a_running_batch_equal_each_prompt_alone(model, rows):
+    joined(model, rows, 64)
+
+
+class Poisoned(torch.nn.Module):
+    """The model, its row batch's unfilled buffers full of NaN: a slot read before it is written or zeroed poisons
+    the row (attention multiplies masked keys too)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.m = model
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.m, name)
+
+    def rows_cache(self, rows: int, capacity: int, fill: bool = True):
+        cache = self.m.rows_cache(rows, capacity, fill)
+        if not fill:
+            for t in cache.buffers():
+                t.fill_(float("nan"))
+        return cache
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, database=None)
+@given(rows=rows)
+def test_the_row_batch_grows_unfilled_and_reads_no_unwritten_slot(model, rows):
+    """Rows join as the buffers grow (more rows, more slots from a capacity of 4), unfilled: still each prompt alone."""
+    joined(Poisoned(model), rows, 4, alone_model=model)
+
+
+def joined(model, rows, capacity: int, alone_model=None):
     cfgs = [SampleConfig(max_new_tokens=n, temperature=t, top_k=k, top_p=p, seed=s) for _, n, (t, k, p), s, _ in rows]
-    batch = Programs(model, 64)
+    batch = Programs(model, capacity)
     got: list[list[int]] = [[] for _ in rows]
     forwards, step = 0, 0
     with torch.inference_mode():
@@ -68,7 +101,7 @@ def test_ar_rows_joining_a_running_batch_equal_each_prompt_alone(model, rows):
                 assert ev.row == i
                 got[i].extend(ev.tokens)
             step += 1
-    want = [alone(model, r[0], c) for r, c in zip(rows, cfgs)]
+    want = [alone(alone_model or model, r[0], c) for r, c in zip(rows, cfgs)]
     assert got == want
     assert batch.forwards <= sum(len(w) for w in want)  # rows shared forwards (or ended at once)
 

@@ -191,6 +191,7 @@ class RowBatch:
         self.cache: KVCache | None = None  # the rows' K/V (its length unused: each row's is in `length`)
         self.window = model.rows_band
         self.length: list[int] = []
+        self.clean: list[int] = []  # per buffer row: its first slots that hold finite values (written or zeroed)
         self.forwards = 0  # model calls (a step may take two: RowBatch.forward)
         self.seconds = 0.0  # wall time of the forwards
 
@@ -198,17 +199,32 @@ class RowBatch:
         return len(self.length)
 
     def _reserve(self, n: int, C: int | None = None) -> None:
-        """Buffers for at least n rows of at least C slots (rows grown by doubling, the rows' K/V kept)."""
+        """Buffers for at least n rows of at least C slots (rows grown by doubling, the rows' K/V kept).
+
+        The buffers are not filled (zeroing every row's C slots of every layer, hundreds of MB paged in, cost seconds
+        per growth on a busy CPU where rows use a few hundred of the C slots): growth copies the slots the rows have
+        made finite, and a forward zeroes a row's slots up to the keys it reads first (`_clean`)."""
         have = 0 if self.cache is None else self.cache.rows
         C = max(C or self.C, self.C)
         if n <= have and C == self.C and self.cache is not None:
             return
         rows = max(n, 2 * have, 1) if n > have else have
-        cache = self.model.rows_cache(rows, C)
-        if self.cache is not None:
-            for new, old in zip(cache.buffers(), self.cache.buffers()):
-                new[..., :have, :, :self.C, :] = old
-        self.cache, self.C = cache, C
+        old, self.cache = self.cache, self.model.rows_cache(rows, C, fill=False)
+        if old is not None:
+            used = max(self.clean, default=0)
+            for new, was in zip(self.cache.buffers(), old.buffers()):
+                new[..., :have, :, :used, :] = was[..., :used, :]
+        self.clean += [0] * (rows - have)
+        self.C = C
+
+    def _clean(self, rows: list[int], upto: int) -> None:
+        """Rows' slots before `upto` finite: the keys a forward reads (a row's own ones past its length are masked,
+        and attention still multiplies them: unfilled memory there could be NaN)."""
+        for b in rows:
+            if self.clean[b] < upto:
+                for t in self.cache.buffers():
+                    t[..., b, :, self.clean[b]:upto, :] = 0
+                self.clean[b] = upto
 
     def add(self) -> int:
         """A new row with an empty cache; its index."""
@@ -231,6 +247,7 @@ class RowBatch:
             for t in self.cache.buffers():
                 t[..., i, :, :n, :] = t[..., last, :, :n, :]
             self.length[i] = n
+            self.clean[i] = max(self.clean[i], n)
             moved = last
         self.length.pop()
         return moved
@@ -299,8 +316,9 @@ class RowBatch:
             b = idx[0]
 
             cache = self.cache.map(lambda t: t[..., b:b + 1, :, :, :], length[0])
-            res = run_one(model, cache, windows[0])
+            res = run_one(model, cache, windows[0])  # (reads its slots before its length only)
             self.length[b] = cache.length
+            self.clean[b] = max(self.clean[b], cache.length)
             return [res]
         dev = self.cache.k[0].device
         prefix = idx == list(range(n))  # rows 0..n-1: the forward runs on a view of the buffers
@@ -363,6 +381,7 @@ class RowBatch:
             return torch.cat([t[..., idx, :, :Lc, :], t.new_empty(*t.shape[:-4], n, t.shape[-3], Cm + T, t.shape[-1])],
                              -2)
 
+        self._clean(idx, Lc)
         cache = self.cache.map(rows_of, Lc)
         spec: Tensor | str | LayerMasks = "full" if bool(mask.all()) else mask
         if self.window:  # sliding-window layers: each row's band
@@ -377,6 +396,8 @@ class RowBatch:
                 if k and (src != dst or not prefix):  # from the scratch slots to the row's own
                     moves += [(b, j, src + i, dst + i) for i in range(k)]
             self.length[b] = a + Cs[j] + m
+            # finite now: a view's scratch slots (the context's K/V, written for every row of it) and the row's own
+            self.clean[b] = max(self.clean[b], Lc + Cm if prefix else 0, self.length[b])
         if moves:  # one gather (every source read before any slot is written) and one scatter per buffer
             b_, j_, src_, dst_ = torch.tensor(moves, device=dev).unbind(1)
             for mine, got in zip(self.cache.buffers(), cache.buffers()):
