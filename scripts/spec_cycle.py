@@ -3,11 +3,11 @@
     OMP_NUM_THREADS=1 python scripts/spec_cycle.py --model checkpoints/ar-mid \\
         --draft runs/dflash2-mid checkpoints/ar-draft lookup --prompts 8 --max-new-tokens 128 --repeat 3
 
-The cases are `dlm bench`'s (held-out line completions, greedy, the same prompt tokens), run one at a time as the
-bench runs them, interleaved (each case through every method in turn, the order rotated each round). Every span is
-timed with the thread's CPU clock (time.thread_time), so the figures are the work itself and not the time the
-process waited for a core: on a busy machine they hold where the wall clock does not. (Cache and memory contention
-still move them a few percent.)
+The cases are `dlm bench`'s (held-out line completions, greedy or at --temperature, the same prompt tokens), run one
+at a time as the bench runs them, interleaved (each case through every method in turn, the order rotated each round).
+Every span is timed with the thread's CPU clock (time.thread_time), so the figures are the work itself and not the
+time the process waited for a core: on a busy machine they hold where the wall clock does not. (Cache and memory
+contention still move them by several percent; --block-size applies to every drafter, as in dlm bench.)
 
 Per method: the speedup (median over cases of the target alone's CPU time / the method's, each round, then the
 median over rounds), tau (tokens per cycle, the prefill's token excluded) and the per-cycle breakdown in target
@@ -102,14 +102,15 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
     net, ck = load_model(args.model)
     items, _ = bench_items(None, None, args.prompts, "line")
-    methods, _ = build_methods(net, ck, args.max_new_tokens, False, None, None, False, args.draft, (0.0,),
-                               args.block_size)
+    methods, _ = build_methods(net, ck, args.max_new_tokens, False, None, None, False, args.draft,
+                               (args.temperature,), args.block_size)
     context = min(window(m.ck, m.model) for m in methods)
     spans = Spans()
     instrument(spans, net)
@@ -136,7 +137,8 @@ def main() -> None:
                 tokens[k] += len(row["tokens"])
                 cycles[k] += row.get("cycles", 0)
     step = statistics.median(steps)
-    out = {"model": args.model, "step_ms": 1e3 * step, "prompts": len(items), "repeat": args.repeat, "methods": []}
+    out = {"model": args.model, "temperature": args.temperature, "step_ms": 1e3 * step, "prompts": len(items),
+           "repeat": args.repeat, "methods": []}
     print(f"one target step (T = 1, head included): {1e3 * step:.2f} ms CPU (median of {len(steps)})")
     for k, m in enumerate(methods):
         ratio = statistics.median(statistics.median(cpu[0][r][i] / cpu[k][r][i] for i in range(len(items)))
