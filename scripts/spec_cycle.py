@@ -109,8 +109,10 @@ def main() -> None:
     torch.set_num_threads(1)
     net, ck = load_model(args.model)
     items, _ = bench_items(None, None, args.prompts, "line")
-    methods, _ = build_methods(net, ck, args.max_new_tokens, False, None, None, False, args.draft,
-                               (args.temperature,), args.block_size)
+    _, groups = build_methods(net, ck, args.max_new_tokens, False, None, None, False, args.draft,
+                              (args.temperature,), args.block_size)
+    _, base, group = groups[0]
+    methods = [base, *group]  # the target alone at this temperature, then each drafter
     context = min(window(m.ck, m.model) for m in methods)
     spans = Spans()
     instrument(spans, net)
