@@ -61,6 +61,42 @@ def hf_eos_ids(folder: Path, hf: dict[str, Any] | None = None) -> int | list[int
     return found
 
 
+TOP_K_UNSET = 50  # transformers' top_k when a sampling generation_config.json leaves it out (GenerationConfig's)
+# DiffusionGemma's generation_config.json keys and the SampleConfig fields they set (its generate reads them)
+USDM_KEYS = {"t_min": "t_min", "t_max": "t_max", "max_denoising_steps": "steps",
+             "stability_threshold": "stability_threshold", "confidence_threshold": "confidence_threshold"}
+
+
+def generation_defaults(folder: Path, objective: str) -> dict[str, Any]:
+    """The sampling defaults the generation_config.json kept beside an imported model's weights sets, as SampleConfig
+    fields: what transformers' generate samples with when it is given no options. AR: do_sample true gives its
+    temperature (1.0 unset), top_k (50 unset, transformers' default) and top_p (1.0 unset); do_sample false or unset
+    is greedy, whatever temperature the file holds. usdm (DiffusionGemma): max_denoising_steps, t_min, t_max, the
+    stopping thresholds and sampler_config's entropy_bound, each where the file sets it. Other paradigms, and a
+    folder without the file (dlm's own checkpoints): none."""
+    gen = Path(folder) / "generation_config.json"
+    if objective not in ("ar", "usdm") or not gen.is_file():
+        return {}
+    g = read_json(gen)
+    if not isinstance(g, dict):
+        raise DlmError(f"{gen}: a JSON object expected, got {type(g).__name__}")
+    if objective == "usdm":
+        out = {field: g[key] for key, field in USDM_KEYS.items() if g.get(key) is not None}
+        bound = (g.get("sampler_config") or {}).get("entropy_bound") if isinstance(g.get("sampler_config"), dict) else None
+        return out | ({"entropy_bound": bound} if bound is not None else {})
+    if not g.get("do_sample"):
+        return {"temperature": 0.0}
+    out = {"temperature": g.get("temperature"), "top_k": g.get("top_k"), "top_p": g.get("top_p")}
+    out = {k: v for k, v in out.items() if v is not None}
+    out = {"temperature": 1.0, "top_k": TOP_K_UNSET, "top_p": 1.0} | out
+    for k, ok in (("temperature", lambda v: v >= 0), ("top_k", lambda v: isinstance(v, int) and v >= 0),
+                  ("top_p", lambda v: 0 < v <= 1)):
+        v = out[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+            raise DlmError(f"{gen}: {k} {v!r} cannot be a sampling default (--generation-config none ignores the file)")
+    return out
+
+
 def import_tokenizer(src: Path, hf: dict[str, Any] | None = None) -> Tokenizer:
     """The tokenizer of a transformers folder, ending text at every EOS id the folder records (hf_eos_ids)."""
     return with_eos_ids(Tokenizer.from_file(Path(src) / TOKENIZER), hf_eos_ids(src, hf), Path(src))

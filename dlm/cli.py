@@ -150,7 +150,7 @@ def generate_cmd(
     import torch
 
     from dlm.checkpoint import load_model
-    from dlm.sampling import encode, generate, stream
+    from dlm.sampling import encode, generate, stream, with_model_defaults
     if dtype == "auto":
         from dlm.checkpoint import open_checkpoint
 
@@ -164,6 +164,7 @@ def generate_cmd(
                          dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "stored": None}[dtype])
     for warning in unused_options(scfg, ck.objective, prompt):
         sys.stderr.write(f"dlm: warning: {warning}; ignored\n")
+    scfg = with_model_defaults(ck, scfg)  # an imported model's generation_config.json, for the options not given
     if show:  # with --json the live view goes to stderr: stdout holds the one JSON object
         from dlm.sampling.show import live
 
@@ -220,11 +221,12 @@ def chat_cmd(scfg, model: str, system: str | None = None, device: str = "auto") 
     check_device_name(device)
     from dlm.chat import chat_prompt, reply_of
     from dlm.checkpoint import load_model
-    from dlm.sampling import generate
+    from dlm.sampling import generate, with_model_defaults
 
     net, ck = load_model(model, device=_device(device))
     for warning in unused_options(scfg, ck.objective):
         sys.stderr.write(f"dlm: warning: {warning}; ignored\n")
+    scfg = with_model_defaults(ck, scfg)  # an imported model's generation_config.json, for the options not given
     head = [("system", _text(system, "--system"))] if system else []
     turns: list[tuple[str, str]] = []
     room = net.cfg.max_seq_len - scfg.max_new_tokens

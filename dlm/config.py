@@ -611,6 +611,7 @@ class SampleConfig:
         top_k: keep the k most likely tokens (0 = off)
         top_p: nucleus sampling mass in (0, 1]
         seed: makes sampling reproducible
+        generation_config: auto (an imported model's generation_config.json sets the defaults of the options not given: do_sample, temperature, top_k, top_p for AR, as transformers' generate reads them; DiffusionGemma's schedule and thresholds) or none (dlm's own defaults: greedy); dlm generate, chat and serve read it, eval and bench do not
         naive: AR, mdlm: recompute the whole sequence every step (no KV cache)
         sampler: confidence | threshold | entropy_bound | entropy | margin | origin (mdlm); entropy_bound (usdm); ar | self-spec-linear | self-spec-linear-ar | self-spec-quadratic | confidence | threshold | entropy_bound | entropy | margin (joint); auto = the paradigm's default
         steps: denoising steps per block (mdlm; default: one token per step; threshold / entropy_bound: at most this many) or per canvas at most (usdm; default 48)
@@ -655,6 +656,7 @@ class SampleConfig:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    generation_config: str = "auto"
     naive: bool = False
     # diffusion (mdlm, usdm)
     sampler: str = "auto"
@@ -709,6 +711,8 @@ class SampleConfig:
         """The checks that hold for every paradigm, made before anything heavy is imported or loaded (each sampler
         checks the rest, and these again)."""
         check_seed(self.seed)
+        check(self.generation_config in ("auto", "none"),
+              f"--generation-config must be auto or none, got {self.generation_config!r}")
         check(self.temperature >= 0, f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
         check(self.top_k >= 0, f"--top-k must be >= 0 (0 = off), got {self.top_k}")
         check(0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}")

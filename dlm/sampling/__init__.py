@@ -37,7 +37,7 @@ SAMPLERS = {"ar": ar, "mdlm": mdlm, "usdm": usdm, "joint": joint}
 # next to its code. `dlm generate`'s warnings, the server's 400s and the bench's method options derive from it.
 # An option a sampler reads to refuse (usdm's --temperature) counts as read: its error is the message.
 OPTIONS = {name: s.OPTIONS for name, s in SAMPLERS.items()} | {"speculative": speculative.OPTIONS}
-EVERY = frozenset({"max_new_tokens", "seed"})  # read by every sampler
+EVERY = frozenset({"max_new_tokens", "seed", "generation_config"})  # read by every sampler
 
 
 def options_read(paradigm: str, drafter_kind: str | None = None) -> frozenset[str]:
@@ -46,6 +46,22 @@ def options_read(paradigm: str, drafter_kind: str | None = None) -> frozenset[st
     if paradigm == "speculative" and drafter_kind is not None:
         reads -= {o for o, (kinds, _) in speculative.DRAFTER_OPTIONS.items() if drafter_kind not in kinds}
     return reads
+
+
+def with_model_defaults(ck: Checkpoint, cfg: SampleConfig) -> SampleConfig:
+    """cfg with the sampling defaults of the generation_config.json an imported model keeps beside its weights
+    (dlm.checkpoint.generation_defaults: what transformers' `generate` samples with, given no options) for the
+    options the user did not set (cfg.given: flags, --config keys, request fields), as a preset fills them;
+    cfg.generation_config "none": dlm's own defaults. `dlm generate`, `dlm chat` and `dlm serve` apply it; eval and
+    bench pin their own settings (greedy unless told)."""
+    if cfg.generation_config not in ("auto", "none"):
+        raise DlmError(f"--generation-config must be auto or none, got {cfg.generation_config!r}")
+    if cfg.generation_config == "none":
+        return cfg
+    from dlm.checkpoint import generation_defaults
+
+    found = generation_defaults(ck.path, ck.objective)
+    return cfg.replace(**{k: v for k, v in found.items() if k not in cfg.given})
 
 
 def stream(model: nn.Module, ck: Checkpoint, prompts: Sequence[Prompt | Sequence[int]], cfg: SampleConfig,

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dlm import chat
 from dlm.config import ALIASES
 from dlm.errors import DlmError
-from dlm.sampling import SampleConfig, encode, options_read
+from dlm.sampling import SampleConfig, encode, options_read, with_model_defaults
 from dlm.sampling.common import Commit, Done, Event, Prompt, Scored, Step, Verified, before_eos, eos_index
 from dlm.sampling.infill import FILL_RE
 from dlm.sampling.speculative import DRAFTER_OPTIONS
@@ -42,7 +42,8 @@ MAX_TOP_LOGPROBS = 20  # chat
 MAX_SEED = 2**63 - 1
 MAX_TEMPERATURE = 100.0  # (OpenAI allows 2; far above, float32 logits / T underflow or overflow)
 TEMPERATURE_RANGE = (1e-4, 100.0)  # usdm's t_min, t_max
-DEFAULT_TEMPERATURE = 1.0  # OpenAI's: a request without temperature samples (temperature 0 is greedy)
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's: a request without temperature samples (temperature 0 is greedy), unless the
+# model keeps a generation_config.json (an imported model): then its defaults (dlm.sampling.with_model_defaults)
 
 log = logging.getLogger("dlm.serve")
 
@@ -128,6 +129,7 @@ class DlmFields(_Strict):
     """dlm's sampler options (the CLI's names), accepted as extra body fields."""
 
     top_k: int | None = None
+    generation_config: Literal["auto", "none"] | None = None
     sampler: str | None = None
     steps: int | None = None
     threshold: float | None = None
@@ -302,16 +304,18 @@ def _sample_config(served: Served, req: _Common, max_tokens: int) -> SampleConfi
             raise ApiError(400, f"{name} must be <= {served.context} (the model's context), got {given[name]}",
                            name, "invalid_value")
     cfg = SampleConfig(max_new_tokens=max_tokens, **given)
-    cfg.given = frozenset(given)  # a preset (the model's recorded one) fills only what the request left out
-    temperature = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
-    if served.paradigm == "usdm":
-        cfg = _usdm_schedule(cfg, temperature)
-    else:
-        cfg.temperature = temperature
     if req.top_p is not None:
         cfg.top_p = req.top_p
     if req.seed is not None:
         cfg.seed = req.seed
+    if served.paradigm != "usdm":  # (usdm: temperature scales the schedule, below)
+        cfg.temperature = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
+    # what the request left out: a preset (the model's recorded one) and an imported model's generation_config.json
+    # (its temperature, top_k, top_p, in place of OpenAI's default temperature) fill it
+    cfg.given = frozenset(given) | {k for k in ("temperature", "top_p", "seed") if getattr(req, k) is not None}
+    cfg = with_model_defaults(served.ck, cfg)
+    if served.paradigm == "usdm":
+        cfg = _usdm_schedule(cfg, DEFAULT_TEMPERATURE if req.temperature is None else req.temperature)
     return cfg
 
 
