@@ -28,7 +28,8 @@ import test_parity_sampled as sampled  # noqa: E402
 from conftest import cli  # noqa: E402
 from dlm.checkpoint import load_model  # noqa: E402
 from dlm.config import SampleConfig  # noqa: E402
-from dlm.sampling import generate, with_model_defaults  # noqa: E402
+from dlm.sampling import generate, stream, with_model_defaults  # noqa: E402
+from dlm.sampling.common import Commit  # noqa: E402
 from dlm.sampling.common import before_eos  # noqa: E402
 from hfbuild import assert_same_greedy, hf_greedy  # noqa: E402
 
@@ -155,3 +156,36 @@ def test_the_server_follows_the_file_when_a_request_leaves_temperature_out(qwen3
             assert r.status_code == 400 and "generation_config" in r.text
     finally:
         engine.close()
+
+
+def test_diffusion_gemma_samples_at_its_generation_config(tmp_path):
+    """A DiffusionGemma folder whose generation_config.json sets its schedule (steps, t_max -> t_min, entropy bound,
+    stopping thresholds): dlm's defaults are those, and its tokens transformers' `generate()` with no option."""
+    import test_diffusion_gemma_generate as dg
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
+
+    m = dg.build([dg.S, dg.F], window=4, experts=2, top_k=1, canvas=8, scale=0.3, seed=1)
+    eos = [1, 5]
+    src = tmp_path / "src"
+    m.save_pretrained(src)
+    dg.save_tokenizer(src)
+    own = {"max_denoising_steps": 6, "t_min": 0.3, "t_max": 1.2, "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 0.4},
+           "stability_threshold": 2, "confidence_threshold": 0.05}
+    (src / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "bos_token_id": 2, "pad_token_id": 0,
+                                                            **own}))
+    m.generation_config = DiffusionGemmaGenerationConfig.from_pretrained(src)  # what from_pretrained(src) reads
+    cli("import", "--hf", str(src), "--out", str(tmp_path / "ck"), check=True)
+    net, ck = load_model(str(tmp_path / "ck"))
+    with torch.no_grad():  # (aligned as m's: see tests/test_diffusion_gemma_generate.py)
+        for p in net.parameters():
+            p.data = p.data.clone()
+    cfg = with_model_defaults(ck, SampleConfig(max_new_tokens=20, seed=0))
+    assert (cfg.steps, cfg.t_min, cfg.t_max, cfg.entropy_bound, cfg.stability_threshold, cfg.confidence_threshold) \
+        == (6, 0.3, 1.2, 0.4, 2, 0.05)
+    prompt = [2, 9, 30, 41, 17, 66, 8]
+    for seed in (0, 7):
+        theirs = dg.reference(m, prompt, 20, eos, seed)  # generate() with no sampling option, cut as dlm commits
+        got = [t for e in stream(net, ck, [prompt], cfg.replace(seed=seed)) if isinstance(e, Commit) for t in e.tokens]
+        assert got == theirs
+    plain = SampleConfig(max_new_tokens=20, generation_config="none")
+    assert with_model_defaults(ck, plain) == plain  # (dlm's own: transformers' global defaults)
