@@ -321,8 +321,10 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
     """Held-out loss and perplexity of a checkpoint; or, with --task, what it gets right on a task.
 
     --task complete|infill|sudoku runs the task's cases through the checkpoint's sampler with the generation
-    options below (speculative decoding with --draft); --seed picks the cases and seeds sampling (and the
-    likelihood bound of a diffusion checkpoint without --task). docs/tasks.md describes the tasks.
+    options below (speculative decoding with --draft; greedy unless --temperature is given: an imported model's
+    generation_config.json sampling defaults are not read here, so scores stay comparable); --seed picks the cases
+    and seeds sampling (and the likelihood bound of a diffusion checkpoint without --task). docs/tasks.md describes
+    the tasks.
 
     Args:
         model: checkpoint folder
@@ -540,7 +542,7 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
             --draft are not given; '' for none)
         sweep: sweep the diffusion samplers (steps, entropy bound, threshold, block length) instead of two rows each
         draft: speculative rows: drafter checkpoints (dflash, AR, mdlm or joint) and/or 'lookup', each verified by --model; FOLDER@N drafts with N passes (--draft-passes), FOLDER@topK a DFlash 2 drafter with K candidates per slot (--draft-top-k)
-        temperature: temperatures of the speculative rows (default: 0 and 1), each beside the target alone
+        temperature: temperatures of the speculative rows (default: 0 and 1), each beside the target alone; the other rows are greedy (an imported model's generation_config.json sampling defaults are not read)
         block_size: speculative block per cycle, last token + proposals (default: each drafter's)
         repeat: interleaved repetitions (figures: medians; ratios: min-max over repetitions too)
         task: complete, infill or sudoku: a Pareto sweep of the diffusion samplers on that task's cases (quality

@@ -607,11 +607,11 @@ class SampleConfig:
 
     Attributes:
         max_new_tokens: tokens to generate at most (infilling: the middle's length)
-        temperature: 0 = greedy; > 0 samples (AR, speculative, mdlm)
-        top_k: keep the k most likely tokens (0 = off)
-        top_p: nucleus sampling mass in (0, 1]
+        temperature: 0 = greedy; > 0 samples (AR, speculative, mdlm); default 0, or for generate, chat and serve an imported model's generation_config.json's (see --generation-config)
+        top_k: keep the k most likely tokens (0 = off; generate, chat and serve: a sampling generation_config.json's, 50 where it leaves top_k out)
+        top_p: nucleus sampling mass in (0, 1] (generate, chat and serve: a sampling generation_config.json's)
         seed: makes sampling reproducible
-        generation_config: auto (an imported model's generation_config.json sets the defaults of the options not given: do_sample, temperature, top_k, top_p for AR, as transformers' generate reads them; DiffusionGemma's schedule and thresholds) or none (dlm's own defaults: greedy); dlm generate, chat and serve read it, eval and bench do not
+        generation_config: auto (an imported model's generation_config.json sets the defaults of the options not given, as transformers' generate reads them: AR and speculative: do_sample false = greedy, true = its temperature, top_k (50 unset) and top_p; DiffusionGemma: its steps, t_max, t_min, entropy bound and stopping thresholds) or none (dlm's own defaults: greedy); read by generate, chat and serve, not by eval and bench
         naive: AR, mdlm: recompute the whole sequence every step (no KV cache)
         sampler: confidence | threshold | entropy_bound | entropy | margin | origin (mdlm); entropy_bound (usdm); ar | self-spec-linear | self-spec-linear-ar | self-spec-quadratic | confidence | threshold | entropy_bound | entropy | margin (joint); auto = the paradigm's default
         steps: denoising steps per block (mdlm; default: one token per step; threshold / entropy_bound: at most this many) or per canvas at most (usdm; default 48)
