@@ -82,17 +82,18 @@ def generation_defaults(folder: Path, objective: str) -> dict[str, Any]:
         raise DlmError(f"{gen}: a JSON object expected, got {type(g).__name__}")
     if objective == "usdm":
         out = {field: g[key] for key, field in USDM_KEYS.items() if g.get(key) is not None}
-        bound = (g.get("sampler_config") or {}).get("entropy_bound") if isinstance(g.get("sampler_config"), dict) else None
-        return out | ({"entropy_bound": bound} if bound is not None else {})
-    if not g.get("do_sample"):
+        sc = g.get("sampler_config")
+        bound = sc.get("entropy_bound") if isinstance(sc, dict) else None  # ({"_cls_name": ..., "entropy_bound": b})
+        out |= {"entropy_bound": bound} if bound is not None else {}
+        ints = {"steps", "stability_threshold"}
+    elif not g.get("do_sample"):
         return {"temperature": 0.0}
-    out = {"temperature": g.get("temperature"), "top_k": g.get("top_k"), "top_p": g.get("top_p")}
-    out = {k: v for k, v in out.items() if v is not None}
-    out = {"temperature": 1.0, "top_k": TOP_K_UNSET, "top_p": 1.0} | out
-    for k, ok in (("temperature", lambda v: v >= 0), ("top_k", lambda v: isinstance(v, int) and v >= 0),
-                  ("top_p", lambda v: 0 < v <= 1)):
-        v = out[k]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+    else:
+        out = {k: g[k] for k in ("temperature", "top_k", "top_p") if g.get(k) is not None}
+        out = {"temperature": 1.0, "top_k": TOP_K_UNSET, "top_p": 1.0} | out
+        ints = {"top_k"}
+    for k, v in out.items():  # (ranges: the sampler's own checks, as for an option given)
+        if isinstance(v, bool) or not isinstance(v, int if k in ints else (int, float)) or v < 0:
             raise DlmError(f"{gen}: {k} {v!r} cannot be a sampling default (--generation-config none ignores the file)")
     return out
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dlm.checkpoint import SIDE_FILES, Checkpoint, all_finite, save_checkpoint, state_tensors
+from dlm.checkpoint import SIDE_FILES, Checkpoint, all_finite, generation_defaults, save_checkpoint, state_tensors
 from dlm.errors import DlmError
 from dlm.families import Family, export_family, family_of, prepare
 from dlm.files import Lazy, Stacked, mmap_tensors, read_json, write_folder, write_json, write_tensors
@@ -47,6 +47,7 @@ def import_hf(folder: str | os.PathLike, out: str | os.PathLike, overwrite: bool
     hf = read_json(src / "config.json")
     fam = family_of(hf, src / "config.json")
     cfg, tok, extra = prepare(fam, hf, src, target)
+    sampling = generation_defaults(src, fam.objective) if fam.tokenizer else {}  # (a bad file: refused here)
     meta = {"objective": fam.objective, "model": cfg.to_dict(), "imported_from": src.name, "data": "stdlib",
             **extra, **({"hf_config": hf} if fam.keep_config else {})}
     expected, aliases = shapes_of(meta)
@@ -59,6 +60,10 @@ def import_hf(folder: str | os.PathLike, out: str | os.PathLike, overwrite: bool
     if left:
         towers = sorted({".".join(n.split(".")[:3]) for n in left})
         print(f"note: left out {len(left)} tensors of {', '.join(towers)} (text weights only)", file=sys.stderr)
+    if sampling.get("temperature", 1.0) > 0 and sampling:
+        shown = ", ".join(f"{k} {v}" for k, v in sampling.items())
+        print(f"note: generate, chat and serve default to generation_config.json's {shown} "
+              f"(--generation-config none: dlm's own)", file=sys.stderr)
     return out
 
 

@@ -169,8 +169,8 @@ def test_diffusion_gemma_samples_at_its_generation_config(tmp_path):
     src = tmp_path / "src"
     m.save_pretrained(src)
     dg.save_tokenizer(src)
-    own = {"max_denoising_steps": 6, "t_min": 0.3, "t_max": 1.2, "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 0.4},
-           "stability_threshold": 2, "confidence_threshold": 0.05}
+    own = {"max_denoising_steps": 6, "t_min": 0.3, "t_max": 1.2, "stability_threshold": 2, "confidence_threshold": 0.05,
+           "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 0.4}}
     (src / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "bos_token_id": 2, "pad_token_id": 0,
                                                             **own}))
     m.generation_config = DiffusionGemmaGenerationConfig.from_pretrained(src)  # what from_pretrained(src) reads

@@ -298,6 +298,8 @@ CASES = [
      ["import", "--hf", "{hf}", "--out", "new"], ["num_hidden_layers is missing"], None),
     ("hf-eos-float", hf_file("generation_config.json", edit=lambda g: {**g, "eos_token_id": 2.5}),
      ["import", "--hf", "{hf}", "--out", "new"], ["generation_config.json", "eos_token_id", "2.5"], None),
+    ("hf-temperature-str", hf_file("generation_config.json", edit=lambda g: {**g, "do_sample": True, "temperature": "hot"}),
+     ["import", "--hf", "{hf}", "--out", "new"], ["generation_config.json", "temperature 'hot'"], None),
     ("hf-int64-weights", hf_int_weights, ["import", "--hf", "{hf}", "--out", "new"],
      ["model.safetensors", "int64", "floating point"], None),
     ("hf-rope-infinity", hf_config(rope_theta=float("inf")), ["import", "--hf", "{hf}", "--out", "new"],
