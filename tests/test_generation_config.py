@@ -118,8 +118,9 @@ def text_of(tok, tokens: list[int]) -> str:
     return tok.text(before_eos(tokens, tok.eos_set))
 
 
-def test_an_option_given_wins_and_none_ignores_the_file(qwen3):
+def test_an_option_given_wins_and_none_ignores_the_file(qwen3, tmp_path):
     model, ids, ckp, tok = qwen3
+    (tmp_path / "greedy.json").write_text('{"temperature": 0}')  # a --config key is given too
     n = CASE["new"]
     greedy = text_of(tok, hf_greedy(model, ids, n))
     sampled_texts = {text_of(tok, hf_default(model, ids, n, s)) for s in SEEDS}
@@ -128,6 +129,7 @@ def test_an_option_given_wins_and_none_ignores_the_file(qwen3):
         assert dlm_text(ckp, CASE["prompt"], n, "--seed", str(s)) == text_of(tok, hf_default(model, ids, n, s))
         assert dlm_text(ckp, CASE["prompt"], n, "--seed", str(s), "--temperature", "0") == greedy
         assert dlm_text(ckp, CASE["prompt"], n, "--seed", str(s), "--generation-config", "none") == greedy
+        assert dlm_text(ckp, CASE["prompt"], n, "--seed", str(s), "--config", str(tmp_path / "greedy.json")) == greedy
     bad = cli("generate", "--model", str(ckp), "--prompt", "x", "--generation-config", "vllm")
     assert bad.returncode == 2 and "--generation-config must be auto or none" in bad.stderr
 
