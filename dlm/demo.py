@@ -54,6 +54,7 @@ def run_demo(prompts: int = 3, max_new_tokens: int = 48, bench_prompts: int = 4,
     run_bench(str(ar), prompts=bench_prompts, max_new_tokens=bench_tokens, out=None, naive=False,
               mdlm=str(mdlm) if mdlm else None, usdm=str(usdm) if usdm else None,
               draft=drafts, temperatures=(0.0,), repeat=repeat)
+    mid_pair(con, bench_prompts, repeat)
     sudoku(con)
     con.print(f"[dim]demo took {time.perf_counter() - t0:.1f} s[/]")
 
@@ -82,6 +83,22 @@ def side_by_side(con, prompt: str, ar_model, ar_ck, new: int = 16) -> None:
         table.add_row(name, "speculative" if draft else ck.objective, shown, repr(res.text)[1:-1][:48],
                       f"{s['tokens_per_forward']:.2f}")
     con.print(table)
+
+
+def mid_pair(con, prompts: int, repeat: int, tokens: int = 64) -> None:
+    """The pair with the field's proportions (a 16-layer target, a 1-layer DFlash 2 drafter) beside prompt lookup."""
+    from dlm.bench import run_bench
+
+    target, drafter = shipped("ar-mid"), shipped("dflash2-mid")
+    if target is None or drafter is None:
+        return
+    con.print("\n[bold]Speculation at the field's proportions[/]: a DFlash 2 drafter pays when its pass costs a "
+              "small part of a target step; dflash-small's 3 layers on ar-small's 4 cost about one step, "
+              "dflash2-mid's 1 layer on ar-mid's 16 about a fifth (greedy, block 8: "
+              f"`dlm bench --model checkpoints/ar-mid --draft checkpoints/dflash2-mid lookup --prompts {prompts} "
+              f"--max-new-tokens {tokens} --repeat {repeat} --no-naive --temperature 0`)")
+    run_bench(str(target), prompts=prompts, max_new_tokens=tokens, out=None, naive=False,
+              draft=[str(drafter), "lookup"], temperatures=(0.0,), repeat=repeat)
 
 
 def sudoku(con, n: int = 10, threshold: float = 0.999, models: tuple[str, ...] = ("sudoku-mdlm", "sudoku-ar")) -> None:

@@ -23,6 +23,7 @@ from dlm.sampling.speculative import DRAFTER_OPTIONS  # noqa: E402
 CK = Path(__file__).resolve().parents[1] / "checkpoints"
 SHIPPED = sorted(p.name for p in CK.iterdir() if (p / "config.json").exists())
 DRAFTERS = ["dflash-small", "dflash2-small", "ar-draft", "lookup"]
+OWN_TARGET = {"dflash2-mid": "ar-mid"}  # drafters of another target than ar-small
 
 # a valid value of each option, per paradigm where it differs (small sizes: each request is fast)
 VALUES = {"top_k": 5, "steps": 4, "threshold": 0.8, "entropy_bound": 0.2, "block_size": 4, "remasking": "random",
@@ -40,11 +41,13 @@ def served_ids() -> list[tuple[str, list[str], str | None]]:
     """(model id, the engine's models, its --draft) for every shipped checkpoint and drafter kind."""
     out = []
     for name in SHIPPED:
-        if name in DRAFTERS:
+        if name in DRAFTERS or name in OWN_TARGET:
             continue
         out.append((name, [name], None))
     for d in DRAFTERS + ["mdlm-small"]:  # mdlm-small: a model served on its own and a diffusion drafter
         out.append((f"ar-small+{d}", ["ar-small"], d))
+    for d, target in OWN_TARGET.items():
+        out.append((f"{target}+{d}", [target], d))
     return out
 
 
@@ -53,7 +56,7 @@ def test_every_shipped_checkpoint_is_covered():
 
     paradigms = {open_checkpoint(CK / n).objective for n in SHIPPED}
     assert {"ar", "mdlm", "usdm", "joint", "dflash"} <= paradigms
-    assert {n for n in SHIPPED if open_checkpoint(CK / n).objective == "dflash"} <= set(DRAFTERS)
+    assert {n for n in SHIPPED if open_checkpoint(CK / n).objective == "dflash"} <= set(DRAFTERS) | set(OWN_TARGET)
     assert set(OPTIONS) == {"ar", "mdlm", "usdm", "joint", "speculative"}
 
 
@@ -74,7 +77,7 @@ def test_every_option_a_paradigm_reads_is_accepted_and_others_refused(model, mod
         own = allowed - {o for o, (k, _) in DRAFTER_OPTIONS.items() if kind not in k}  # less another drafter's options
         with running(create_app(engine, max_concurrency=4, max_queue=4)) as url:
             opts = {o: VALUES.get(o) for o in own if o != "sampler"}
-            if draft == "dflash2-small":  # a DFlash 2 selector drafts in one pass (2 is refused, with a 400)
+            if draft in ("dflash2-small", "dflash2-mid"):  # a DFlash 2 selector drafts in one pass (2 is refused, with a 400)
                 opts["draft_passes"] = 1
             if draft == "dflash-small":  # a DFlash 1 drafter has no candidates to widen: a 400 naming the field
                 body = _body(model, "speculative", draft_top_k=opts.pop("draft_top_k"))
