@@ -101,22 +101,23 @@ def rope_inv_freq(cfg: ModelConfig, kind: str = "full") -> Tensor:
 class KVCache:
     """Static K/V buffers of every layer, rows at dim -4 and slots at dim -2: one (n_layers, B, n_kv_heads, capacity,
     head_dim) tensor each for K and V when the layers' shapes agree, else one (B, n_kv_heads_i, capacity, head_dim_i)
-    per layer (Gemma 4's sliding and full layers); `k[i]` is layer i's either way.
+    per layer (Gemma 4's sliding and full layers, or `per_layer`: a compiled step writes a buffer of its own in place,
+    where a write into a view of the stacked one copies the whole stack); `k[i]` is layer i's either way.
 
     `length` slots are valid. `update` writes at `length`; `crop(n)` rolls back to n slots.
     Slots need not equal positions (positions are baked into the keys by RoPE).
 
-    `slot`, when set (a (T,) long tensor on the cache's device), is where a step of T tokens writes instead, and every slot is
-    attended to (the caller's mask hides the unwritten ones): no Python number decides a shape or an offset, so the
+    `slot`, when set (a (T,) long tensor on the cache's device, or (B, T): each row's own), is where a step of T tokens
+    writes instead, and every slot is attended to (the caller's mask hides the unwritten ones): no Python number decides a shape or an offset, so the
     step can be captured once as a CUDA graph and replayed (dlm.sampling.graphs).
     """
 
     def __init__(self, cfg: ModelConfig, batch: int, capacity: int, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, fill: bool = True):
+                 dtype: torch.dtype = torch.float32, fill: bool = True, per_layer: bool = False):
         """fill=False: the buffers are left unfilled (torch.empty); the caller keeps unwritten slots from being read."""
         shapes = [cfg.layer(i)[1:3] for i in range(cfg.n_layers)]  # (head_dim, n_kv_heads)
         make = torch.zeros if fill else torch.empty
-        if len(set(shapes)) == 1:
+        if len(set(shapes)) == 1 and not per_layer:
             hd, kv = shapes[0]
             self.k = make((cfg.n_layers, batch, kv, capacity, hd), device=device, dtype=dtype)
             self.v = make(self.k.shape, device=device, dtype=dtype)
@@ -169,8 +170,13 @@ class KVCache:
         k, v (B, Hkv, T, hd), kept when `write`."""
         ck, cv = self.k[layer], self.v[layer]  # (B, Hkv, capacity, hd)
         if self.slot is not None:  # a step at the slot tensor, over every slot (the class docstring)
-            ck.index_copy_(2, self.slot, k)
-            cv.index_copy_(2, self.slot, v)
+            if self.slot.dim() == 2:  # (B, T): each row's own slots (the row batch's step, dlm.sampling.graphs)
+                b = torch.arange(ck.shape[0], device=ck.device)[:, None]  # (B, 1)
+                ck[b, :, self.slot] = k.transpose(1, 2)  # (B, T, Hkv, hd) at [b, :, slot[b, t]]
+                cv[b, :, self.slot] = v.transpose(1, 2)
+            else:
+                ck[:, :, self.slot] = k  # (index_put_: a compiled step writes it in place, gpt-fast's habit)
+                cv[:, :, self.slot] = v
             return ck, cv
         start = self.length
         if kc is not None:
@@ -385,11 +391,14 @@ def run_blocks(
     holds its frequencies. Sliding-window layers see `mask` within their band (dlm.masks.sliding_band, slots as
     positions), or the sliding mask of a LayerMasks."""
     B, T, _ = x.shape
-    L0 = cache.length if cache is not None else 0
+    static = cache is not None and cache.slot is not None  # a step over every slot (KVCache.slot)
+    # (a slot step reads no Python length: its caller reserves, sets the slot and advances the length, so a compiled
+    # step does not specialise on it)
+    L0 = cache.length if cache is not None and not static else 0
     C = ctx.shape[1] if ctx is not None else 0
     if pos is None:
         pos = torch.arange(L0 + C, L0 + C + T, device=x.device)
-    if cache is not None:
+    if cache is not None and not static:
         cache.reserve(C + T)
     freqs = inv_freq if isinstance(inv_freq, dict) else {"full": inv_freq}
     factor = rope_attention_factor(rope_scaling)
@@ -408,7 +417,6 @@ def run_blocks(
             raise DlmError("context features (DFlash drafter injection) are not supported with sliding-window layers")
         ctx_rope = rope_cos_sin(freqs["full"], ctx_pos if ctx_pos.dim() == 2 else ctx_pos[None], x.dtype, factor)
     layered = isinstance(mask, LayerMasks)
-    static = cache is not None and cache.slot is not None  # a step over every slot (KVCache.slot)
     if static:
         if C or "sliding" in kinds or not write or not isinstance(mask, Tensor):
             raise DlmError("a cache step at a slot tensor takes a bool mask over every slot, writes, and has no "
@@ -541,9 +549,11 @@ class Transformer(nn.Module):
     # what the row batch (dlm.sampling.rows) asks of a model it serves: rows_batchable, rows_cache, rows_band,
     # rows_forward (a DFlash drafter answers the same four)
     rows_batchable = True
+    rows_static = True  # its rows' one-token steps can run as one static step (dlm.sampling.graphs.RowsStep)
 
-    def rows_cache(self, rows: int, capacity: int, fill: bool = True) -> KVCache:
-        return self.new_cache(rows, capacity, fill=fill)
+    def rows_cache(self, rows: int, capacity: int, fill: bool = True, per_layer: bool = False) -> KVCache:
+        p = self.embed_tokens.weight
+        return KVCache(self.cfg, rows, capacity, p.device, p.dtype, fill, per_layer)
 
     @property
     def rows_band(self) -> int:

@@ -70,8 +70,8 @@ class Poisoned(torch.nn.Module):
         except AttributeError:
             return getattr(self.m, name)
 
-    def rows_cache(self, rows: int, capacity: int, fill: bool = True):
-        cache = self.m.rows_cache(rows, capacity, fill)
+    def rows_cache(self, rows: int, capacity: int, fill: bool = True, per_layer: bool = False):
+        cache = self.m.rows_cache(rows, capacity, fill, per_layer)
         if not fill:
             for t in cache.buffers():
                 t.fill_(float("nan"))
@@ -85,9 +85,9 @@ def test_the_row_batch_grows_unfilled_and_reads_no_unwritten_slot(model, rows):
     joined(Poisoned(model), rows, 4, alone_model=model)
 
 
-def joined(model, rows, capacity: int, alone_model=None):
+def joined(model, rows, capacity: int, alone_model=None, kind: str = "eager"):
     cfgs = [SampleConfig(max_new_tokens=n, temperature=t, top_k=k, top_p=p, seed=s) for _, n, (t, k, p), s, _ in rows]
-    batch = Programs(model, capacity)
+    batch = Programs(model, capacity, step=kind)
     got: list[list[int]] = [[] for _ in rows]
     forwards, step = 0, 0
     with torch.inference_mode():
@@ -104,6 +104,7 @@ def joined(model, rows, capacity: int, alone_model=None):
     want = [alone(alone_model or model, r[0], c) for r, c in zip(rows, cfgs)]
     assert got == want
     assert batch.forwards <= sum(len(w) for w in want)  # rows shared forwards (or ended at once)
+    assert (batch.rows.step is not None) == (kind != "eager")
 
 
 def test_rows_end_at_eos_or_their_budget_and_score_as_the_lone_model(model):
@@ -159,3 +160,13 @@ def test_a_row_whose_program_raises_ends_alone(model):
         assert [tag for tag, _ in raised] == ["bad"] and str(raised[0][1].error) == "mid-way"
         assert [t for tag, ev in out if tag == "good" for t in ev.tokens] == alone(model, good, SampleConfig(
             max_new_tokens=12))
+
+
+@pytest.mark.parametrize("step", ["static", pytest.param("compiled", marks=pytest.mark.slow)])
+@settings(max_examples=6, deadline=None, derandomize=True, database=None)
+@given(rows=rows)
+def test_ar_rows_on_the_static_step_equal_each_prompt_alone(model, rows, step):
+    """The rows' one-token steps as one static step over every row's slots (rows.RowBatch step="static"; "compiled":
+    the same step through torch.compile) give each prompt's tokens alone, rows joining and leaving at any step, the
+    buffers growing unfilled (NaN) from a capacity of 4."""
+    joined(Poisoned(model), rows, 4, alone_model=model, kind=step)

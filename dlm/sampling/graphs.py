@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from dlm.model import KVCache, Transformer
+from dlm.rope import query_scale, rope_attention_factor, rope_cos_sin
 
 
 def graphable(model: Transformer) -> bool:
@@ -75,3 +76,62 @@ class StepGraph:
     def close(self) -> None:
         """The cache back to ordinary steps (writes at cache.length, keys sliced)."""
         self.cache.slot = None
+
+
+def compilable(model) -> bool:
+    """Whether the row batch can run the model's one-token steps as one compiled static step (RowsStep): a plain
+    backbone (not a drafter), no sliding-window layers, no mixture of experts, no absolute positions."""
+    cfg = getattr(model, "cfg", None)
+    return (getattr(model, "rows_static", False) and "sliding" not in cfg.layer_types and cfg.moe is None
+            and not cfg.learned_pos and not cfg.grid_pos)
+
+
+class RowsStep:
+    """One token for each of R rows of a row batch (dlm.sampling.rows) as a static step: row b writes its K/V at its
+    own slot and attends to the slots its `valid` row allows, over the first S slots of every row. Nothing in it
+    depends on a Python number but the shapes, so torch.compile (inductor: C++ on a CPU, Triton on a GPU) can trace
+    it for every R and S at once (dynamic shapes) and fuse the elementwise work between the matrix products.
+
+    What is compiled is one decoder layer (every layer runs the same code on its own weights and buffers: one
+    compilation serves them all, a sixteenth of compiling the whole stack), the embedding, RoPE tables and final
+    norm stay eager.
+
+    `step(tokens (R,), pos (R,), slot (R,), valid (R, S), ks, vs)` -> final hidden states (R, D), ks / vs each
+    layer's (R, Hkv, S, hd) view of the rows' buffers (per-layer buffers: KVCache(per_layer=True): a compiled write
+    into a view of the stacked buffer copies the whole stack). compile=False runs the same step eagerly (what the
+    compiled one is checked against)."""
+
+    def __init__(self, model: Transformer, compile: bool = True):
+        self.model = model
+        self.layer = torch.compile(self._layer, dynamic=True) if compile else self._layer
+
+    def warm(self) -> None:
+        """Compile now (one row, and several: a row count of 1 is traced apart), on scratch buffers, under inference
+        mode as the row batch runs; raises what the compiler raises."""
+        model, dev = self.model, self.model.device
+        cache = model.rows_cache(3, 4, True)
+        with torch.inference_mode():
+            for R in (2, 1):
+                length = torch.arange(R, device=dev)
+                valid = torch.arange(3, device=dev)[None] <= length[:, None]  # (R, 3)
+                self(torch.zeros(R, dtype=torch.long, device=dev), length, length, valid,
+                     [k[:R, :, :3] for k in cache.k], [v[:R, :, :3] for v in cache.v])
+
+    @staticmethod
+    def _layer(block, x: Tensor, rope: tuple[Tensor, ...], mask: Tensor, slot: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        cache = KVCache.over([k], [v], 0)
+        cache.slot = slot
+        return block(x, rope, mask, False, cache, 0, True)
+
+    def __call__(self, tokens: Tensor, pos: Tensor, slot: Tensor, valid: Tensor, ks: list[Tensor],
+                 vs: list[Tensor]) -> Tensor:
+        model = self.model
+        x = model.embed(tokens[:, None])  # (R, 1, D)
+        rs, p = model.cfg.rope_scaling, pos[:, None]  # (R, 1)
+        rope = rope_cos_sin(model.inv_freq, p, x.dtype, rope_attention_factor(rs))
+        qs = query_scale(rs, p)
+        rope = rope if qs is None else (*rope, qs)
+        mask, slot = valid[:, None, None, :], slot[:, None]  # (R, 1, 1, S), (R, 1)
+        for block, k, v in zip(model.layers, ks, vs):
+            x = self.layer(block, x, rope, mask, slot, k, v)
+        return model.norm(x)[:, 0]

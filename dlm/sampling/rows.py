@@ -22,6 +22,7 @@ nothing but its own tokens, up to the float rounding of batched matmuls.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from dlm.errors import DlmError
 from dlm.masks import LayerMasks, sliding_band
 from dlm.model import KVCache, Transformer, canvas_embeds
 from dlm.sampling.common import Event, Stats
+from dlm.sampling.graphs import RowsStep, compilable
 
 
 @dataclass
@@ -58,6 +60,13 @@ class Window:
     taps: tuple[int, ...] = ()  # also return these layers' outputs over the whole window: (out, (T, F))
     ctx: Tensor | None = None  # (C, D) a DFlash drafter's new context features: their K/V are kept in the row's
     # next C slots (always, before the window, which then starts C positions later)
+
+    @property
+    def decodes(self) -> bool:
+        """A plain decoding step: one token id, kept, its logits wanted, at the row's next position."""
+        return (self.tokens is not None and self.tokens.shape[0] == 1 and self.keep == 1 and self.out == (0, 1)
+                and not self.hidden and not self.canvas and self.embeds is None and self.pos is None and not self.taps
+                and self.ctx is None and self.on == "target" and not isinstance(self.mask, Tensor))
 
     @property
     def length(self) -> int:
@@ -178,6 +187,9 @@ def finish(program: Iterator, answer):
         msg = answer(req)
 
 
+STEPS = ("eager", "static", "compiled")
+
+
 class RowBatch:
     """The K/V of many rows (slots == positions per row) and the one forward that serves all their requests.
 
@@ -185,8 +197,20 @@ class RowBatch:
     may serve a subset of the rows (the others wait: a speculating row asks its drafter and its target in turn);
     `crop` cuts a row's cache back (a rejected draft); the slots per row grow when a window would not fit."""
 
-    def __init__(self, model, capacity: int):
+    def __init__(self, model, capacity: int, step: str = "eager"):
         self.model = model
+        # step "compiled": the rows' one-token steps as one compiled static step (dlm.sampling.graphs.RowsStep) on
+        # per-layer buffers; "static": the same step run eagerly (its check); "eager": the ordinary forward
+        if step not in STEPS:
+            raise DlmError(f"step must be one of {', '.join(STEPS)}, got {step!r}")
+        self.step = RowsStep(model, step == "compiled") if step != "eager" and compilable(model) else None
+        if step == "compiled" and self.step is not None:
+            try:
+                self.step.warm()
+            except Exception as e:  # (inductor needs a C++ compiler on a CPU, Triton on a GPU)
+                warnings.warn(f"compiling the decode step failed, decoding eagerly instead: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}", stacklevel=2)
+                self.step = None
         self.C = capacity  # slots per row: the longest row plus the longest window (grown on demand)
         self.cache: KVCache | None = None  # the rows' K/V (its length unused: each row's is in `length`)
         self.window = model.rows_band
@@ -209,7 +233,12 @@ class RowBatch:
         if n <= have and C == self.C and self.cache is not None:
             return
         rows = max(n, 2 * have, 1) if n > have else have
-        old, self.cache = self.cache, self.model.rows_cache(rows, C, fill=False)
+        old = self.cache
+        if self.step is not None:
+            with torch.inference_mode():  # (what the compiled step was warmed up on)
+                self.cache = self.model.rows_cache(rows, C, fill=False, per_layer=True)
+        else:
+            self.cache = self.model.rows_cache(rows, C, fill=False)
         if old is not None:
             used = max(self.clean, default=0)
             for new, was in zip(self.cache.buffers(), old.buffers()):
@@ -302,10 +331,45 @@ class RowBatch:
 
     GROUP_COST = 24  # a second forward costs about this many padded tokens (its fixed overhead)
 
+    def _step(self, idx: list[int], windows: list[Window]) -> list:
+        """One token of rows idx (Window.decodes) through the compiled static step over rows 0..R-1 (R = max(idx) + 1)
+        and slots 0..S-1: row b writes at its length and sees its cache and itself; a row of 0..R-1 outside idx writes
+        at slot S - 1 = the longest row's length, past its own cache (nothing it keeps), and sees that slot alone."""
+        dev = self.cache.k[0].device
+        R = max(idx) + 1
+        length = torch.tensor(self.length[:R], device=dev)  # (R,)
+        S = int(length.max()) + 1
+        if S > self.C:
+            self._reserve(len(self.length), max(S, self.C + self.C // 2))
+        # every row's slots the step reads finite (its own past its length are masked): one write per buffer
+        dirty = [(b, s) for b in range(R) for s in range(self.clean[b], S)]
+        if dirty:
+            b_, s_ = torch.tensor(dirty, device=dev).unbind(1)
+            for t in self.cache.buffers():
+                t[..., b_, :, s_, :] = 0
+            self.clean[:R] = [max(c, S) for c in self.clean[:R]]
+        at = torch.tensor(idx, device=dev)
+        live = torch.zeros(R, dtype=torch.bool, device=dev)
+        live[at] = True
+        slot = torch.where(live, length, S - 1)  # (R,)
+        tokens = torch.zeros(R, dtype=torch.long, device=dev)
+        tokens[at] = torch.cat([w.tokens for w in windows])
+        keys = torch.arange(S, device=dev)[None]  # (1, S)
+        valid = torch.where(live[:, None], keys <= length[:, None], keys == S - 1)  # (R, S)
+        ks = [k[:R, :, :S] for k in self.cache.k]
+        vs = [v[:R, :, :S] for v in self.cache.v]
+        last = self.step(tokens, slot, slot, valid, ks, vs)  # (R, D); a row's position is its slot
+        for b in idx:
+            self.length[b] += 1
+        logits = self.model.head(last[at])  # (n, V)
+        return [logits[j:j + 1, None] for j in range(len(idx))]
+
     def _forward(self, idx: list[int], windows: list[Window]) -> list:
         """One forward of rows idx (their windows); the kept K/V land in the rows' own slots."""
         model = self.model
         n = len(idx)
+        if self.step is not None and all(w.decodes for w in windows):
+            return self._step(idx, windows)
         length = [self.length[b] for b in idx]
         Ts = [w.length for w in windows]
         Cs = [0 if w.ctx is None else w.ctx.shape[0] for w in windows]
@@ -448,9 +512,10 @@ class Programs:
     `drop` is called (the last row takes the freed index). Events come back as (tag, event).
     """
 
-    def __init__(self, model: Transformer, capacity: int, models: dict | None = None, isolate: bool = False):
+    def __init__(self, model: Transformer, capacity: int, models: dict | None = None, isolate: bool = False,
+                 step: str = "eager"):
         self.isolate = isolate  # a row whose program raises ends with a Raised event (else the exception propagates)
-        self.batches = {"target": RowBatch(model, capacity)}
+        self.batches = {"target": RowBatch(model, capacity, step)}  # step: how the target's one-token steps run
         for name, m in (models or {}).items():
             self.batches[name] = RowBatch(m, capacity)
         self.rows = self.batches["target"]

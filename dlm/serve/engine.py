@@ -178,7 +178,9 @@ class Engine:
     """The models of one server, loaded once; starts jobs on them."""
 
     def __init__(self, models: list[str], draft: str | None = None, device: str | torch.device = "cpu",
-                 max_batch: int = 64):
+                 max_batch: int = 64, compile: bool = False):
+        """compile: each model's one-token decoding steps run compiled (torch.compile, dlm.sampling.graphs.RowsStep),
+        compiled while the server starts; where compiling fails, eagerly, with a warning."""
         if not models:
             raise DlmError("--model: give at least one checkpoint folder")
         self.models: dict[str, Served] = {}
@@ -196,7 +198,7 @@ class Engine:
             served = Served(name, ck.objective, model, ck, str(path))
             if ck.objective == "ar" or (ck.objective in ("mdlm", "usdm", "joint") and batchable(model)
                                         and mdlm.rows_fit(ck)):
-                served.rows = RowsBatcher(model, ck, max_batch, name)  # (full-attention / shifted: one by one)
+                served.rows = RowsBatcher(model, ck, max_batch, name, compile=compile)  # (full attention, shifted: alone)
             if ck.objective == "ar":
                 ar_models.append(served)
             self.models[name] = served
@@ -210,7 +212,7 @@ class Engine:
                 served = Served(sid, "speculative", target.model, target.ck, target.path, base, draft_id,
                                 plain=target.rows)
                 if rows_batchable(target.model, base):
-                    served.rows = RowsBatcher(target.model, target.ck, max_batch, sid, drafter=base)
+                    served.rows = RowsBatcher(target.model, target.ck, max_batch, sid, drafter=base, compile=compile)
                 self.models[sid] = served
 
     def get(self, model_id: str) -> Served | None:
@@ -363,8 +365,10 @@ class RowsBatcher(_BatchThread):
     leaves the batch there. A job's `Done` comes when its last row is over.
     """
 
-    def __init__(self, model: Transformer, ck, max_rows: int = 64, name: str = "rows", drafter: Drafter | None = None):
+    def __init__(self, model: Transformer, ck, max_rows: int = 64, name: str = "rows", drafter: Drafter | None = None,
+                 compile: bool = False):
         self.model, self.ck, self.drafter = model, ck, drafter
+        self.step = "compiled" if compile else "eager"  # the target's one-token steps (rows.RowBatch)
         self.paradigm = "speculative" if drafter is not None else ck.objective
         self.max_rows = max_rows
         self.waiting: deque[_Row] = deque()
@@ -375,7 +379,7 @@ class RowsBatcher(_BatchThread):
     def _new_batch(self) -> Programs:
         C = 2 * self.model.cfg.max_seq_len  # the longest row plus its longest window
         draft = self.drafter.row_model if self.drafter is not None else None
-        return Programs(self.model, C, {"draft": draft} if draft is not None else None, isolate=True)
+        return Programs(self.model, C, {"draft": draft} if draft is not None else None, isolate=True, step=self.step)
 
     def takes(self, rows: list[Row]) -> bool:
         """Whether a request's rows run here (else on a thread of their own: --naive; infilling by an AR model or by

@@ -152,10 +152,14 @@ def table(rows: list[dict]) -> str:
 
 
 @contextmanager
-def started_server(checkpoints: list[str], draft: str | None, max_concurrency: int, threads: int = 0) -> Iterator[str]:
-    """`dlm serve` in a subprocess on a free port of 127.0.0.1; yields its URL, stops it afterwards."""
+def started_server(checkpoints: list[str], draft: str | None, max_concurrency: int, threads: int = 0,
+                   compile: bool = False) -> Iterator[str]:
+    """`dlm serve` in a subprocess on a free port of 127.0.0.1 (`--compile`: compiled decode steps); yields its URL,
+    stops it afterwards."""
     cmd = [sys.executable, "-m", "dlm.cli", "serve", "--model", *checkpoints, "--port", "0", "--max-concurrency",
            str(max_concurrency), "--max-queue", "1024", "--log-level", "warning", "--threads", str(threads)]
+    if compile:
+        cmd.append("--compile")
     if draft:
         cmd += ["--draft", draft]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
@@ -193,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=0, help="requests per row (default: max(8, 2 x concurrency))")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0, help="with --serve: torch threads of the server (0: default)")
+    ap.add_argument("--compile", action="store_true", help="with --serve: dlm serve --compile")
     ap.add_argument("--repeat", type=int, default=1, help="run the sweep this many times; medians per row")
     ap.add_argument("--api-key", default=os.environ.get("DLM_API_KEY"))
     ap.add_argument("--json", help="write the rows as JSON lines to this file")
@@ -218,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.url:
         rows = run(a.url.rstrip("/"))
     else:
-        with started_server(a.serve, a.draft, max(a.concurrency), a.threads) as url:
+        with started_server(a.serve, a.draft, max(a.concurrency), a.threads, a.compile) as url:
             rows = run(url)
     print()
     print(table(rows))
