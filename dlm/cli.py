@@ -661,7 +661,7 @@ def distill_cmd(target: str, out: str, data: str = "stdlib", prompts: int = 4096
 def serve_cmd(model: list[str], draft: str | None = None, host: str = "127.0.0.1", port: int = 8000,
               max_concurrency: int = 8, max_queue: int = 32, api_key: str | None = None,
               max_body: int = 1 << 20, device: str = "auto", threads: int = 0, log_level: str = "info",
-              compile: bool = False) -> None:
+              compile: bool = False, pack_weights: bool = False) -> None:
     """Serve checkpoints over an OpenAI-compatible HTTP API, with the playground page at / (docs/serve.md).
 
     Args:
@@ -678,6 +678,8 @@ def serve_cmd(model: list[str], draft: str | None = None, host: str = "127.0.0.1
         log_level: uvicorn's log level (debug logs every request)
         compile: compile the AR decoding step (torch.compile) while the server starts: faster steps after seconds
             to minutes of compiling; falls back to eager decoding with a warning when compiling fails
+        pack_weights: keep a copy of each large linear weight (>= 1M entries, float32 or bfloat16, CPU) in oneDNN's
+            layout: products of 2-16 rows 1.5-3.7x faster on an AVX2 CPU, at the memory of those weights once more
     """
     if max_concurrency < 1:
         raise DlmError(f"--max-concurrency must be >= 1, got {max_concurrency}")
@@ -702,7 +704,7 @@ def serve_cmd(model: list[str], draft: str | None = None, host: str = "127.0.0.1
         torch.set_num_threads(threads)
     try:
         serve(model, draft, host, port, max_concurrency, max_queue, api_key or os.environ.get("DLM_API_KEY"),
-              max_body, device, log_level, compile)
+              max_body, device, log_level, compile, pack_weights)
     except OSError as e:
         raise DlmError(f"--host {host} --port {port}: cannot listen ({e.strerror or e})") from None
 

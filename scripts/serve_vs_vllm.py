@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--order", nargs="+", choices=["dlm", "vllm"], default=["vllm", "dlm", "vllm"])
     ap.add_argument("--threads", type=int, default=0, help="dlm serve --threads (0: torch's default)")
     ap.add_argument("--compile", action="store_true", help="dlm serve --compile (compiled decode steps)")
+    ap.add_argument("--pack-weights", action="store_true", help="dlm serve --pack-weights (oneDNN-packed linears)")
     ap.add_argument("--pause", type=int, help="a process to SIGSTOP during each timed row (SIGCONT after)")
     ap.add_argument("--json", help="append the rows as JSON lines to this file")
     ap.add_argument("--log", default="vllm-serve.log", help="vllm serve's output")
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for run, server in enumerate(a.order):
         if server == "dlm":
-            ctx = started_server([a.dlm], a.draft, max(a.concurrency), a.threads, a.compile)
+            ctx = started_server([a.dlm], a.draft, max(a.concurrency), a.threads, a.compile, a.pack_weights)
         else:
             ctx = vllm_server(a.vllm, a.hf, model, a.vllm_dtype, a.max_model_len, max(a.concurrency), a.vllm_draft,
                               a.log, dict(kv.split("=", 1) for kv in a.vllm_env))

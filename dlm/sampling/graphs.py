@@ -105,17 +105,18 @@ class RowsStep:
         self.model = model
         self.layer = torch.compile(self._layer, dynamic=True) if compile else self._layer
 
-    def warm(self) -> None:
-        """Compile now (one row, and several: a row count of 1 is traced apart), on scratch buffers, under inference
-        mode as the row batch runs; raises what the compiler raises."""
+    def warm(self, capacity: int) -> None:
+        """Compile now, for buffers of `capacity` slots per row (their strides are part of the compiled code: buffers
+        of another capacity compile again), for one row and for several (a row count of 1 is traced apart), under
+        inference mode as the row batch runs; raises what the compiler raises."""
         model, dev = self.model, self.model.device
-        cache = model.rows_cache(3, 4, True)
+        cache = model.rows_cache(3, capacity, True)
         with torch.inference_mode():
-            for R in (2, 1):
+            for R in (3, 1):
                 length = torch.arange(R, device=dev)
-                valid = torch.arange(3, device=dev)[None] <= length[:, None]  # (R, 3)
+                valid = torch.arange(5, device=dev)[None] <= length[:, None]  # (R, 5)
                 self(torch.zeros(R, dtype=torch.long, device=dev), length, length, valid,
-                     [k[:R, :, :3] for k in cache.k], [v[:R, :, :3] for v in cache.v])
+                     [k[:R, :, :5] for k in cache.k], [v[:R, :, :5] for v in cache.v])
 
     @staticmethod
     def _layer(block, x: Tensor, rope: tuple[Tensor, ...], mask: Tensor, slot: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -132,6 +133,7 @@ class RowsStep:
         qs = query_scale(rs, p)
         rope = rope if qs is None else (*rope, qs)
         mask, slot = valid[:, None, None, :], slot[:, None]  # (R, 1, 1, S), (R, 1)
-        for block, k, v in zip(model.layers, ks, vs):
-            x = self.layer(block, x, rope, mask, slot, k, v)
+        with torch.fx.experimental._config.patch(use_duck_shape=False):  # (R == n_kv_heads is no reason to retrace)
+            for block, k, v in zip(model.layers, ks, vs):
+                x = self.layer(block, x, rope, mask, slot, k, v)
         return model.norm(x)[:, 0]

@@ -206,7 +206,7 @@ class RowBatch:
         self.step = RowsStep(model, step == "compiled") if step != "eager" and compilable(model) else None
         if step == "compiled" and self.step is not None:
             try:
-                self.step.warm()
+                self.step.warm(capacity)
             except Exception as e:  # (inductor needs a C++ compiler on a CPU, Triton on a GPU)
                 warnings.warn(f"compiling the decode step failed, decoding eagerly instead: {type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}", stacklevel=2)

@@ -42,7 +42,7 @@ import torch
 
 from dlm.checkpoint import load_model, open_checkpoint
 from dlm.errors import DlmError
-from dlm.model import Transformer
+from dlm.model import Transformer, pack_linears
 from dlm.sampling import SampleConfig, mdlm, row_program, stream
 from dlm.sampling.common import Commit, Done, Event, Prompt, Stats
 from dlm.drafters import load_drafter
@@ -178,9 +178,10 @@ class Engine:
     """The models of one server, loaded once; starts jobs on them."""
 
     def __init__(self, models: list[str], draft: str | None = None, device: str | torch.device = "cpu",
-                 max_batch: int = 64, compile: bool = False):
+                 max_batch: int = 64, compile: bool = False, pack_weights: bool = False):
         """compile: each model's one-token decoding steps run compiled (torch.compile, dlm.sampling.graphs.RowsStep),
-        compiled while the server starts; where compiling fails, eagerly, with a warning."""
+        compiled while the server starts; where compiling fails, eagerly, with a warning. pack_weights: the models'
+        large linear layers keep a copy in oneDNN's layout for products of several rows (model.PackedLinear)."""
         if not models:
             raise DlmError("--model: give at least one checkpoint folder")
         self.models: dict[str, Served] = {}
@@ -195,6 +196,8 @@ class Engine:
                                "next to the AR --model it drafts for")
             model, ck = load_model(path, device=device)
             model.register_forward_hook(_count_forward)
+            if pack_weights:
+                pack_linears(model)
             served = Served(name, ck.objective, model, ck, str(path))
             if ck.objective == "ar" or (ck.objective in ("mdlm", "usdm", "joint") and batchable(model)
                                         and mdlm.rows_fit(ck)):

@@ -1,0 +1,48 @@
+"""model.pack_linears / PackedLinear: the large linear layers of a model for inference keep a oneDNN-packed copy of their
+weight for products of several rows; outputs stay those of F.linear up to float rounding, one row and training are
+F.linear itself, the weights (tied ones too) and the state dict are unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_transformer
+
+from dlm.model import PackedLinear, pack_linears
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn)")]
+
+
+def model():
+    return random_transformer(1, 0.2, vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                              ffn_dim=160, max_seq_len=64).eval()
+
+
+def test_packed_linears_give_the_same_outputs_and_keep_the_weights():
+    plain, packed = model(), model()
+    keys = set(plain.state_dict())
+    assert pack_linears(packed, min_elements=64 * 64) == 2 * 5 + 1  # q, o, gate, up, down per layer, and the head
+    assert isinstance(packed.lm_head, PackedLinear) and packed.lm_head.weight is packed.embed_tokens.weight
+    assert not isinstance(packed.layers[0].self_attn.k_proj, PackedLinear)  # 32 x 64: under the threshold
+    assert set(packed.state_dict()) == keys
+    x = torch.randint(0, 300, (4, 9))
+    with torch.inference_mode():
+        want, got = plain(x).logits, packed(x).logits  # several rows: the packed product
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        one = x[:1, :1]
+        assert torch.equal(packed(one).logits, plain(one).logits)  # one row: F.linear itself
+    lin = packed.layers[0].mlp.gate_proj
+    h = torch.randn(3, 64)
+    y = lin(h)  # with gradients (training): F.linear itself, differentiable
+    assert torch.equal(y, torch.nn.functional.linear(h, lin.weight)) and y.requires_grad
+
+
+def test_bfloat16_and_small_models_left_alone():
+    m = model()
+    assert pack_linears(m) == 0  # every weight under a million entries
+    b = model().to(torch.bfloat16)
+    assert pack_linears(b, min_elements=1) == 2 * 7 + 1
+    with torch.inference_mode():
+        out = b(torch.randint(0, 300, (3, 5))).logits
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
