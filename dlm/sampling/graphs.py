@@ -110,8 +110,8 @@ class RowsStep:
         of another capacity compile again), for one row and for several (a row count of 1 is traced apart), under
         inference mode as the row batch runs; raises what the compiler raises."""
         model, dev = self.model, self.model.device
-        cache = model.rows_cache(3, capacity, True)
-        with torch.inference_mode():
+        with torch.inference_mode():  # (inference tensors, as the row batch's buffers: their dispatch keys are guarded)
+            cache = model.rows_cache(3, capacity, per_layer=True)
             for R in (3, 1):
                 length = torch.arange(R, device=dev)
                 valid = torch.arange(5, device=dev)[None] <= length[:, None]  # (R, 5)
