@@ -112,11 +112,12 @@ class RowsStep:
         model, dev = self.model, self.model.device
         with torch.inference_mode():  # (inference tensors, as the row batch's buffers: their dispatch keys are guarded)
             cache = model.rows_cache(3, capacity, per_layer=True)
+            S = min(5, capacity)
             for R in (3, 1):
-                length = torch.arange(R, device=dev)
-                valid = torch.arange(5, device=dev)[None] <= length[:, None]  # (R, 5)
+                length = torch.arange(R, device=dev).clamp(max=S - 1)
+                valid = torch.arange(S, device=dev)[None] <= length[:, None]  # (R, S)
                 self(torch.zeros(R, dtype=torch.long, device=dev), length, length, valid,
-                     [k[:R, :, :5] for k in cache.k], [v[:R, :, :5] for v in cache.v])
+                     [k[:R, :, :S] for k in cache.k], [v[:R, :, :S] for v in cache.v])
 
     @staticmethod
     def _layer(block, x: Tensor, rope: tuple[Tensor, ...], mask: Tensor, slot: Tensor, k: Tensor, v: Tensor) -> Tensor:
