@@ -627,6 +627,7 @@ class SampleConfig:
         confidence: mdlm: the probability the commit rules read: model (the model's probability of the proposed token) or sampled (at temperature > 0, its probability under the distribution it was drawn from, temperature and top-k/top-p applied: SDAR's generate; the sdar preset's)
         mask_proposals: mdlm: keep <mask> among the candidates a step proposes (a position whose proposal is <mask> stays masked), as LLaDA's, Dream's and SDAR's own generate functions do (their presets set it); off: <mask> is never proposed
         draw_holes: mdlm at temperature > 0: a draw only for the positions still masked, one each in order (torch's categorical draw), the confidence, entropy and margin read from the distribution drawn from (Dream's sample_tokens; the dream preset's); default: a draw for every position of the block, the scores from the model's own distribution
+        alg_temp: mdlm, the confidence, entropy and margin samplers: draw the positions a step commits, without replacement, with probabilities softmax(score / alg_temp) over the sequence (Dream's alg_temp: torch.multinomial from the row's generator after the step's token draws), instead of taking the highest scores; default off (0)
         gumbel: mdlm at temperature > 0: LLaDA's draw (its generate's float64 Gumbel noise): a float64 uniform u for every token of every position of the whole sequence, prompt included, from the row's generator, each position's token the argmax of exp(logit) / (-log u)^T; with --seed S the draws of LLaDA's generate after torch.manual_seed(S) (the llada preset's); default: one draw per position of the block (torch.multinomial's), the same distribution at a fraction of the draws
         sub_block: mdlm: commit only in the first stretch of this many positions of the block that still has holes (Fast-dLLM v2: 8); default: the whole block
         editing_threshold: mdlm token editing (LLaDA 2.1): every pass also replaces a token the block has committed when the model's most likely token there differs with probability above this; default off
@@ -675,6 +676,7 @@ class SampleConfig:
     mask_proposals: bool = False
     draw_holes: bool = False
     gumbel: bool = False
+    alg_temp: float | None = None
     revise: float = 0.0
     editing_threshold: float | None = None
     max_post_steps: int = 16

@@ -210,6 +210,16 @@ def record_dream(code: list[Path], out: Path) -> None:
         for temp, top_p in ((0.2, 0.95), (1.0, None)):
             settings.append({"alg": alg, "max_new_tokens": 16, "steps": 16, "temperature": temp, "top_p": top_p,
                              "seed": 5})
+    # alg_temp: the positions to commit drawn (torch.multinomial over softmax(confidence / alg_temp)), greedy and
+    # sampled tokens; origin sampled (its token draws after its transfer draw)
+    for alg, temp, alg_temp, seed in (("maskgit_plus", 0.0, 0.5, 3), ("entropy", 0.0, 0.1, 3),
+                                      ("maskgit_plus", 0.2, 0.5, 3), ("entropy", 1.0, 0.1, 3),
+                                      ("topk_margin", 0.2, 0.05, 4)):
+        settings.append({"alg": alg, "max_new_tokens": 16, "steps": 8, "temperature": temp, "alg_temp": alg_temp,
+                         "seed": seed})
+    for temp, top_p in ((0.2, 0.95), (1.0, None)):
+        settings.append({"alg": "origin", "max_new_tokens": 16, "steps": 8, "temperature": temp, "top_p": top_p,
+                         "seed": 5})
     for case, p, kw in each_case(head, eos, settings, prompts):
         # (an explicit generation config: transformers 5.x cannot derive Dream's from the model's)
         gc = Gen(output_history=True, return_dict_in_generate=True, mask_token_id=mask, eos_token_id=eos,

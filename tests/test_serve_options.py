@@ -128,3 +128,25 @@ def test_a_fim_trained_ar_checkpoint_infills_through_the_server():
             assert r.status_code == 400 and "cannot infill" in r.json()["error"]["message"]
     finally:
         engine.close()
+
+
+def test_alg_temp_is_served_and_a_bad_one_refused():
+    """Dream's alg_temp through a real request: the positions drawn with the request's seed (the same text twice, the
+    library's text); a negative one, or one with a sampler that takes no top k: 400 naming it."""
+    from dlm.sampling import SampleConfig, generate
+
+    engine = Engine([str(CK / "mdlm-small")])
+    try:
+        s = engine.get("mdlm-small")
+        cfg = SampleConfig(max_new_tokens=8, alg_temp=0.5, seed=3, temperature=0.7, steps=8)
+        want = generate(s.model, s.ck, "def f(x):\n    return", cfg).text
+        with running(create_app(engine, max_concurrency=2, max_queue=2)) as url:
+            body = _body("mdlm-small", "mdlm", alg_temp=0.5, seed=3, temperature=0.7, steps=8)
+            texts = [httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+                     for _ in range(2)]
+            assert texts == [want, want]
+            for bad in ({"alg_temp": -1.0}, {"alg_temp": 0.5, "sampler": "threshold"}):
+                r = httpx.post(url + "/v1/completions", json=_body("mdlm-small", "mdlm", **bad), timeout=120)
+                assert r.status_code == 400 and "alg-temp" in r.json()["error"]["message"].replace("_", "-"), r.text
+    finally:
+        engine.close()

@@ -38,12 +38,12 @@ DREAM_ALG = {"maskgit_plus": {"sampler": "confidence"}, "topk_margin": {"sampler
 
 
 def dream_options(a: dict) -> SampleConfig:
-    """Dream's diffusion_generate(alg, steps, max_new_tokens, temperature, top_p), torch.manual_seed(seed) before it:
-    one block over the whole generation on its time grid, a draw per masked position scored by the distribution it
-    was drawn from (the preset), the alg's rule, the same seed."""
+    """Dream's diffusion_generate(alg, steps, max_new_tokens, temperature, top_p, alg_temp), torch.manual_seed(seed)
+    before it: one block over the whole generation on its time grid, a draw per masked position scored by the
+    distribution it was drawn from (the preset), the alg's rule, the same seed."""
     return SampleConfig(preset="dream", max_new_tokens=a["max_new_tokens"], steps=a["steps"],
                         temperature=a["temperature"], top_p=a.get("top_p") or 1.0, seed=a.get("seed", 0),
-                        **DREAM_ALG[a["alg"]])
+                        alg_temp=a.get("alg_temp"), **DREAM_ALG[a["alg"]])
 
 
 def llada_options(a: dict) -> SampleConfig:

@@ -24,7 +24,14 @@ position and commits some of them by a rule:
   origin         Dream's `alg="origin"`: at step i of --steps every masked position is committed with
                  probability 1 - t[i+1] / t[i] on Dream's time grid (all at the last step), one uniform draw
                  per masked position in order from the row's generator (with --seed S, the draws of
-                 torch.manual_seed(S) on the CPU, as Dream's generate draws them)
+                 torch.manual_seed(S) on the CPU, as Dream's generate draws them); with --draw-holes at
+                 temperature > 0 the tokens are drawn after those uniforms, for the positions chosen only, as
+                 Dream draws them
+
+`--alg-temp A` (Dream's `alg_temp`; confidence, entropy and margin): the k positions a step commits are drawn
+without replacement with probabilities softmax(score / A) over the row's whole sequence (torch.multinomial from the
+row's generator, after the step's token draws: with --seed S, Dream's draws after torch.manual_seed(S)) instead of
+the k with the highest score. 0 (the default): the top k.
 
 With `--steps` the adaptive rules commit at least the budget of the step too, so a block never takes
 more than `--steps` passes (without `--revise`).
@@ -110,6 +117,7 @@ ended leaves. The Done's `forwards` then counts the batched calls, extra["rows"]
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -130,7 +138,8 @@ MAX_REVISIONS = 3  # --revise: times one position may be sent back to <mask> (so
 OPTIONS = frozenset({"temperature", "top_k", "top_p", "naive", "sampler", "steps", "threshold", "entropy_bound",
                      "block_size", "remasking", "revise", "suffix", "fill_length", "preset", "prefix_cache",
                      "sub_block", "schedule", "whole_blocks", "eos_early_stop", "confidence",
-                     "mask_proposals", "draw_holes", "gumbel", "editing_threshold", "max_post_steps"})
+                     "mask_proposals", "draw_holes", "gumbel", "editing_threshold", "max_post_steps",
+                     "alg_temp"})
 
 # The published decoding recipes of the public masked-diffusion families, as SampleConfig settings (docs/public-
 # models.md has a command for each). steps: per block; block_size None: the whole generation.
@@ -209,6 +218,28 @@ def top_k_of(score: Tensor, masked: Tensor, k: int, span: tuple[int, int] | None
     return chosen
 
 
+def draw_k_of(score: Tensor, masked: Tensor, k: int, temp: float, gen: torch.Generator | None,
+              span: tuple[int, int] | None = None) -> Tensor:
+    """Bool (N,): k masked positions drawn without replacement with probabilities softmax(score / temp), the scores
+    placed in a row of span's `total` positions (-inf elsewhere) as Dream's generate places them (its alg_temp: one
+    torch.multinomial over the row, the same draws from the same generator). If the softmax underflows everywhere:
+    the top k."""
+    k = min(k, int(masked.sum()))
+    chosen = torch.zeros_like(masked)
+    if k <= 0:
+        return chosen
+    at, total = span if span is not None else (0, len(masked))
+    row = score.new_full((total,), float("-inf"), dtype=torch.float32)
+    row[at:at + len(score)] = torch.where(masked, score.float(), float("-inf"))
+    probs = torch.softmax(row / temp, dim=-1)  # (total,)
+    if not bool(torch.isfinite(probs).all()):
+        return top_k_of(score, masked, k, span)
+    idx = torch.multinomial(probs, k, generator=gen) - at
+    idx = idx[(idx >= 0) & (idx < len(masked))]  # (a zero-probability pick outside the block: none is committed)
+    chosen[idx] = True
+    return chosen & masked
+
+
 def select_confidence(conf: Tensor, masked: Tensor, k: int, span: tuple[int, int] | None = None) -> Tensor:
     """LLaDA low-confidence remasking: keep the k most confident proposals, re-mask the rest."""
     return top_k_of(conf, masked, k, span)
@@ -268,6 +299,14 @@ class Rule:
     holes: bool = False  # at temperature > 0: draw for the masked positions only, every score from the drawn
     # distribution (Dream's sample_tokens)
     gumbel: bool = False  # at temperature > 0: LLaDA's float64 Gumbel draw over the whole sequence (gumbel_draw)
+    alg_temp: float = 0.0  # > 0: the k positions are drawn, softmax(score / alg_temp) (Dream's alg_temp, draw_k_of)
+
+    def top(self, score: Tensor, masked: Tensor, k: int, gen: torch.Generator | None,
+            span: tuple[int, int] | None) -> Tensor:
+        """The k masked positions with the highest score, or with alg_temp drawn by it."""
+        if self.alg_temp:
+            return draw_k_of(score, masked, k, self.alg_temp, gen, span)
+        return top_k_of(score, masked, k, span)
 
     def select(self, conf: Tensor, ent: Tensor, masked: Tensor, k: int | float | Tensor, gen: torch.Generator | None,
                margin: Tensor | None = None, span: tuple[int, int] | None = None) -> Tensor:
@@ -277,12 +316,13 @@ class Rule:
         if self.kind == "threshold":
             return select_threshold(conf, masked, self.threshold, k, span)
         if self.kind == "margin":  # (margin: top_margin of the step's logits)
-            return select_threshold(margin, masked, self.threshold, k, span)
+            chosen = masked & (margin > self.threshold)
+            return chosen if int(chosen.sum()) >= k else self.top(margin, masked, k, gen, span)
         if self.kind == "entropy_bound":
             return select_entropy_bound(ent, masked, self.bound, k)
         if self.kind == "entropy":  # Dream: the k lowest-entropy positions
-            return top_k_of(-ent, masked, k, span)
-        return select_random(masked, k, gen, span) if self.random else select_confidence(conf, masked, k, span)
+            return self.top(-ent, masked, k, gen, span)
+        return select_random(masked, k, gen, span) if self.random else self.top(conf, masked, k, gen, span)
 
 
 def top_margin(logits: Tensor) -> Tensor:
@@ -335,14 +375,26 @@ def denoise_step(logits: Tensor, x: Tensor, masked: Tensor, rule: Rule, k: int, 
 
     Returns (new tokens (N,), newly committed (N,) bool, mean entropy of the masked positions).
     """
-    if temperature == 0:  # greedy: only the masked positions' proposals are read (the same values, less work)
-        at = masked.nonzero()[:, 0]
+    if rule.holes and rule.kind == "origin" and temperature > 0:  # Dream's origin: the transfer draw, then a token
+        chosen = select_origin(masked, k, gen)  # draw for each position it chose, in order
+        at = chosen.nonzero()[:, 0]
+        cand = x.clone()
+        if len(at):
+            probs = probs_from_logits(logits[at], temperature, top_k, top_p)  # (n, V)
+            cand[at] = torch.multinomial(probs, 1, replacement=True, generator=gen)[:, 0]
+        ent = entropy(torch.softmax(logits[masked].float(), dim=-1))
+        return cand, chosen, float(ent.mean())
+    if temperature == 0 and not (rule.holes and rule.alg_temp):  # greedy: only the masked positions' proposals are
+        at = masked.nonzero()[:, 0]  # read (the same values, less work)
         cand, conf, ent = (t.new_zeros(masked.shape).scatter(0, at, part)
                            for t, part in zip((x, x.float(), x.float()), propose(logits[at], 0.0, top_k, top_p, gen)))
     elif rule.holes:  # Dream: one draw per masked position, in order, and every score from the drawn distribution
-        at = masked.nonzero()[:, 0]
-        probs = probs_from_logits(logits[at], temperature, top_k, top_p)  # (n, V)
-        tok = torch.multinomial(probs, 1, replacement=True, generator=gen)[:, 0]  # (torch's Categorical draw)
+        at = masked.nonzero()[:, 0]  # (greedy, with alg_temp: the most likely token, scored as Dream's generate does)
+        probs = probs_from_logits(logits[at], temperature or 1.0, top_k, top_p)  # (n, V)
+        if temperature > 0:
+            tok = torch.multinomial(probs, 1, replacement=True, generator=gen)[:, 0]  # (torch's Categorical draw)
+        else:
+            tok = probs.max(dim=-1).indices
         parts = (tok, probs.gather(-1, tok[:, None])[:, 0], -(probs * torch.log(probs + 1e-10)).sum(-1))
         cand, conf, ent = (t.new_zeros(masked.shape).scatter(0, at, part)
                            for t, part in zip((x, x.float(), x.float()), parts))
@@ -652,8 +704,13 @@ def check_options(cfg) -> Rule:
     check(0 <= revise < 1, f"--revise must be in [0, 1) (0 = off), got {revise}")
     check(not (cfg.gumbel and cfg.draw_holes), "--gumbel (the llada preset's) and --draw-holes (the dream preset's) "
           "are two ways to draw: give one (--no-gumbel or --no-draw-holes)")
+    alg_temp = cfg.alg_temp or 0.0
+    check(alg_temp >= 0 and math.isfinite(alg_temp), f"--alg-temp must be >= 0 (0 = off), got {cfg.alg_temp}")
+    check(not alg_temp or (sampler in ("confidence", "entropy", "margin") and cfg.remasking == "low_confidence"),
+          f"--alg-temp goes with --sampler confidence, entropy or margin, got --sampler {sampler}"
+          + (" --remasking random" if cfg.remasking == "random" else ""))
     return Rule(sampler, cfg.threshold, cfg.entropy_bound, cfg.remasking == "random", cfg.confidence == "sampled",
-                cfg.draw_holes, cfg.gumbel)
+                cfg.draw_holes, cfg.gumbel, alg_temp)
 
 
 def make_job(prompt: Prompt, cfg, train_block: int, context: int, causal_context: bool = False,

@@ -149,6 +149,7 @@ class DlmFields(_Strict):
     mask_proposals: bool | None = None
     draw_holes: bool | None = None
     gumbel: bool | None = None
+    alg_temp: float | None = None
     canvas_length: int | None = None
     t_max: float | None = None
     t_min: float | None = None
