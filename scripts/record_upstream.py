@@ -266,9 +266,22 @@ LLADA_KEYS = {"activation_type": "silu", "alibi": False, "attention_layer_norm":
               "attention_dropout": 0.0, "residual_dropout": 0.0, "embedding_dropout": 0.0, "init_device": "cpu"}
 
 
+def llada_generate(path: Path, eos: int, eot: int) -> types.ModuleType:
+    """LLaDA's generate.py as a module, the ids its logits_eos_inf / confidence_eos_eot_inf switches name (the
+    published tokenizer's <|endoftext|> 126081 and <|eot_id|> 126348) read as the tiny tokenizer's ids of those
+    tokens: the one change to its text, to the vocabulary, not to the computation."""
+    src = path.read_text()
+    assert src.count("126081") == 2 and src.count("126348") == 1, "generate.py's EOS / EOT ids moved: check the shim"
+    mod = types.ModuleType("llada_generate")
+    mod.__file__ = str(path)
+    sys.modules["llada_generate"] = mod
+    exec(compile(src.replace("126081", str(eos)).replace("126348", str(eot)), str(path), "exec"), mod.__dict__)
+    return mod
+
+
 def record_llada(code: list[Path], out: Path) -> None:
     llada, fast = code
-    gen = load_module("llada_generate", llada / "generate.py")
+    gen = llada_generate(llada / "generate.py", eos=0, eot=LLADA_SPECIALS.index("<|eot_id|>"))
     pkg = load_package("llada_upstream", fast / "llada" / "model")
     cfg_mod = sys.modules.get("llada_upstream.configuration_llada") or load_module(
         "llada_upstream.configuration_llada", fast / "llada" / "model" / "configuration_llada.py")
@@ -300,6 +313,13 @@ def record_llada(code: list[Path], out: Path) -> None:
                              "temperature": temp, "seed": 5})
     settings.append({"gen_length": 16, "block_length": 8, "steps": 8, "remasking": "random", "temperature": 0.8,
                      "seed": 5})
+    # its switches (appendix B.4 of the LLaDA paper), greedy and sampled
+    for switch in ("logits_eos_inf", "confidence_eos_eot_inf"):
+        for n, block, steps in ((16, 16, 16), (24, 8, 12)):
+            settings.append({"gen_length": n, "block_length": block, "steps": steps, "remasking": "low_confidence",
+                             switch: True})
+        settings.append({"gen_length": 16, "block_length": 8, "steps": 8, "remasking": "low_confidence",
+                         "temperature": 1.0, "seed": 5, switch: True})
     cases = []
     for case, p, kw in each_case(head, eos, settings, prompts):
         x = gen.generate(Called(model), torch.tensor([p]), cfg_scale=0.0, mask_id=mask, **{"temperature": 0.0, **kw})

@@ -118,7 +118,7 @@ ended leaves. The Done's `forwards` then counts the batched calls, extra["rows"]
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 import torch
@@ -139,7 +139,7 @@ OPTIONS = frozenset({"temperature", "top_k", "top_p", "naive", "sampler", "steps
                      "block_size", "remasking", "revise", "suffix", "fill_length", "preset", "prefix_cache",
                      "sub_block", "schedule", "whole_blocks", "eos_early_stop", "confidence",
                      "mask_proposals", "draw_holes", "gumbel", "editing_threshold", "max_post_steps",
-                     "alg_temp"})
+                     "alg_temp", "logits_eos_inf", "confidence_eos_eot_inf"})
 
 # The published decoding recipes of the public masked-diffusion families, as SampleConfig settings (docs/public-
 # models.md has a command for each). steps: per block; block_size None: the whole generation.
@@ -300,6 +300,8 @@ class Rule:
     # distribution (Dream's sample_tokens)
     gumbel: bool = False  # at temperature > 0: LLaDA's float64 Gumbel draw over the whole sequence (gumbel_draw)
     alg_temp: float = 0.0  # > 0: the k positions are drawn, softmax(score / alg_temp) (Dream's alg_temp, draw_k_of)
+    no_eos: int | None = None  # --logits-eos-inf: this <eos> id's logit is -inf before the draw
+    eos_eot: tuple[int, ...] = ()  # --confidence-eos-eot-inf: <eos> then <|eot_id|> (if the tokenizer has one)
 
     def top(self, score: Tensor, masked: Tensor, k: int, gen: torch.Generator | None,
             span: tuple[int, int] | None) -> Tensor:
@@ -307,6 +309,12 @@ class Rule:
         if self.alg_temp:
             return draw_k_of(score, masked, k, self.alg_temp, gen, span)
         return top_k_of(score, masked, k, span)
+
+    def hidden(self, temperature: float) -> tuple[int, ...]:
+        """The ids whose confidence is read as 0 (--confidence-eos-eot-inf): the softmax the confidence reads has
+        their logits at -inf. As LLaDA's generate: <eos> and <|eot_id|> greedy; at temperature > 0 <|eot_id|> only
+        (its <eos> assignment goes to the noised copy of the logits, after the draw)."""
+        return self.eos_eot if temperature == 0 else self.eos_eot[1:]
 
     def select(self, conf: Tensor, ent: Tensor, masked: Tensor, k: int | float | Tensor, gen: torch.Generator | None,
                margin: Tensor | None = None, span: tuple[int, int] | None = None) -> Tensor:
@@ -349,11 +357,12 @@ def gumbel_draw(logits: Tensor, temperature: float, top_k: int, top_p: float, ge
 
 def propose(logits: Tensor, temperature: float, top_k: int, top_p: float,
             gen: torch.Generator | None, sampled: bool = False, gumbel: bool = False,
-            span: tuple[int, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+            span: tuple[int, int] | None = None, hide: tuple[int, ...] = ()) -> tuple[Tensor, Tensor, Tensor]:
     """logits (N, V) -> proposed tokens (N,), their probability (N,), entropy (N,) in nats of the model's
     distribution. The probability is the model's; sampled (at temperature > 0): the one of the distribution the token
     was drawn from (temperature, top-k, top-p applied), as SDAR's generate reads its confidence. gumbel: drawn by
-    gumbel_draw (span: its rows' place in the whole sequence)."""
+    gumbel_draw (span: its rows' place in the whole sequence). hide: ids whose logits are -inf in the softmax the
+    (model's) probability is read from, after the draw (Rule.hidden)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     ent = entropy(logp.exp())
     if gumbel and temperature > 0:
@@ -364,6 +373,9 @@ def propose(logits: Tensor, temperature: float, top_k: int, top_p: float,
         cand, probs = draw(logits, temperature, top_k, top_p, gen)
     if sampled and probs is not None:
         return cand, probs.gather(-1, cand[:, None])[:, 0], ent
+    if hide:
+        logp = torch.log_softmax(logits.float().index_fill(-1, torch.tensor(hide, device=logits.device),
+                                                           float("-inf")), dim=-1)
     conf = logp.gather(-1, cand[:, None])[:, 0].exp()
     return cand, conf, ent
 
@@ -387,7 +399,8 @@ def denoise_step(logits: Tensor, x: Tensor, masked: Tensor, rule: Rule, k: int, 
     if temperature == 0 and not (rule.holes and rule.alg_temp):  # greedy: only the masked positions' proposals are
         at = masked.nonzero()[:, 0]  # read (the same values, less work)
         cand, conf, ent = (t.new_zeros(masked.shape).scatter(0, at, part)
-                           for t, part in zip((x, x.float(), x.float()), propose(logits[at], 0.0, top_k, top_p, gen)))
+                           for t, part in zip((x, x.float(), x.float()),
+                                              propose(logits[at], 0.0, top_k, top_p, gen, hide=rule.hidden(0.0))))
     elif rule.holes:  # Dream: one draw per masked position, in order, and every score from the drawn distribution
         at = masked.nonzero()[:, 0]  # (greedy, with alg_temp: the most likely token, scored as Dream's generate does)
         probs = probs_from_logits(logits[at], temperature or 1.0, top_k, top_p)  # (n, V)
@@ -403,7 +416,8 @@ def denoise_step(logits: Tensor, x: Tensor, masked: Tensor, rule: Rule, k: int, 
             return _commit(rule, x, masked, k, gen, span, cand, conf, ent,
                            x.float().new_zeros(masked.shape).scatter(0, at, top2[:, 0] - top2[:, 1]))
     else:  # a draw for every position (what each row's generator consumes stays as it was)
-        cand, conf, ent = propose(logits, temperature, top_k, top_p, gen, rule.sampled, rule.gumbel, span)
+        cand, conf, ent = propose(logits, temperature, top_k, top_p, gen, rule.sampled, rule.gumbel, span,
+                                  rule.hidden(temperature))
     margin = top_margin(logits) if rule.kind == "margin" else None
     return _commit(rule, x, masked, k, gen, span, cand, conf, ent, margin)
 
@@ -594,6 +608,8 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
                 logits[:, mask_id] = float("-inf")
             if job.forbid_eos:
                 logits[:, stop] = float("-inf")
+            if rule.no_eos is not None:  # --logits-eos-inf (LLaDA's logits_eos_inf)
+                logits[:, rule.no_eos] = float("-inf")
             if rule.kind == "origin":  # Dream's origin: a probability per position, not a count
                 k = origin_transfer(step, steps or n)
             elif schedule == "dream":  # Dream: a count from the holes left and the time grid
@@ -621,7 +637,8 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
             # generate does)
             span = (s, len(seq)) if job.full_context else None
             if edit is not None:  # (LLaDA 2.1: one proposal for every position of the block, for the masks and edits)
-                proposed = propose(logits, temperature, top_k, top_p, gen, rule.sampled, rule.gumbel, span)
+                proposed = propose(logits, temperature, top_k, top_p, gen, rule.sampled, rule.gumbel, span,
+                                   rule.hidden(temperature))
             if bool(free.any()):
                 if proposed is None:
                     x, chosen, ent = denoise_step(logits, seq[s:e], free, rule, k, temperature, top_k, top_p, gen,
@@ -709,8 +726,19 @@ def check_options(cfg) -> Rule:
     check(not alg_temp or (sampler in ("confidence", "entropy", "margin") and cfg.remasking == "low_confidence"),
           f"--alg-temp goes with --sampler confidence, entropy or margin, got --sampler {sampler}"
           + (" --remasking random" if cfg.remasking == "random" else ""))
+    check(not (cfg.confidence_eos_eot_inf and (cfg.draw_holes or cfg.confidence == "sampled")),
+          "--confidence-eos-eot-inf reads the model's probability: it does not go with --draw-holes or "
+          "--confidence sampled")
     return Rule(sampler, cfg.threshold, cfg.entropy_bound, cfg.remasking == "random", cfg.confidence == "sampled",
                 cfg.draw_holes, cfg.gumbel, alg_temp)
+
+
+def with_end_ids(rule: Rule, cfg, tok) -> Rule:
+    """The rule with the ids --logits-eos-inf and --confidence-eos-eot-inf name: the tokenizer's <eos> and its
+    <|eot_id|> (LLaDA's 126081 and 126348)."""
+    eot = tok.tk.token_to_id("<|eot_id|>")
+    return replace(rule, no_eos=tok.eos_id if cfg.logits_eos_inf else None,
+                   eos_eot=(tok.eos_id, *(() if eot is None else (eot,))) if cfg.confidence_eos_eot_inf else ())
 
 
 def make_job(prompt: Prompt, cfg, train_block: int, context: int, causal_context: bool = False,
@@ -751,8 +779,8 @@ def stream(model, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> 
     server's step streaming, tests)."""
     asked_cache = cfg.prefix_cache
     cfg = apply_preset(cfg, ck.config.get("preset"))
-    rule = check_options(cfg)
     tok = ck.tokenizer
+    rule = with_end_ids(check_options(cfg), cfg, tok)
     mask_id = ck.mask_id  # an imported model's own <mask> id, else the tokenizer's
     if mask_id is None:
         raise DlmError(f"{ck.path}: the tokenizer has no <mask> token")
@@ -837,7 +865,7 @@ def row_job(model, ck, prompt: Prompt, cfg) -> tuple[Job, Rule, Any]:
     if ck.mask_id is None:
         raise DlmError(f"{ck.path}: the tokenizer has no <mask> token")
     cfg = apply_preset(cfg, ck.config.get("preset")).replace(prefix_cache=False)
-    rule = check_options(cfg)
+    rule = with_end_ids(check_options(cfg), cfg, ck.tokenizer)
     job = make_job(prompt, cfg, ck.block_size, model.cfg.max_seq_len, ck.objective == "joint")
     return job, rule, cfg
 

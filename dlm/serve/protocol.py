@@ -150,6 +150,8 @@ class DlmFields(_Strict):
     draw_holes: bool | None = None
     gumbel: bool | None = None
     alg_temp: float | None = None
+    logits_eos_inf: bool | None = None
+    confidence_eos_eot_inf: bool | None = None
     canvas_length: int | None = None
     t_max: float | None = None
     t_min: float | None = None
