@@ -631,6 +631,7 @@ class SampleConfig:
         gumbel: mdlm at temperature > 0: LLaDA's draw (its generate's float64 Gumbel noise): a float64 uniform u for every token of every position of the whole sequence, prompt included, from the row's generator, each position's token the argmax of exp(logit) / (-log u)^T; with --seed S the draws of LLaDA's generate after torch.manual_seed(S) (the llada preset's); default: one draw per position of the block (torch.multinomial's), the same distribution at a fraction of the draws
         logits_eos_inf: mdlm: the <eos> logit at -inf before each draw, so no position proposes <eos> (LLaDA's generate's logits_eos_inf)
         confidence_eos_eot_inf: mdlm, low-confidence remasking: a proposed <eos> or <|eot_id|> has confidence 0, so it commits last in its block (LLaDA's generate's confidence_eos_eot_inf: the softmax the confidence reads has those logits at -inf; as there, at temperature > 0 only <|eot_id|>'s)
+        cfg_scale: mdlm, a full-attention checkpoint (LLaDA): classifier-free guidance: each pass also runs with the prompt's tokens at <mask>, and the logits are un + (s + 1) (cond - un) (LLaDA's generate's cfg_scale; twice the forwards); 0 = off
         sub_block: mdlm: commit only in the first stretch of this many positions of the block that still has holes (Fast-dLLM v2: 8); default: the whole block
         editing_threshold: mdlm token editing (LLaDA 2.1): every pass also replaces a token the block has committed when the model's most likely token there differs with probability above this; default off
         max_post_steps: mdlm token editing: passes that only edit after a block's last mask (LLaDA 2.1's max_post_steps)
@@ -681,6 +682,7 @@ class SampleConfig:
     alg_temp: float | None = None
     logits_eos_inf: bool = False
     confidence_eos_eot_inf: bool = False
+    cfg_scale: float = 0.0
     revise: float = 0.0
     editing_threshold: float | None = None
     max_post_steps: int = 16

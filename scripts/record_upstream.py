@@ -320,9 +320,21 @@ def record_llada(code: list[Path], out: Path) -> None:
                              switch: True})
         settings.append({"gen_length": 16, "block_length": 8, "steps": 8, "remasking": "low_confidence",
                          "temperature": 1.0, "seed": 5, switch: True})
+    # its classifier-free guidance (the prompt masked in a second row of the same forward)
+    for scale in (0.5, 2.0):
+        for n, block, steps in ((16, 16, 16), (24, 8, 12)):
+            settings.append({"gen_length": n, "block_length": block, "steps": steps, "remasking": "low_confidence",
+                             "cfg_scale": scale})
+    settings.append({"gen_length": 16, "block_length": 8, "steps": 8, "remasking": "low_confidence",
+                     "temperature": 1.0, "seed": 5, "cfg_scale": 1.0})
+    settings.append({"gen_length": 16, "block_length": 8, "steps": 8, "remasking": "random", "seed": 7,
+                     "cfg_scale": 1.0})
     cases = []
     for case, p, kw in each_case(head, eos, settings, prompts):
-        x = gen.generate(Called(model), torch.tensor([p]), cfg_scale=0.0, mask_id=mask, **{"temperature": 0.0, **kw})
+        # (with cfg_scale > 0 its generate reads an attention mask: all ones, the same attention as none)
+        ones = torch.ones(1, len(p), dtype=torch.long) if kw.get("cfg_scale") else None
+        x = gen.generate(Called(model), torch.tensor([p]), attention_mask=ones, mask_id=mask,
+                         **{"temperature": 0.0, "cfg_scale": 0.0, **kw})
         cases.append({**case, "ids": x[0, len(p):].tolist()})
     with torch.no_grad():
         logits = Called(model)(torch.tensor([prompts[1]])).logits[0]

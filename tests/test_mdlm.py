@@ -433,6 +433,8 @@ BAD = [
     (["--threshold", "1.5", "--sampler", "threshold"], "--threshold must be in (0, 1]"),
     (["--remasking", "random", "--sampler", "threshold"], "--remasking random goes with --sampler confidence"),
     (["--prompt", "<fill:0> x"], "must ask for at least one token"),
+    (["--cfg-scale", "-1"], "--cfg-scale must be >= 0"),
+    (["--cfg-scale", "1"], "--cfg-scale applies to a full-attention checkpoint"),
     (["--confidence-eos-eot-inf", "--draw-holes"], "--confidence-eos-eot-inf reads the model's probability"),
 ]
 

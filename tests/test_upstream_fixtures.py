@@ -47,15 +47,15 @@ def dream_options(a: dict) -> SampleConfig:
 
 
 def llada_options(a: dict) -> SampleConfig:
-    """LLaDA's generate(steps, gen_length, block_length, remasking, temperature, logits_eos_inf,
+    """LLaDA's generate(steps, gen_length, block_length, remasking, temperature, cfg_scale, logits_eos_inf,
     confidence_eos_eot_inf), torch.manual_seed(seed) before it: its steps are for the whole generation, dlm's --steps
     per block; the llada preset (its float64 Gumbel draw over the whole sequence, --gumbel), the same seed, its
-    switches as --logits-eos-inf / --confidence-eos-eot-inf."""
+    switches as --logits-eos-inf / --confidence-eos-eot-inf, its cfg_scale as --cfg-scale."""
     blocks = a["gen_length"] // a["block_length"]
     return SampleConfig(preset="llada", max_new_tokens=a["gen_length"], block_size=a["block_length"],
                         steps=a["steps"] // blocks, remasking=a["remasking"], temperature=a.get("temperature", 0.0),
                         seed=a.get("seed", 0), logits_eos_inf=a.get("logits_eos_inf", False),
-                        confidence_eos_eot_inf=a.get("confidence_eos_eot_inf", False))
+                        confidence_eos_eot_inf=a.get("confidence_eos_eot_inf", False), cfg_scale=a.get("cfg_scale", 0.0))
 
 
 def sdar_options(a: dict) -> SampleConfig:
@@ -343,18 +343,18 @@ def test_llada_sampled_recordings_need_the_gumbel_draw(imported):
     assert len(cases) >= 32 and differ >= len(cases) // 2, differ
 
 
-def test_llada_recordings_need_the_eos_switches(imported):
-    """LLaDA's logits_eos_inf / confidence_eos_eot_inf recordings hold what the switches do: with <eos> live, dlm
-    without the switch differs from some of them (the recordings would pass without the options otherwise)."""
+def test_llada_recordings_need_the_switches(imported):
+    """LLaDA's cfg_scale / logits_eos_inf / confidence_eos_eot_inf recordings hold what each does: with <eos> live, dlm
+    without the option differs from some of them (the recordings would pass without the options otherwise)."""
     rec = recordings("llada")
     model, ck = imported["llada"]
-    for switch in ("logits_eos_inf", "confidence_eos_eot_inf"):
+    for switch, off in (("cfg_scale", 0.0), ("logits_eos_inf", False), ("confidence_eos_eot_inf", False)):
         cases = [c for c in rec["cases"] if c["args"].get(switch) and c["eos"] == "live"]
         assert cases
         differ = 0
         with eos_row(model, rec["eos_id"], True):
             for c in cases:
-                cfg = llada_options(c["args"]).replace(**{switch: False})
+                cfg = llada_options(c["args"]).replace(**{switch: off})
                 got = dlm_ids(model, ck, rec["prompts"][c["prompt"]], cfg)
                 differ += got != until_eos(c["ids"][:c["args"]["gen_length"]], eos_ids(rec))
         assert differ > 0, switch

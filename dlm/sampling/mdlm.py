@@ -139,7 +139,7 @@ OPTIONS = frozenset({"temperature", "top_k", "top_p", "naive", "sampler", "steps
                      "block_size", "remasking", "revise", "suffix", "fill_length", "preset", "prefix_cache",
                      "sub_block", "schedule", "whole_blocks", "eos_early_stop", "confidence",
                      "mask_proposals", "draw_holes", "gumbel", "editing_threshold", "max_post_steps",
-                     "alg_temp", "logits_eos_inf", "confidence_eos_eot_inf"})
+                     "alg_temp", "logits_eos_inf", "confidence_eos_eot_inf", "cfg_scale"})
 
 # The published decoding recipes of the public masked-diffusion families, as SampleConfig settings (docs/public-
 # models.md has a command for each). steps: per block; block_size None: the whole generation.
@@ -302,6 +302,7 @@ class Rule:
     alg_temp: float = 0.0  # > 0: the k positions are drawn, softmax(score / alg_temp) (Dream's alg_temp, draw_k_of)
     no_eos: int | None = None  # --logits-eos-inf: this <eos> id's logit is -inf before the draw
     eos_eot: tuple[int, ...] = ()  # --confidence-eos-eot-inf: <eos> then <|eot_id|> (if the tokenizer has one)
+    cfg_scale: float = 0.0  # --cfg-scale: classifier-free guidance against a pass with the known tokens masked
 
     def top(self, score: Tensor, masked: Tensor, k: int, gen: torch.Generator | None,
             span: tuple[int, int] | None) -> Tensor:
@@ -602,6 +603,14 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
             was = masked.clone()
             logits = yield from state.denoise(s, e)  # (Lb, V)
             stats.forwards += 1
+            if rule.cfg_scale > 0:  # LLaDA's unsupervised classifier-free guidance: the same pass with every known
+                # token (the prompt) at <mask>, logits = un + (scale + 1) (cond - un)
+                keep = seq.clone()
+                seq[~hole] = mask_id
+                un = yield from state.denoise(s, e)  # (Lb, V)
+                seq.copy_(keep)
+                stats.forwards += 1
+                logits = un + (rule.cfg_scale + 1) * (logits - un)
             # (mask proposals: a position whose proposal is <mask> stays a hole, as in the public generate functions;
             # past the planned steps <mask> is never proposed, so a block always ends)
             if not (job.mask_proposals and step < (steps or n)):
@@ -726,11 +735,12 @@ def check_options(cfg) -> Rule:
     check(not alg_temp or (sampler in ("confidence", "entropy", "margin") and cfg.remasking == "low_confidence"),
           f"--alg-temp goes with --sampler confidence, entropy or margin, got --sampler {sampler}"
           + (" --remasking random" if cfg.remasking == "random" else ""))
+    check(cfg.cfg_scale >= 0 and math.isfinite(cfg.cfg_scale), f"--cfg-scale must be >= 0 (0 = off), got {cfg.cfg_scale}")
     check(not (cfg.confidence_eos_eot_inf and (cfg.draw_holes or cfg.confidence == "sampled")),
           "--confidence-eos-eot-inf reads the model's probability: it does not go with --draw-holes or "
           "--confidence sampled")
     return Rule(sampler, cfg.threshold, cfg.entropy_bound, cfg.remasking == "random", cfg.confidence == "sampled",
-                cfg.draw_holes, cfg.gumbel, alg_temp)
+                cfg.draw_holes, cfg.gumbel, alg_temp, cfg_scale=float(cfg.cfg_scale))
 
 
 def with_end_ids(rule: Rule, cfg, tok) -> Rule:
@@ -795,6 +805,9 @@ def stream(model, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> 
                        "an exact KV cache already")
     if not full:  # (a preset's prefix cache: this checkpoint's exact cache is already there)
         cfg = cfg.replace(prefix_cache=False)
+    if cfg.cfg_scale > 0 and (not full or cfg.prefix_cache):
+        raise DlmError("--cfg-scale applies to a full-attention checkpoint (LLaDA) without --prefix-cache: the "
+                       "unconditional pass reads the whole sequence")
     jobs = [make_job(p, cfg, ck.block_size, model.cfg.max_seq_len, causal, full, shift) for p in prompts]
     return _run(model, jobs, rule, cfg, mask_id, tok.eos_set, step_events)
 
@@ -866,6 +879,8 @@ def row_job(model, ck, prompt: Prompt, cfg) -> tuple[Job, Rule, Any]:
         raise DlmError(f"{ck.path}: the tokenizer has no <mask> token")
     cfg = apply_preset(cfg, ck.config.get("preset")).replace(prefix_cache=False)
     rule = with_end_ids(check_options(cfg), cfg, ck.tokenizer)
+    if cfg.cfg_scale > 0:
+        raise DlmError("--cfg-scale applies to a full-attention checkpoint (LLaDA), whose rows run one after another")
     job = make_job(prompt, cfg, ck.block_size, model.cfg.max_seq_len, ck.objective == "joint")
     return job, rule, cfg
 

@@ -152,6 +152,7 @@ class DlmFields(_Strict):
     alg_temp: float | None = None
     logits_eos_inf: bool | None = None
     confidence_eos_eot_inf: bool | None = None
+    cfg_scale: float | None = None
     canvas_length: int | None = None
     t_max: float | None = None
     t_min: float | None = None
