@@ -55,7 +55,8 @@ def llada_options(a: dict) -> SampleConfig:
     return SampleConfig(preset="llada", max_new_tokens=a["gen_length"], block_size=a["block_length"],
                         steps=a["steps"] // blocks, remasking=a["remasking"], temperature=a.get("temperature", 0.0),
                         seed=a.get("seed", 0), logits_eos_inf=a.get("logits_eos_inf", False),
-                        confidence_eos_eot_inf=a.get("confidence_eos_eot_inf", False), cfg_scale=a.get("cfg_scale", 0.0))
+                        confidence_eos_eot_inf=a.get("confidence_eos_eot_inf", False),
+                        cfg_scale=a.get("cfg_scale", 0.0))
 
 
 def sdar_options(a: dict) -> SampleConfig:

@@ -735,7 +735,8 @@ def check_options(cfg) -> Rule:
     check(not alg_temp or (sampler in ("confidence", "entropy", "margin") and cfg.remasking == "low_confidence"),
           f"--alg-temp goes with --sampler confidence, entropy or margin, got --sampler {sampler}"
           + (" --remasking random" if cfg.remasking == "random" else ""))
-    check(cfg.cfg_scale >= 0 and math.isfinite(cfg.cfg_scale), f"--cfg-scale must be >= 0 (0 = off), got {cfg.cfg_scale}")
+    check(cfg.cfg_scale >= 0 and math.isfinite(cfg.cfg_scale),
+          f"--cfg-scale must be >= 0 (0 = off), got {cfg.cfg_scale}")
     check(not (cfg.confidence_eos_eot_inf and (cfg.draw_holes or cfg.confidence == "sampled")),
           "--confidence-eos-eot-inf reads the model's probability: it does not go with --draw-holes or "
           "--confidence sampled")
