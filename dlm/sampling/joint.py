@@ -235,11 +235,7 @@ def seeded_program(prompt: Sequence[int], *, block_size: int, max_new_tokens: in
             logits = (yield Window(tokens=block, out=(0, L)))[0].float()  # (L, V)
             stats.forwards += 1
             stats.steps += 1
-            if temperature > 0:
-                u = torch.rand(logits.shape, dtype=torch.float64, generator=gen, device=logits.device)
-                cand = (logits.double().exp() / (-torch.log(u)) ** temperature).argmax(-1)
-            else:
-                cand = logits.argmax(-1)
+            cand = mdlm.gumbel_draw(logits, temperature, 0, 1.0, gen) if temperature > 0 else logits.argmax(-1)
             conf = torch.softmax(logits, -1).gather(-1, cand[:, None])[:, 0]
             conf = torch.where(holes, conf, float("-inf"))
             if rule.kind == "threshold":

@@ -246,14 +246,17 @@ class RowBatch:
         self.clean += [0] * (rows - have)
         self.C = C
 
-    def _clean(self, rows: list[int], upto: int) -> None:
+    def _clean(self, rows, upto: int) -> None:
         """Rows' slots before `upto` finite: the keys a forward reads (a row's own ones past its length are masked,
-        and attention still multiplies them: unfilled memory there could be NaN)."""
+        and attention still multiplies them: unfilled memory there could be NaN). One write per buffer."""
+        dirty = [(b, s) for b in rows for s in range(self.clean[b], upto)]
+        if not dirty:
+            return
+        b_, s_ = torch.tensor(dirty, device=self.cache.k[0].device).unbind(1)
+        for t in self.cache.buffers():
+            t[..., b_, :, s_, :] = 0
         for b in rows:
-            if self.clean[b] < upto:
-                for t in self.cache.buffers():
-                    t[..., b, :, self.clean[b]:upto, :] = 0
-                self.clean[b] = upto
+            self.clean[b] = max(self.clean[b], upto)
 
     def add(self) -> int:
         """A new row with an empty cache; its index."""
@@ -341,13 +344,7 @@ class RowBatch:
         S = int(length.max()) + 1
         if S > self.C:
             self._reserve(len(self.length), max(S, self.C + self.C // 2))
-        # every row's slots the step reads finite (its own past its length are masked): one write per buffer
-        dirty = [(b, s) for b in range(R) for s in range(self.clean[b], S)]
-        if dirty:
-            b_, s_ = torch.tensor(dirty, device=dev).unbind(1)
-            for t in self.cache.buffers():
-                t[..., b_, :, s_, :] = 0
-            self.clean[:R] = [max(c, S) for c in self.clean[:R]]
+        self._clean(range(R), S)  # every row's slots the step reads (its own past its length are masked)
         at = torch.tensor(idx, device=dev)
         live = torch.zeros(R, dtype=torch.bool, device=dev)
         live[at] = True
