@@ -109,3 +109,36 @@ def assert_same_greedy(model, prompt: list[int], ours: list[int], theirs: list[i
     top = torch.topk(logits, 2)
     assert {ours[i], theirs[i]} == set(top.indices.tolist()) and float(top.values[0] - top.values[1]) < tie, \
         f"greedy tokens differ at {i}: dlm {ours}, transformers {theirs}"
+
+
+def llada2_tensors(ref) -> dict[str, torch.Tensor]:
+    """A transformers Glm4MoeForCausalLM's weights under LLaDA 2's names (modeling_llada2_moe.py): model.word_embeddings,
+    model.layers.N.attention.{query_key_value (rows q, k, v), query_layernorm, key_layernorm, dense},
+    mlp.{gate_proj, up_proj, down_proj} (the first first_k_dense_replace layers) or mlp.gate.{weight, expert_bias},
+    mlp.experts.E.{gate,up,down}_proj, mlp.shared_experts.* (with n_shared_experts)."""
+    c, sd = ref.config, ref.state_dict()
+    I = c.moe_intermediate_size
+    out = {"model.word_embeddings.weight": sd["model.embed_tokens.weight"],
+           "model.norm.weight": sd["model.norm.weight"], "lm_head.weight": sd["lm_head.weight"]}
+    for i in range(c.num_hidden_layers):
+        a, p = f"model.layers.{i}.self_attn.", f"model.layers.{i}."
+        out[p + "attention.query_key_value.weight"] = torch.cat([sd[a + f"{n}_proj.weight"] for n in "qkv"])
+        out[p + "attention.query_layernorm.weight"] = sd[a + "q_norm.weight"]
+        out[p + "attention.key_layernorm.weight"] = sd[a + "k_norm.weight"]
+        out[p + "attention.dense.weight"] = sd[a + "o_proj.weight"]
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            out[p + n + ".weight"] = sd[p + n + ".weight"]
+        if i < c.first_k_dense_replace:
+            out.update({p + f"mlp.{n}_proj.weight": sd[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down")})
+            continue
+        out[p + "mlp.gate.weight"] = sd[p + "mlp.gate.weight"]
+        out[p + "mlp.gate.expert_bias"] = sd[p + "mlp.gate.e_score_correction_bias"]
+        gu, down = sd[p + "mlp.experts.gate_up_proj"], sd[p + "mlp.experts.down_proj"]  # (E, 2I, D): gate, then up
+        for e in range(c.n_routed_experts):
+            out[p + f"mlp.experts.{e}.gate_proj.weight"] = gu[e, :I]
+            out[p + f"mlp.experts.{e}.up_proj.weight"] = gu[e, I:]
+            out[p + f"mlp.experts.{e}.down_proj.weight"] = down[e]
+        if c.n_shared_experts:
+            out.update({p + f"mlp.shared_experts.{n}_proj.weight": sd[p + f"mlp.shared_experts.{n}_proj.weight"]
+                        for n in ("gate", "up", "down")})
+    return {k: v.contiguous() for k, v in out.items()}

@@ -44,6 +44,7 @@ from dlm.tokenizer import Tokenizer
 transformers = pytest.importorskip("transformers")
 
 # (block_causal: LLaDA 2 generate's block_diffusion_attention_mask is the same tril over blocks as SDAR's)
+from hfbuild import llada2_tensors  # noqa: E402
 from test_hf_mdlm import assert_import_refuses, assert_rows_equal_each_row_alone, block_causal, generate_ids, tokens  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOL = 1e-6  # float64
@@ -80,37 +81,6 @@ def reference_model(tok: Tokenizer):
         for t in (tok.eos_id, tok.mask_id):
             m.lm_head.weight[t] = 0.0
     return m
-
-
-def llada2_tensors(ref) -> dict[str, torch.Tensor]:
-    """The reference's weights under modeling_llada2_moe.py's names: model.word_embeddings, model.layers.N.attention.
-    {query_key_value (rows q, k, v), query_layernorm, key_layernorm, dense}, mlp.{gate_proj, up_proj, down_proj}
-    (dense layers) or mlp.gate.{weight, expert_bias}, mlp.experts.E.{gate,up,down}_proj, mlp.shared_experts.*."""
-    sd = ref.state_dict()
-    out = {"model.word_embeddings.weight": sd["model.embed_tokens.weight"],
-           "model.norm.weight": sd["model.norm.weight"], "lm_head.weight": sd["lm_head.weight"]}
-    for i in range(ref.config.num_hidden_layers):
-        a, p = f"model.layers.{i}.self_attn.", f"model.layers.{i}."
-        out[p + "attention.query_key_value.weight"] = torch.cat([sd[a + f"{n}_proj.weight"] for n in "qkv"])
-        out[p + "attention.query_layernorm.weight"] = sd[a + "q_norm.weight"]
-        out[p + "attention.key_layernorm.weight"] = sd[a + "k_norm.weight"]
-        out[p + "attention.dense.weight"] = sd[a + "o_proj.weight"]
-        for n in ("input_layernorm", "post_attention_layernorm"):
-            out[p + n + ".weight"] = sd[p + n + ".weight"]
-        if i == 0:
-            for n in ("gate", "up", "down"):
-                out[p + f"mlp.{n}_proj.weight"] = sd[p + f"mlp.{n}_proj.weight"]
-            continue
-        out[p + "mlp.gate.weight"] = sd[p + "mlp.gate.weight"]
-        out[p + "mlp.gate.expert_bias"] = sd[p + "mlp.gate.e_score_correction_bias"]
-        gu, down = sd[p + "mlp.experts.gate_up_proj"], sd[p + "mlp.experts.down_proj"]  # (E, 2I, D): gate, then up
-        for e in range(E):
-            out[p + f"mlp.experts.{e}.gate_proj.weight"] = gu[e, :I].clone()
-            out[p + f"mlp.experts.{e}.up_proj.weight"] = gu[e, I:].clone()
-            out[p + f"mlp.experts.{e}.down_proj.weight"] = down[e].clone()
-        for n in ("gate", "up", "down"):
-            out[p + f"mlp.shared_experts.{n}_proj.weight"] = sd[p + f"mlp.shared_experts.{n}_proj.weight"]
-    return {k: v.contiguous() for k, v in out.items()}
 
 
 def config_json(tok: Tokenizer) -> dict:

@@ -34,7 +34,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from dlm.checkpoint import load_model  # noqa: E402
 from dlm.hf import export_hf, import_hf  # noqa: E402
 from dlm.sampling import SampleConfig, encode, generate  # noqa: E402
-from hfbuild import POSTS, SPECIALS, assert_same_greedy, bpe_tokenizer, hf_greedy, randomize, save_folder  # noqa: E402
+from hfbuild import (  # noqa: E402
+    POSTS, SPECIALS, assert_same_greedy, bpe_tokenizer, hf_greedy, llada2_tensors, randomize, save_folder,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 transformers.utils.logging.disable_progress_bar()
@@ -202,33 +204,9 @@ def glm4_moe(case: dict):
 
 def llada2_folder(case: dict, ref, folder) -> dict:
     """The reference's weights under modeling_llada2_moe.py's names, its config.json keys, a tokenizer."""
-    sd = ref.state_dict()
-    out = {"model.word_embeddings.weight": sd["model.embed_tokens.weight"],
-           "model.norm.weight": sd["model.norm.weight"], "lm_head.weight": sd["lm_head.weight"]}
     I = case["moe_ffn"]
-    for i in range(case["layers"]):
-        a, p = f"model.layers.{i}.self_attn.", f"model.layers.{i}."
-        out[p + "attention.query_key_value.weight"] = torch.cat([sd[a + f"{n}_proj.weight"] for n in "qkv"])
-        out[p + "attention.query_layernorm.weight"] = sd[a + "q_norm.weight"]
-        out[p + "attention.key_layernorm.weight"] = sd[a + "k_norm.weight"]
-        out[p + "attention.dense.weight"] = sd[a + "o_proj.weight"]
-        for n in ("input_layernorm", "post_attention_layernorm"):
-            out[p + n + ".weight"] = sd[p + n + ".weight"]
-        if i < case["first_dense"]:
-            out.update({p + f"mlp.{n}_proj.weight": sd[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down")})
-            continue
-        out[p + "mlp.gate.weight"] = sd[p + "mlp.gate.weight"]
-        out[p + "mlp.gate.expert_bias"] = sd[p + "mlp.gate.e_score_correction_bias"]
-        gu, down = sd[p + "mlp.experts.gate_up_proj"], sd[p + "mlp.experts.down_proj"]
-        for e in range(case["experts"]):
-            out[p + f"mlp.experts.{e}.gate_proj.weight"] = gu[e, :I]
-            out[p + f"mlp.experts.{e}.up_proj.weight"] = gu[e, I:]
-            out[p + f"mlp.experts.{e}.down_proj.weight"] = down[e]
-        if case["shared"]:
-            out.update({p + f"mlp.shared_experts.{n}_proj.weight": sd[p + f"mlp.shared_experts.{n}_proj.weight"]
-                        for n in ("gate", "up", "down")})
     folder.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in out.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_file(llada2_tensors(ref), str(folder / "model.safetensors"), metadata={"format": "pt"})
     hf = {"architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe", "num_hidden_layers": case["layers"],
           "hidden_size": case["hidden"], "intermediate_size": case["ffn"], "first_k_dense_replace": case["first_dense"],
           "hidden_act": "silu", "max_position_embeddings": 256, "moe_intermediate_size": I, "norm_topk_prob": True,
