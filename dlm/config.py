@@ -617,11 +617,12 @@ class SampleConfig:
         steps: denoising steps per block (mdlm; default: one token per step; threshold / entropy_bound: at most this many) or per canvas at most (usdm; default 48)
         threshold: mdlm threshold sampler: commit every position with confidence above this
         entropy_bound: entropy-bound acceptance: cumulative entropy minus its largest entropy <= this
+        entropy_form: mdlm entropy_bound: eb (each position's predictive entropy, the acceptance above) or sdar (SDAR's entropy_bounded as its generate.py computes it, the sdar preset's: one "entropy" for the whole block, the sum over its positions of -p log p of each drawn token's probability p; the holes commit left to right, as many as multiples of that sum stay below --entropy-bound, at least one; a block gets at most --steps + 1 passes, and one that takes them all keeps its holes as <mask> and is out of every later block's context, as SDAR's KV cache never holds it)
         block_size: a block of positions: mdlm's semi-autoregressive block (default: the checkpoint's training block, else the whole generation); speculative: the block of one verify cycle, the last committed token + block_size-1 proposals (default: the drafter's: its block size for DFlash, 5 for an AR draft, 8 for lookup)
-        remasking: mdlm: low_confidence | random
+        remasking: mdlm, the confidence sampler: which k positions a step commits: low_confidence (the most confident), random, or sequential (the k from the block's first hole on, left to right: SDAR's `sequential`; a committed position in that stretch, after a <mask> proposal kept a hole before it, is drawn again, as there)
         preset: mdlm: a public model's decoding recipe: llada | fast-dllm | dream | sdar | fast-dllm-v2 | llada2 | llada2.1 | none (options given explicitly win; default: the one an imported checkpoint records, docs/public-models.md)
         prefix_cache: mdlm, a full-attention checkpoint (LLaDA, Dream): Fast-dLLM's approximate prefix cache (a block's later passes read the K/V its first pass computed for the positions before it); off = exact, the whole sequence every step
-        schedule: mdlm: positions committed per step: even (a block's holes spread evenly over --steps, LLaDA), dream (Dream's time grid, linspace(1, 1e-3, steps + 1): int(holes x (1 - t[i+1] / t[i])), the rest at the last step) or block (the block's length spread over --steps, prompt positions included: LLaDA 2)
+        schedule: mdlm: positions committed per step: even (a block's holes spread evenly over --steps, LLaDA), dream (Dream's time grid, linspace(1, 1e-3, steps + 1): int(holes x (1 - t[i+1] / t[i])), the rest at the last step) or block (the block's length spread over --steps, prompt positions included: LLaDA 2 and SDAR; with LLaDA 2, steps above the generation's length shrink to it)
         whole_blocks: mdlm: pad the last block with holes to its full size and denoise it whole, as training saw blocks (SDAR, Fast-dLLM v2); what lies past --max-new-tokens is dropped
         eos_early_stop: mdlm: stop denoising the positions after a committed <eos> at once (fewer passes; the tokens before it may differ from the public models' own generate, which denoises the block whole and cuts after the <eos>: the default)
         confidence: mdlm: the probability the commit rules read: model (the model's probability of the proposed token) or sampled (at temperature > 0, its probability under the distribution it was drawn from, temperature and top-k/top-p applied: SDAR's generate; the sdar preset's)
@@ -667,6 +668,7 @@ class SampleConfig:
     steps: int | None = None
     threshold: float = 0.9
     entropy_bound: float = 0.1
+    entropy_form: str = "eb"
     block_size: int | None = None
     remasking: str = "low_confidence"
     preset: str | None = None

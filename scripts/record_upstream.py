@@ -396,6 +396,25 @@ def shim_sdar() -> None:
     sys.modules[loss.__name__] = loss
 
 
+def sdar_generate(path: Path) -> types.ModuleType:
+    """SDAR's generate.py as a module, with one line added: its `entropy_bounded` branch sets `transfer_index[j, ...]`
+    without creating it (the other three branches start with `transfer_index = torch.zeros_like(x0,
+    dtype=torch.bool)`), so as published it raises UnboundLocalError at its first step; the same line is added at the
+    top of that branch. Nothing else of the text changes (the other branches never reach it)."""
+    src = path.read_text()
+    branch = 'elif remasking_strategy == "entropy_bounded":\n'
+    assert src.count(branch) == 1 and "transfer_index = torch.zeros_like(x0, dtype=torch.bool)" in src, \
+        "generate.py's entropy_bounded branch moved: check the patch"
+    after = src.split(branch)[1]
+    indent = " " * (len(after) - len(after.lstrip(" ")))
+    src = src.replace(branch, branch + indent + "transfer_index = torch.zeros_like(x0, dtype=torch.bool)\n")
+    mod = types.ModuleType("sdar_generate")
+    mod.__file__ = str(path)
+    sys.modules["sdar_generate"] = mod
+    exec(compile(src, str(path), "exec"), mod.__dict__)
+    return mod
+
+
 def record_sdar(code: list[Path], out: Path) -> None:
     (sdar,) = code
     shim_transformers()
@@ -404,7 +423,8 @@ def record_sdar(code: list[Path], out: Path) -> None:
     load_package("sdar_upstream", folder)
     cfg_mod = load_module("sdar_upstream.configuration_sdar", folder / "configuration_sdar.py")
     mod = load_module("sdar_upstream.modeling_sdar", folder / "modeling_sdar.py")
-    gen = load_module("sdar_generate", sdar / "generate.py")
+    published = load_module("sdar_generate_published", sdar / "generate.py")
+    gen = sdar_generate(sdar / "generate.py")
     tok = word_tokenizer(SDAR_SPECIALS)
     V = tok.get_vocab_size()
     eos, im_end, mask = 0, 2, 3
@@ -435,8 +455,39 @@ def record_sdar(code: list[Path], out: Path) -> None:
     cases = []
     settings = [{**s, "stopping_criteria_idx": stop} for s in settings for stop in (None, [im_end, eos])]
     for case, p, kw in each_case(head, im_end, settings, prompts):
-        x = gen.block_diffusion_generate(model, {"input_ids": torch.tensor([p])}, mask_id=mask, **kw)
+        x = published.block_diffusion_generate(model, {"input_ids": torch.tensor([p])}, mask_id=mask, **kw)
         cases.append({**case, "ids": x[0, len(p):].tolist()})
+    try:  # (entropy_bounded as published: see sdar_generate)
+        published.block_diffusion_generate(model, {"input_ids": torch.tensor([prompts[0]])}, mask_id=mask,
+                                           remasking_strategy="entropy_bounded", eb_threshold=0.35)
+        raise AssertionError("generate.py's entropy_bounded ran as published: drop the patch")
+    except UnboundLocalError:
+        pass
+    # sequential and entropy_bounded (generate.py with the one line added), appended: (gen length, block, steps,
+    # temperature, top_k, top_p, eb_threshold, seed); steps equal to and fewer than the block, lengths ending
+    # mid-block. A run the upstream code cannot finish (generate.py indexes its step quota past the planned steps
+    # when a <|MASK|> drawn at the last step leaves a hole) is recorded as its error.
+    more = []
+    for strategy, rows in (("sequential", ((16, 4, 4, 1.0, 0, 1.0, None, 11), (16, 4, 2, 0.7, 0, 1.0, None, 11),
+                                            (13, 8, 8, 1.0, 0, 1.0, None, 5), (16, 8, 4, 0.4, 0, 1.0, None, 5),
+                                            (14, 8, 3, 0.7, 20, 1.0, None, 11), (12, 4, 4, 1.0, 0, 0.9, None, 5),
+                                            # (seeds where a <|MASK|> is drawn before a committed position, which
+                                            # sequential then draws again, and the run still ends)
+                                            (16, 8, 2, 1.0, 0, 1.0, None, 28), (16, 8, 2, 1.0, 0, 1.0, None, 140))),
+                           ("entropy_bounded", ((16, 4, 4, 1.0, 0, 1.0, 0.35, 11), (16, 4, 2, 0.7, 0, 1.0, 0.8, 11),
+                                                (16, 8, 8, 1.0, 0, 1.0, 2.0, 5), (13, 8, 4, 0.4, 0, 1.0, 0.35, 5),
+                                                (14, 8, 8, 0.7, 20, 1.0, 0.8, 11), (12, 4, 4, 1.0, 0, 0.9, 2.0, 5)))):
+        for n, block, steps, temp, top_k, top_p, eb, seed in rows:
+            more.append({"gen_length": n, "block_length": block, "denoising_steps": steps, "temperature": temp,
+                         "top_k": top_k, "top_p": top_p, "remasking_strategy": strategy,
+                         **({"eb_threshold": eb} if eb is not None else {}), "seed": seed})
+    more = [{**s, "stopping_criteria_idx": stop} for s in more for stop in (None, [im_end, eos])]
+    for case, p, kw in each_case(head, im_end, more, prompts):
+        try:
+            x = gen.block_diffusion_generate(model, {"input_ids": torch.tensor([p])}, mask_id=mask, **kw)
+            cases.append({**case, "ids": x[0, len(p):].tolist()})
+        except IndexError as e:
+            cases.append({**case, "error": f"{type(e).__name__}: {e}"})
     with torch.no_grad():
         ids = torch.tensor([prompts[1]])
         full = torch.ones(1, len(prompts[1]), len(prompts[1]))
@@ -447,12 +498,13 @@ def record_sdar(code: list[Path], out: Path) -> None:
               "auto_map": {"AutoConfig": "configuration_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARModel",
                            "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"}}
     config.pop("mask_token_id", None)  # (as some SDAR folders: the tokenizer's <|MASK|> is the one)
-    live_eos = sum(c["eos"] == "live" and im_end in c["ids"] for c in cases)
+    live_eos = sum(c["eos"] == "live" and im_end in c.get("ids", ()) for c in cases)
     rec = {"family": "sdar", "upstream": {"repo": "JetAstra/SDAR", "files": "generate.py, training/model/SDAR-4B-Chat/",
                                           "commit": commit_of(sdar)},
            "eos_id": im_end, "eos_ids": [im_end, eos], "mask_id": mask, "prompts": prompts,
            "logits": logits_summary(logits), "cases": cases}
-    print(f"sdar: {len(cases)} cases, <|im_end|> generated in {live_eos} of the live ones")
+    print(f"sdar: {len(cases)} cases ({sum('error' in c for c in cases)} the upstream code fails), <|im_end|> "
+          f"generated in {live_eos} of the live ones, <|MASK|> left in {sum(mask in c.get('ids', ()) for c in cases)}")
     write_fixture(out, model, tok, config, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
                                             "mask_token": "<|MASK|>"}, rec)
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eos, "eos_token_id": [im_end, eos],

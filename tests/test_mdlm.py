@@ -432,6 +432,10 @@ BAD = [
     (["--block-length", "0"], "--block-size must be > 0"),  # the old spelling still works
     (["--threshold", "1.5", "--sampler", "threshold"], "--threshold must be in (0, 1]"),
     (["--remasking", "random", "--sampler", "threshold"], "--remasking random goes with --sampler confidence"),
+    (["--remasking", "sequential", "--sampler", "entropy_bound"],
+     "--remasking sequential goes with --sampler confidence"),
+    (["--remasking", "first"], "--remasking must be low_confidence, random or sequential"),
+    (["--entropy-form", "vocab", "--sampler", "entropy_bound"], "--entropy-form must be eb or sdar"),
     (["--prompt", "<fill:0> x"], "must ask for at least one token"),
     (["--cfg-scale", "-1"], "--cfg-scale must be >= 0"),
     (["--cfg-scale", "1"], "--cfg-scale applies to a full-attention checkpoint"),

@@ -61,11 +61,16 @@ def llada_options(a: dict) -> SampleConfig:
 
 def sdar_options(a: dict) -> SampleConfig:
     """SDAR's block_diffusion_generate(block_length, denoising_steps, temperature, top_k, top_p, remasking_strategy,
-    confidence_threshold), torch.manual_seed(seed) before it: the sdar preset (whole blocks, the confidence of the
-    drawn token under the distribution it was drawn from, <mask> among the candidates), the strategy's rule, the
-    same seed (dlm's row generator draws what torch's global one draws)."""
-    rule = ({"sampler": "threshold", "threshold": a["confidence_threshold"]}
-            if a["remasking_strategy"] == "low_confidence_dynamic" else {"sampler": "confidence"})
+    confidence_threshold, eb_threshold), torch.manual_seed(seed) before it: the sdar preset (whole blocks, the
+    confidence of the drawn token under the distribution it was drawn from, <mask> among the candidates, the block's
+    length over the steps, entropy_bounded as published), the strategy's rule (sequential: --remasking sequential;
+    entropy_bounded: --sampler entropy_bound, its eb_threshold the bound), the same seed (dlm's row generator draws
+    what torch's global one draws)."""
+    rule = {"low_confidence_dynamic": {"sampler": "threshold", "threshold": a.get("confidence_threshold")},
+            "low_confidence_static": {"sampler": "confidence"},
+            "sequential": {"sampler": "confidence", "remasking": "sequential"},
+            "entropy_bounded": {"sampler": "entropy_bound", "entropy_bound": a.get("eb_threshold")}}[
+        a["remasking_strategy"]]
     return SampleConfig(preset="sdar", max_new_tokens=a["gen_length"], block_size=a["block_length"],
                         steps=a["denoising_steps"], temperature=a["temperature"], top_k=a["top_k"], top_p=a["top_p"],
                         seed=a["seed"], **rule)
@@ -174,7 +179,9 @@ def test_logits_equal_the_authors_model(family, imported):
     assert (got - want).abs().max() < 1e-4
 
 
-CASES = [(f, i) for f in FAMILIES for i in range(len(recordings(f)["cases"]))]
+# (a case the upstream code could not finish holds its error instead of ids: SDAR's generate.py indexes its step quota
+# past the planned steps when a <|MASK|> drawn at the last one keeps a hole; nothing to compare)
+CASES = [(f, i) for f in FAMILIES for i, c in enumerate(recordings(f)["cases"]) if "ids" in c]
 
 
 @pytest.mark.parametrize("family,index", CASES, ids=[f"{f}-{i}" for f, i in CASES])
@@ -191,13 +198,17 @@ def test_generation_equals_the_recording(family, index, imported):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_recordings_exercise_eos(family):
-    """<eos> lands inside the generation in some live recordings (else the eos handling would go untested), never in
-    the suppressed ones."""
+    """<eos> lands inside the generation in some live recordings (else the eos handling would go untested), and in
+    more live than suppressed ones (suppressed: its LM-head row zero, a logit of 0; never the argmax here, but a draw
+    from SDAR's flat tiny model can still pick it)."""
     rec = recordings(family)
-    live = [c for c in rec["cases"] if c["eos"] == "live"]
-    n = {id(c): c["args"].get("max_new_tokens", c["args"].get("gen_length")) for c in rec["cases"]}
+    cases = [c for c in rec["cases"] if "ids" in c]
+    live = [c for c in cases if c["eos"] == "live"]
+    n = {id(c): c["args"].get("max_new_tokens", c["args"].get("gen_length")) for c in cases}
     assert any(rec["eos_id"] in c["ids"][:n[id(c)] - 1] for c in live)
-    assert not any(rec["eos_id"] in c["ids"] for c in rec["cases"] if c["eos"] == "suppressed")
+    suppressed = [c for c in cases if c["eos"] == "suppressed" and rec["eos_id"] in c["ids"]]
+    assert len(suppressed) < sum(rec["eos_id"] in c["ids"] for c in live)
+    assert not any(c["args"].get("temperature", 0) == 0 for c in suppressed)
 
 
 # export: the folder the authors' code loads ---------------------------------------------------------------------
@@ -392,3 +403,50 @@ def test_llada21_rows_in_one_batch_equal_each_row_alone(imported):
             together[ev.row] += ev.tokens
     for r, (p, c) in enumerate(zip(prompts, cfgs)):
         assert together[r] == dlm_ids(model, ck, p, c), r
+
+
+def test_sdar_recordings_need_each_option_and_quirk(imported, monkeypatch):
+    """SDAR's sequential and entropy_bounded recordings hold what each option (and each quirk of its generate that
+    the sdar preset reproduces) does: with it off, dlm differs from some recording of its strategy."""
+    from dlm.sampling import mdlm
+
+    rec = recordings("sdar")
+    model, ck = imported["sdar"]
+
+    def differs(strategy: str, **off) -> bool:
+        for c in rec["cases"]:
+            if "ids" not in c or c["args"]["remasking_strategy"] != strategy:
+                continue
+            cfg = mdlm.apply_preset(sdar_options(c["args"])).replace(preset="none", **off)
+            with eos_row(model, rec["eos_id"], c["eos"] == "live"):
+                got = dlm_ids(model, ck, rec["prompts"][c["prompt"]], cfg)
+            if got != until_eos(c["ids"][:c["args"]["gen_length"]], eos_ids(rec)):
+                return True
+        return False
+
+    assert differs("sequential", remasking="low_confidence")
+    assert differs("sequential", schedule="even")  # (the quota is the block's length over the steps)
+    assert differs("entropy_bounded", entropy_form="eb")
+    with monkeypatch.context() as m:  # a <mask> drawn before committed positions: SDAR draws them again
+        m.setattr(mdlm, "select_sequential",
+                  lambda masked, k: mdlm.top_k_of(-torch.arange(len(masked)).float(), masked, int(k)))
+        assert differs("sequential")
+    with monkeypatch.context() as m:  # a block that takes all --steps + 1 passes: its holes stay, no later block
+        m.setattr(mdlm.Rule, "passes", lambda self, steps, n: None)  # sees it
+        assert differs("entropy_bounded")
+    with monkeypatch.context() as m:  # ... even one filled by its last pass
+        m.setattr(mdlm.Denoising, "leave", lambda self, s, e: None)
+        assert differs("entropy_bounded")
+
+
+def test_sdar_recordings_cover_the_strategies_and_errors():
+    """Every remasking strategy of SDAR's generate is recorded, with steps equal to and fewer than the block, and
+    entropy_bounded leaves <|MASK|> in some outputs; the runs the upstream code could not finish are its IndexError."""
+    rec = recordings("sdar")
+    done = [c for c in rec["cases"] if "ids" in c]
+    assert {c["args"]["remasking_strategy"] for c in done} == {"low_confidence_dynamic", "low_confidence_static",
+                                                                 "sequential", "entropy_bounded"}
+    assert any(c["args"]["denoising_steps"] < c["args"]["block_length"] for c in done)
+    eb = [c for c in done if c["args"]["remasking_strategy"] == "entropy_bounded"]
+    assert any(rec["mask_id"] in c["ids"][:c["args"]["gen_length"]] for c in eb)
+    assert all(c["error"].startswith("IndexError") for c in rec["cases"] if "ids" not in c)

@@ -9,11 +9,23 @@ position and commits some of them by a rule:
 
   confidence     LLaDA: the k most confident positions (probability of the proposed token), k from a
                  budget that spreads the block's holes over `--steps` (low-confidence remasking);
-                 `--remasking random` picks the k positions at random instead
+                 `--remasking random` picks the k positions at random instead; `--remasking sequential`
+                 (SDAR's `sequential`) the k positions from the block's first hole on, left to right (a
+                 position in that stretch that is no longer a hole, after a <mask> proposal left one before
+                 it, is drawn again, as there)
   threshold      Fast-dLLM: every position whose confidence is above `--threshold` (at least one; strictly above,
                  as Fast-dLLM, SDAR and Fast-dLLM v2 compare: `--threshold 1` commits the budget's most confident)
   entropy_bound  sort positions by entropy ascending; accept the longest prefix whose cumulative
-                 entropy minus its largest entropy <= `--entropy-bound` (at least one)
+                 entropy minus its largest entropy <= `--entropy-bound` (at least one).
+                 `--entropy-form sdar` (the sdar preset) is SDAR's `entropy_bounded` as published instead
+                 (select_sdar_entropy): its "entropy" is one number for the whole block, the sum over the
+                 block's positions of -p log p, p the probability of the token drawn at each position (its
+                 sum runs over the block, not over the vocabulary), so the holes commit in order, as many
+                 as multiples of that number stay below the bound (at least one); and a block gets at most
+                 `--steps` + 1 passes: one that takes them all keeps its holes (<mask> in the output) and
+                 is left out of the context of every later block, even when its last pass filled it, as
+                 SDAR's generate never writes it to its KV cache (that write opens the pass after the last
+                 hole); the row then recomputes the whole sequence each pass, `--naive`'s way
   entropy        Dream's entropy order: the k positions whose predictive distribution has the lowest
                  entropy, k from the same budget as confidence
   margin         top-probability margin (Kim et al. 2025, "Train for the worst, plan for the best"): every
@@ -139,7 +151,7 @@ OPTIONS = frozenset({"temperature", "top_k", "top_p", "naive", "sampler", "steps
                      "block_size", "remasking", "revise", "suffix", "fill_length", "preset", "prefix_cache",
                      "sub_block", "schedule", "whole_blocks", "eos_early_stop", "confidence",
                      "mask_proposals", "draw_holes", "gumbel", "editing_threshold", "max_post_steps",
-                     "alg_temp", "logits_eos_inf", "confidence_eos_eot_inf", "cfg_scale"})
+                     "alg_temp", "logits_eos_inf", "confidence_eos_eot_inf", "cfg_scale", "entropy_form"})
 
 # The published decoding recipes of the public masked-diffusion families, as SampleConfig settings (docs/public-
 # models.md has a command for each). steps: per block; block_size None: the whole generation.
@@ -152,8 +164,9 @@ PRESETS: dict[str, dict] = {
     # Dream: entropy-ordered unmasking over the whole generation on its time grid (steps default: one per token)
     "dream": {"sampler": "entropy", "schedule": "dream", "mask_proposals": True, "draw_holes": True},
     # SDAR: blocks of 4 over the KV cache, 4 steps per block, low_confidence_dynamic at 0.9
+    # (its quota: the block's length over the steps, prompt positions included; entropy_bounded as published)
     "sdar": {"sampler": "threshold", "threshold": 0.9, "block_size": 4, "steps": 4, "whole_blocks": True,
-             "confidence": "sampled", "mask_proposals": True},
+             "confidence": "sampled", "mask_proposals": True, "schedule": "block", "entropy_form": "sdar"},
     # Fast-dLLM v2: blocks of 32 over the KV cache, threshold 0.9 within sub-blocks of 8
     "fast-dllm-v2": {"sampler": "threshold", "threshold": 0.9, "block_size": 32, "sub_block": 8,
                      "whole_blocks": True},
@@ -257,6 +270,33 @@ def select_random(masked: Tensor, k: int, gen: torch.Generator | None,
     return top_k_of(score, masked, k)
 
 
+def select_sequential(masked: Tensor, k: int) -> Tensor:
+    """SDAR's sequential remasking: bool (N,), the k positions from the first masked one on (fewer at the block's
+    end). A position in that stretch that is no longer masked (a <mask> proposal kept a hole before it) is chosen
+    too: SDAR's generate draws it again."""
+    chosen = torch.zeros_like(masked)
+    at = masked.nonzero()
+    if len(at):
+        chosen[int(at[0]):int(at[0]) + int(k)] = True
+    return chosen
+
+
+def select_sdar_entropy(conf: Tensor, masked: Tensor, bound: float) -> Tensor:
+    """SDAR's entropy_bounded as its generate.py computes it: conf (N,) the probability of the token drawn at every
+    position of the block (the drawn distribution's), masked (N,) -> bool (N,). Its per-position "entropy" sums
+    -p log p over the block's positions (conf is (B, L) there, summed over L), so every masked position has the same
+    value; sorted ascending (torch.sort: the masked ones in its order), the first k are committed, k the number of
+    prefix sums below the bound (torch.searchsorted, fp32), at least one."""
+    p = conf.float()[None].clamp_min(1e-12)  # (1, N), as there
+    ent = torch.where(masked[None], -(p * p.log()).sum(dim=-1), torch.inf)  # (1, N)
+    ranked, order = torch.sort(ent, dim=1, descending=False)
+    k = torch.searchsorted(torch.cumsum(ranked, dim=1)[0], torch.tensor(bound, device=conf.device), right=False)
+    k = max(1, min(int(k), int(masked.sum())))
+    chosen = torch.zeros_like(masked)
+    chosen[order[0, :k]] = True
+    return chosen
+
+
 def select_threshold(conf: Tensor, masked: Tensor, threshold: float, k_min: int = 1,
                      span: tuple[int, int] | None = None) -> Tensor:
     """Fast-dLLM: every masked position with confidence above threshold, at least the k_min most confident."""
@@ -295,6 +335,8 @@ class Rule:
     threshold: float = 0.9
     bound: float = 0.1
     random: bool = False  # confidence: random remasking instead of low-confidence
+    sequential: bool = False  # confidence: SDAR's sequential remasking (select_sequential)
+    form: str = "eb"  # entropy_bound: eb (the EB-sampler's acceptance) or sdar (SDAR's as published: select_sdar_entropy)
     sampled: bool = False  # confidence read from the distribution the token was drawn from (SDAR), not the model's
     holes: bool = False  # at temperature > 0: draw for the masked positions only, every score from the drawn
     # distribution (Dream's sample_tokens)
@@ -328,10 +370,18 @@ class Rule:
             chosen = masked & (margin > self.threshold)
             return chosen if int(chosen.sum()) >= k else self.top(margin, masked, k, gen, span)
         if self.kind == "entropy_bound":
+            if self.form == "sdar":
+                return select_sdar_entropy(conf, masked, self.bound)
             return select_entropy_bound(ent, masked, self.bound, k)
         if self.kind == "entropy":  # Dream: the k lowest-entropy positions
             return self.top(-ent, masked, k, gen, span)
+        if self.sequential:
+            return select_sequential(masked, k)
         return select_random(masked, k, gen, span) if self.random else self.top(conf, masked, k, gen, span)
+
+    def passes(self, steps: int | None, n: int) -> int | None:
+        """The most passes a block gets, None: until it has no hole (SDAR's entropy_bounded: --steps + 1)."""
+        return (steps or n) + 1 if self.kind == "entropy_bound" and self.form == "sdar" else None
 
 
 def top_margin(logits: Tensor) -> Tensor:
@@ -398,7 +448,9 @@ def denoise_step(logits: Tensor, x: Tensor, masked: Tensor, rule: Rule, k: int, 
         ent = entropy(torch.softmax(logits[masked].float(), dim=-1))
         return cand, chosen, float(ent.mean())
     if temperature == 0 and not (rule.holes and rule.alg_temp):  # greedy: only the masked positions' proposals are
-        at = masked.nonzero()[:, 0]  # read (the same values, less work)
+        at = masked.nonzero()[:, 0]  # read (the same values, less work; sequential may draw others again)
+        if rule.sequential:
+            at = torch.arange(len(masked), device=masked.device)
         cand, conf, ent = (t.new_zeros(masked.shape).scatter(0, at, part)
                            for t, part in zip((x, x.float(), x.float()),
                                               propose(logits[at], 0.0, top_k, top_p, gen, hide=rule.hidden(0.0))))
@@ -498,6 +550,14 @@ class Denoising:
         self.cached = 0  # positions 0..cached-1 are in the cache (slots == positions)
         self.block = None  # full context with the prefix cache: the block whose prefix the cache holds
         self.before = None  # shift: the output (V,) at the position before the block, from its first pass
+        self.recompute = False  # a block was left with holes (leave): recompute from position 0, cache dropped
+
+    def leave(self, s: int, e: int) -> None:
+        """Block [s, e) took all the passes SDAR's entropy_bounded allows (its holes stay): no later block sees it (its
+        block index after every block's), so every later pass recomputes the sequence without a cache (naive)."""
+        self.block_of[s:e] = len(self.job.blocks)
+        self.recompute = not self.naive
+        self.naive = True
 
     def logits(self, s: int, e: int) -> Tensor:
         """One denoising pass over block [s, e) run alone, over this sequence's own cache: the logits (e - s, V) that
@@ -525,6 +585,9 @@ class Denoising:
                     yield Crop(0)
                     keep, self.block = s, s
         elif self.naive:
+            if self.recompute:  # (the cache held the blocks before a left block: dropped)
+                yield Crop(0)
+                self.recompute = False
             start, stop, keep = 0, e, 0
             mask = mdlm_denoise_mask(self.block_of, 0, e, job.causal_context)  # (e, e)
         else:
@@ -592,6 +655,7 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
         # cache): the block's first token is committed alone on its first pass
         ar_first = job.shift and (not job.full_context or not state.naive) and s > 0 and bool(masked[0])
         post = 0  # editing: passes after the block's last hole
+        cap = rule.passes(steps, n)  # (SDAR's entropy_bounded: a block may end with holes)
         while True:
             holes = bool(masked.any())
             if not holes:
@@ -613,7 +677,7 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
                 logits = un + (rule.cfg_scale + 1) * (logits - un)
             # (mask proposals: a position whose proposal is <mask> stays a hole, as in the public generate functions;
             # past the planned steps <mask> is never proposed, so a block always ends)
-            if not (job.mask_proposals and step < (steps or n)):
+            if not (job.mask_proposals and step < (cap or steps or n)):
                 logits[:, mask_id] = float("-inf")
             if job.forbid_eos:
                 logits[:, stop] = float("-inf")
@@ -660,10 +724,13 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
                     torch.log_softmax(logits[at].float(), -1).gather(-1, x[at, None]).sum())
             else:
                 x, chosen, ent = seq[s:e], torch.zeros_like(free), None
+            if rule.sequential:  # (its stretch may hold committed positions, drawn again; never pinned ones)
+                chosen = chosen & hole[s:e]
+                x = torch.where(chosen, x, seq[s:e])
             seq[s:e] = x
             if back is not None:
                 masked |= back
-            masked &= ~(chosen & (x != mask_id))
+            masked = (masked & ~chosen) | (chosen & (x == mask_id))  # (a drawn <mask> is a hole again)
             if job.stop_at_eos and job.eos_early_stop:  # what follows a committed <eos> will be dropped
                 ends = (chosen & is_eos(x, stop)).nonzero()
                 if len(ends):
@@ -680,6 +747,9 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
             if step_events:
                 yield Step(seq[g:e].tolist(), (seq[g:e] != mask_id).tolist(), step, index, ent, row, g - P)
             if not holes and not edited:
+                break
+            if cap is not None and step >= cap:  # SDAR's entropy_bounded: its passes are spent (holes or not), so
+                state.leave(s, e)  # its generate never writes the block to its cache (that write opens a pass)
                 break
         if n:
             index += 1
@@ -716,10 +786,11 @@ def check_options(cfg) -> Rule:
     check(0 < cfg.threshold <= 1, f"--threshold must be in (0, 1], got {cfg.threshold}")
     check(cfg.entropy_bound > 0, f"--entropy-bound must be > 0, got {cfg.entropy_bound}")
     check(cfg.block_size is None or cfg.block_size > 0, f"--block-size must be > 0, got {cfg.block_size}")
-    check(cfg.remasking in ("low_confidence", "random"),
-          f"--remasking must be low_confidence or random, got {cfg.remasking!r}")
+    check(cfg.remasking in ("low_confidence", "random", "sequential"),
+          f"--remasking must be low_confidence, random or sequential, got {cfg.remasking!r}")
     check(cfg.remasking == "low_confidence" or sampler == "confidence",
-          f"--remasking random goes with --sampler confidence, got --sampler {sampler}")
+          f"--remasking {cfg.remasking} goes with --sampler confidence, got --sampler {sampler}")
+    check(cfg.entropy_form in ("eb", "sdar"), f"--entropy-form must be eb or sdar, got {cfg.entropy_form!r}")
     check(cfg.sub_block is None or cfg.sub_block > 0, f"--sub-block must be > 0, got {cfg.sub_block}")
     check(cfg.schedule in ("even", "dream", "block"), f"--schedule must be even, dream or block, got {cfg.schedule!r}")
     edit = getattr(cfg, "editing_threshold", None)
@@ -740,8 +811,9 @@ def check_options(cfg) -> Rule:
     check(not (cfg.confidence_eos_eot_inf and (cfg.draw_holes or cfg.confidence == "sampled")),
           "--confidence-eos-eot-inf reads the model's probability: it does not go with --draw-holes or "
           "--confidence sampled")
-    return Rule(sampler, cfg.threshold, cfg.entropy_bound, cfg.remasking == "random", cfg.confidence == "sampled",
-                cfg.draw_holes, cfg.gumbel, alg_temp, cfg_scale=float(cfg.cfg_scale))
+    return Rule(sampler, cfg.threshold, cfg.entropy_bound, cfg.remasking == "random", cfg.remasking == "sequential",
+                cfg.entropy_form, cfg.confidence == "sampled", cfg.draw_holes, cfg.gumbel, alg_temp,
+                cfg_scale=float(cfg.cfg_scale))
 
 
 def with_end_ids(rule: Rule, cfg, tok) -> Rule:

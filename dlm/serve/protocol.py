@@ -134,6 +134,7 @@ class DlmFields(_Strict):
     steps: int | None = None
     threshold: float | None = None
     entropy_bound: float | None = None
+    entropy_form: str | None = None
     block_size: int | None = None
     remasking: str | None = None
     revise: float | None = None
