@@ -622,6 +622,7 @@ class SampleConfig:
         remasking: mdlm, the confidence sampler: which k positions a step commits: low_confidence (the most confident), random, or sequential (the k from the block's first hole on, left to right: SDAR's `sequential`; a committed position in that stretch, after a <mask> proposal kept a hole before it, is drawn again, as there)
         preset: mdlm: a public model's decoding recipe: llada | fast-dllm | dream | sdar | fast-dllm-v2 | llada2 | llada2.1 | none (options given explicitly win; default: the one an imported checkpoint records, docs/public-models.md)
         prefix_cache: mdlm, a full-attention checkpoint (LLaDA, Dream): Fast-dLLM's approximate prefix cache (a block's later passes read the K/V its first pass computed for the positions before it); off = exact, the whole sequence every step
+        dual_cache: mdlm, a full-attention checkpoint (LLaDA, Dream): Fast-dLLM's approximate dual cache (a block's first pass keeps the K/V of every position; its later passes rerun only the block, reading the positions before and after it from that cache); implies the prefix cache; off = exact, the whole sequence every step
         schedule: mdlm: positions committed per step: even (a block's holes spread evenly over --steps, LLaDA), dream (Dream's time grid, linspace(1, 1e-3, steps + 1): int(holes x (1 - t[i+1] / t[i])), the rest at the last step) or block (the block's length spread over --steps, prompt positions included: LLaDA 2 and SDAR; with LLaDA 2, steps above the generation's length shrink to it)
         whole_blocks: mdlm: pad the last block with holes to its full size and denoise it whole, as training saw blocks (SDAR, Fast-dLLM v2); what lies past --max-new-tokens is dropped
         eos_early_stop: mdlm: stop denoising the positions after a committed <eos> at once (fewer passes; the tokens before it may differ from the public models' own generate, which denoises the block whole and cuts after the <eos>: the default)
@@ -673,6 +674,7 @@ class SampleConfig:
     remasking: str = "low_confidence"
     preset: str | None = None
     prefix_cache: bool = False
+    dual_cache: bool = False
     sub_block: int | None = None
     schedule: str = "even"
     whole_blocks: bool = False

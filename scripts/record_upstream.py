@@ -2,14 +2,16 @@
 
     python scripts/record_upstream.py dream --code PATH/TO/Fast-dLLM
     python scripts/record_upstream.py llada --code PATH/TO/LLaDA --code PATH/TO/Fast-dLLM
+    python scripts/record_upstream.py fast-dllm-llada --code PATH/TO/Fast-dLLM
     python scripts/record_upstream.py sdar  --code PATH/TO/SDAR
     python scripts/record_upstream.py fast-dllm-v2 --code PATH/TO/FOLDER   # configuration.py + modeling.py
     python scripts/record_upstream.py llada2 --code PATH/TO/LLaDA2.0-FOLDER --code PATH/TO/LLaDA2.1-FOLDER   # transformers 4.x
 
 Each PATH is the user's own checkout of a public repository: Dream's modeling code and `diffusion_generate` come
 from Fast-dLLM's `dream/model/` (a copy of Dream's remote code), LLaDA's `generate` from ML-GSAI/LLaDA's
-`generate.py` with the modeling code of Fast-dLLM's `llada/model/`, SDAR's `block_diffusion_generate` and
-modeling code from JetAstra/SDAR (`generate.py`, `training/model/SDAR-4B-Chat/`), Fast-dLLM v2's `generate` from
+`generate.py` with the modeling code of Fast-dLLM's `llada/model/`, Fast-dLLM v1's LLaDA decoding (`generate`,
+`generate_with_prefix_cache`, `generate_with_dual_cache`) from its `llada/generate.py` on the same model, SDAR's
+`block_diffusion_generate` and modeling code from JetAstra/SDAR (`generate.py`, `training/model/SDAR-4B-Chat/`), Fast-dLLM v2's `generate` from
 the remote code its model folder ships (`configuration.py`, `modeling.py`: Fast_dLLM_QwenForCausalLM), LLaDA 2.0's
 and 2.1's `LLaDA2MoeModelLM.generate` from their model folders' `configuration_llada2_moe.py` /
 `modeling_llada2_moe.py` (ZHZisZZ/dllm keeps copies: dllm/pipelines/llada2/models/, dllm/pipelines/llada21/models/;
@@ -279,9 +281,9 @@ def llada_generate(path: Path, eos: int, eot: int) -> types.ModuleType:
     return mod
 
 
-def record_llada(code: list[Path], out: Path) -> None:
-    llada, fast = code
-    gen = llada_generate(llada / "generate.py", eos=0, eot=LLADA_SPECIALS.index("<|eot_id|>"))
+def llada_model(fast: Path):
+    """The tiny LLaDA built with Fast-dLLM's llada/model classes (the same weights for every LLaDA recording):
+    (model, its modeling module, tokenizer, config.json's dict, LM head, prompts)."""
     pkg = load_package("llada_upstream", fast / "llada" / "model")
     cfg_mod = sys.modules.get("llada_upstream.configuration_llada") or load_module(
         "llada_upstream.configuration_llada", fast / "llada" / "model" / "configuration_llada.py")
@@ -300,6 +302,31 @@ def record_llada(code: list[Path], out: Path) -> None:
     head = model.model.transformer.ff_out.weight
     randomize(model, head, eos, mask, eos_gain=-1.0)
     prompts = [[len(LLADA_SPECIALS) + i for i in p] for p in PROMPTS]
+    return model, mod, pkg, tok, hf, head, prompts
+
+
+EOT_GAIN = -2.0  # <|eot_id|>'s LM-head row scaled by this in the recordings that carry "eot_gain": it then wins
+
+
+def scaled_row(head: torch.Tensor, row: int, gain: float):
+    """A context in which head[row] is multiplied by gain."""
+    class Ctx:
+        def __enter__(self):
+            self.keep = head[row].clone()
+            with torch.no_grad():
+                head[row] *= gain
+
+        def __exit__(self, *a):
+            with torch.no_grad():
+                head[row] = self.keep
+    return Ctx()
+
+
+def record_llada(code: list[Path], out: Path) -> None:
+    llada, fast = code
+    eos, mask, eot = 0, 3, LLADA_SPECIALS.index("<|eot_id|>")
+    gen = llada_generate(llada / "generate.py", eos=eos, eot=eot)
+    model, _, _, tok, hf, head, prompts = llada_model(fast)
 
     settings = []
     for n, block, steps in ((16, 16, 16), (16, 8, 8), (24, 8, 12), (16, 4, 16), (16, 16, 4)):
@@ -336,6 +363,20 @@ def record_llada(code: list[Path], out: Path) -> None:
         x = gen.generate(Called(model), torch.tensor([p]), attention_mask=ones, mask_id=mask,
                          **{"temperature": 0.0, "cfg_scale": 0.0, **kw})
         cases.append({**case, "ids": x[0, len(p):].tolist()})
+    # <|eot_id|> winning (its LM-head row x EOT_GAIN; the random row never wins), confidence_eos_eot_inf on and off
+    eot_settings = []
+    for switch in (True, False):
+        for n, block, steps in ((16, 16, 16), (24, 8, 12)):
+            eot_settings.append({"gen_length": n, "block_length": block, "steps": steps,
+                                 "remasking": "low_confidence", "confidence_eos_eot_inf": switch})
+        eot_settings.append({"gen_length": 16, "block_length": 8, "steps": 8, "remasking": "low_confidence",
+                             "temperature": 1.0, "seed": 5, "confidence_eos_eot_inf": switch})
+    with scaled_row(head, eot, EOT_GAIN):
+        for case, p, kw in each_case(head, eos, eot_settings, prompts):
+            x = gen.generate(Called(model), torch.tensor([p]), mask_id=mask, **{"temperature": 0.0, **kw})
+            cases.append({**case, "eot_gain": EOT_GAIN, "ids": x[0, len(p):].tolist()})
+    print(f"llada: <|eot_id|> generated in {sum(eot in c['ids'] for c in cases if 'eot_gain' in c)} of the "
+          f"{sum('eot_gain' in c for c in cases)} <|eot_id|> cases")
     with torch.no_grad():
         logits = Called(model)(torch.tensor([prompts[1]])).logits[0]
     live_eos = sum(c["eos"] == "live" and eos in c["ids"] for c in cases)
@@ -344,6 +385,64 @@ def record_llada(code: list[Path], out: Path) -> None:
                                                         "commit": commit_of(fast)}},
            "eos_id": eos, "mask_id": mask, "prompts": prompts, "logits": logits_summary(logits), "cases": cases}
     print(f"llada: {len(cases)} cases, <eos> generated in {live_eos} of the live ones")
+    write_fixture(out, model, tok, hf, {"eos_token": "<|endoftext|>", "bos_token": "<|startoftext|>",
+                                        "mask_token": "<|mdm_mask|>"}, rec)
+
+
+# Fast-dLLM v1 on LLaDA (NVlabs/Fast-dLLM llada/generate.py: generate, generate_with_prefix_cache,
+# generate_with_dual_cache; its llada/model, which reads past_key_values and replace_position) -------------------
+
+class CalledWithCache(Called):
+    """model(...) with return_dict given and use_cache as the caller asks (Fast-dLLM's cached generate functions ask
+    for the K/V; LLaDA's remote code otherwise reads use_cache from its config)."""
+
+    def __call__(self, *a, **k):
+        return self.model(*a, return_dict=True, **{"use_cache": False, **k})
+
+
+FAST_DLLM_FUNCTIONS = ("generate", "generate_with_prefix_cache", "generate_with_dual_cache")
+
+
+def record_fast_dllm_llada(code: list[Path], out: Path) -> None:
+    (fast,) = code
+    model, mod, pkg, tok, hf, head, prompts = llada_model(fast)
+    sys.modules["model"], sys.modules["model.modeling_llada"] = pkg, mod  # (generate.py: from model.modeling_llada)
+    gen = load_module("fast_dllm_llada_generate", fast / "llada" / "generate.py")
+    eos, mask = 0, 3
+    settings = []
+    for fn in FAST_DLLM_FUNCTIONS:
+        # steps (threshold None): a quota per step; with a threshold its steps are not read (only divided)
+        for n, block, steps in ((16, 4, 16), (16, 8, 8), (24, 8, 12), (16, 16, 16), (16, 8, 4)):
+            settings.append({"function": fn, "gen_length": n, "block_length": block, "steps": steps,
+                             "remasking": "low_confidence", "threshold": None})
+        for threshold, shapes in ((0.9, ((16, 4), (16, 8), (24, 8), (16, 16))), (0.5, ((16, 8), (24, 8), (16, 16)))):
+            for n, block in shapes:
+                settings.append({"function": fn, "gen_length": n, "block_length": block, "steps": n,
+                                 "remasking": "low_confidence", "threshold": threshold})
+        # sampled: its float64 Gumbel noise over the rows each forward returns; random remasking's uniforms likewise
+        settings.append({"function": fn, "gen_length": 16, "block_length": 8, "steps": 8,
+                         "remasking": "low_confidence", "threshold": None, "temperature": 1.0, "seed": 5})
+        settings.append({"function": fn, "gen_length": 24, "block_length": 8, "steps": 24,
+                         "remasking": "low_confidence", "threshold": 0.9, "temperature": 0.5, "seed": 5})
+        settings.append({"function": fn, "gen_length": 16, "block_length": 4, "steps": 16,
+                         "remasking": "low_confidence", "threshold": 0.5, "temperature": 1.0, "seed": 5})
+        settings.append({"function": fn, "gen_length": 16, "block_length": 8, "steps": 8, "remasking": "random",
+                         "threshold": None, "seed": 7})
+        settings.append({"function": fn, "gen_length": 16, "block_length": 8, "steps": 8, "remasking": "random",
+                         "threshold": None, "temperature": 0.8, "seed": 5})
+    cases = []
+    for case, p, kw in each_case(head, eos, settings, prompts):
+        f = getattr(gen, kw.pop("function"))
+        x, nfe = f(CalledWithCache(model), torch.tensor([p]), mask_id=mask, **{"temperature": 0.0, **kw})
+        cases.append({**case, "ids": x[0, len(p):].tolist(), "nfe": nfe})
+    with torch.no_grad():
+        logits = Called(model)(torch.tensor([prompts[1]])).logits[0]
+    live_eos = sum(c["eos"] == "live" and eos in c["ids"] for c in cases)
+    rec = {"family": "fast-dllm-llada",
+           "upstream": {"repo": "NVlabs/Fast-dLLM", "files": "llada/generate.py, llada/model/",
+                        "commit": commit_of(fast)},
+           "eos_id": eos, "mask_id": mask, "prompts": prompts, "logits": logits_summary(logits), "cases": cases}
+    print(f"fast-dllm-llada: {len(cases)} cases, <eos> generated in {live_eos} of the live ones")
     write_fixture(out, model, tok, hf, {"eos_token": "<|endoftext|>", "bos_token": "<|startoftext|>",
                                         "mask_token": "<|mdm_mask|>"}, rec)
 
@@ -973,7 +1072,8 @@ def record_nemotron(code: list[Path], out: Path) -> None:
                                             "mask_token": "<mask>"}, rec)
 
 
-FAMILIES = {"dream": record_dream, "llada": record_llada, "sdar": record_sdar, "fast-dllm-v2": record_fast_dllm_v2,
+FAMILIES = {"dream": record_dream, "llada": record_llada, "fast-dllm-llada": record_fast_dllm_llada,
+            "sdar": record_sdar, "fast-dllm-v2": record_fast_dllm_v2,
             "llada2": record_llada2, "nemotron": record_nemotron}
 
 

@@ -24,7 +24,7 @@ from dlm.sampling.common import Commit, Prompt, Step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FIXTURES = Path(__file__).parent / "fixtures" / "upstream"
-FAMILIES = ("dream", "llada", "sdar", "fast-dllm-v2", "llada2")
+FAMILIES = ("dream", "llada", "fast-dllm-llada", "sdar", "fast-dllm-v2", "llada2")
 
 
 def recordings(family: str) -> dict:
@@ -57,6 +57,22 @@ def llada_options(a: dict) -> SampleConfig:
                         seed=a.get("seed", 0), logits_eos_inf=a.get("logits_eos_inf", False),
                         confidence_eos_eot_inf=a.get("confidence_eos_eot_inf", False),
                         cfg_scale=a.get("cfg_scale", 0.0))
+
+
+def fast_dllm_llada_options(a: dict) -> SampleConfig:
+    """Fast-dLLM v1's LLaDA generate functions (generate, generate_with_prefix_cache, generate_with_dual_cache) with
+    steps, gen_length, block_length, remasking, temperature, threshold, torch.manual_seed(seed) before each: the
+    threshold rule with no --steps (its steps are not read then: one position a pass at least), else the confidence
+    rule with its steps per block; the caches as --prefix-cache / --dual-cache; LLaDA's float64 Gumbel draw
+    (--gumbel) and <mask> among the candidates, as its get_transfer_index leaves them."""
+    blocks = a["gen_length"] // a["block_length"]
+    rule = ({"sampler": "threshold", "threshold": a["threshold"], "steps": None} if a["threshold"] is not None
+            else {"sampler": "confidence", "steps": a["steps"] // blocks})
+    return SampleConfig(preset="none", max_new_tokens=a["gen_length"], block_size=a["block_length"],
+                        remasking=a["remasking"], temperature=a.get("temperature", 0.0), seed=a.get("seed", 0),
+                        gumbel=True, mask_proposals=True,
+                        prefix_cache=a["function"] == "generate_with_prefix_cache",
+                        dual_cache=a["function"] == "generate_with_dual_cache", **rule)
 
 
 def sdar_options(a: dict) -> SampleConfig:
@@ -107,10 +123,12 @@ def llada2_options(a: dict) -> SampleConfig:
                            "top_k": a.get("top_k") or 0, "top_p": a.get("top_p") or 1.0, "seed": a.get("seed", 0)})
 
 
-OPTIONS = {"dream": dream_options, "llada": llada_options, "sdar": sdar_options, "fast-dllm-v2": fast_dllm_v2_options,
+OPTIONS = {"dream": dream_options, "llada": llada_options, "fast-dllm-llada": fast_dllm_llada_options,
+           "sdar": sdar_options, "fast-dllm-v2": fast_dllm_v2_options,
            "llada2": llada2_options}
 # how the recorder ran the prompt's one forward
-CONTEXT = {"dream": "full", "llada": "full", "sdar": "causal", "fast-dllm-v2": "causal", "llada2": "full"}
+CONTEXT = {"dream": "full", "llada": "full", "fast-dllm-llada": "full", "sdar": "causal", "fast-dllm-v2": "causal",
+           "llada2": "full"}
 
 
 # the imported fixtures ----------------------------------------------------------------------------------------
@@ -126,18 +144,30 @@ def imported(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def eos_row(model, eos: int, live: bool):
-    """The model as recorded: <eos>'s LM-head row as imported (live) or zero (suppressed, as the recorder set it)."""
+def eos_row(model, eos: int, live: bool, eot: tuple[int, float] | None = None):
+    """The model as recorded: <eos>'s LM-head row as imported (live) or zero (suppressed, as the recorder set it);
+    eot (id, gain): that row multiplied by gain, as the recorder scaled it."""
     head = model.lm_head.weight
-    keep = head[eos].clone()
+    keep = head.clone()
     with torch.no_grad():
+        if eot is not None:
+            head[eot[0]] *= eot[1]
         if not live:
             head[eos] = 0.0
     try:
         yield
     finally:
         with torch.no_grad():
-            head[eos] = keep
+            head.copy_(keep)
+
+
+def recorded_head(model, rec: dict, case: dict):
+    """eos_row for one recorded case (a LLaDA case with "eot_gain": <|eot_id|>'s row scaled by it)."""
+    eot = (LLADA_EOT, case["eot_gain"]) if "eot_gain" in case else None
+    return eos_row(model, rec["eos_id"], case["eos"] == "live", eot)
+
+
+LLADA_EOT = 2  # <|eot_id|> in the LLaDA fixtures' tokenizer
 
 
 def dlm_ids(model, ck, prompt: list[int], cfg: SampleConfig) -> list[int]:
@@ -189,7 +219,7 @@ def test_generation_equals_the_recording(family, index, imported):
     rec = recordings(family)
     case = rec["cases"][index]
     model, ck = imported[family]
-    with eos_row(model, rec["eos_id"], case["eos"] == "live"):
+    with recorded_head(model, rec, case):
         cfg = OPTIONS[family]({**case["args"], "n": len(case["ids"])})
         got = dlm_ids(model, ck, rec["prompts"][case["prompt"]], cfg)
     n = case["args"].get("max_new_tokens", case["args"].get("gen_length"))  # (SDAR returns whole blocks)
@@ -349,7 +379,7 @@ def test_llada_sampled_recordings_need_the_gumbel_draw(imported):
     differ = 0
     for c in cases:
         cfg = llada_options(c["args"]).replace(preset="none", **{**PRESETS["llada"], "gumbel": False})
-        with eos_row(model, rec["eos_id"], c["eos"] == "live"):
+        with recorded_head(model, rec, c):
             got = dlm_ids(model, ck, rec["prompts"][c["prompt"]], cfg)
         differ += got != until_eos(c["ids"][:c["args"]["gen_length"]], eos_ids(rec))
     assert len(cases) >= 32 and differ >= len(cases) // 2, differ
@@ -364,12 +394,38 @@ def test_llada_recordings_need_the_switches(imported):
         cases = [c for c in rec["cases"] if c["args"].get(switch) and c["eos"] == "live"]
         assert cases
         differ = 0
-        with eos_row(model, rec["eos_id"], True):
-            for c in cases:
-                cfg = llada_options(c["args"]).replace(**{switch: off})
+        for c in cases:
+            cfg = llada_options(c["args"]).replace(**{switch: off})
+            with recorded_head(model, rec, c):
                 got = dlm_ids(model, ck, rec["prompts"][c["prompt"]], cfg)
-                differ += got != until_eos(c["ids"][:c["args"]["gen_length"]], eos_ids(rec))
+            differ += got != until_eos(c["ids"][:c["args"]["gen_length"]], eos_ids(rec))
         assert differ > 0, switch
+
+
+def test_llada_eot_recordings_need_the_eot_half_of_the_switch(imported, monkeypatch):
+    """The recordings with <|eot_id|>'s row scaled (it wins at some positions): <|eot_id|> is written in some, and
+    --confidence-eos-eot-inf reading <eos> alone (its <|eot_id|> half dropped) differs from some of those made with
+    confidence_eos_eot_inf on, greedy and sampled; so the <|eot_id|> half is held by them."""
+    from dlm.sampling import mdlm
+
+    rec = recordings("llada")
+    model, ck = imported["llada"]
+    cases = [c for c in rec["cases"] if "eot_gain" in c]
+    assert any(LLADA_EOT in c["ids"] for c in cases)
+    on = [c for c in cases if c["args"]["confidence_eos_eot_inf"]]
+    eos_only = mdlm.with_end_ids
+
+    def without_eot(rule, cfg, tok):
+        r = eos_only(rule, cfg, tok)
+        return mdlm.replace(r, eos_eot=r.eos_eot[:1])
+
+    monkeypatch.setattr(mdlm, "with_end_ids", without_eot)
+    differ = {False: 0, True: 0}
+    for c in on:
+        with recorded_head(model, rec, c):
+            got = dlm_ids(model, ck, rec["prompts"][c["prompt"]], llada_options(c["args"]))
+        differ[bool(c["args"].get("temperature"))] += got != until_eos(c["ids"][:c["args"]["gen_length"]], eos_ids(rec))
+    assert differ[False] > 0 and differ[True] > 0, differ
 
 
 def test_llada21_recordings_exercise_token_editing(imported):
@@ -450,3 +506,86 @@ def test_sdar_recordings_cover_the_strategies_and_errors():
     eb = [c for c in done if c["args"]["remasking_strategy"] == "entropy_bounded"]
     assert any(rec["mask_id"] in c["ids"][:c["args"]["gen_length"]] for c in eb)
     assert all(c["error"].startswith("IndexError") for c in rec["cases"] if "ids" not in c)
+FAST_DLLM_SUPPRESSED = [i for i, c in enumerate(recordings("fast-dllm-llada")["cases"]) if c["eos"] == "suppressed"]
+
+
+def test_fast_dllm_llada_passes_are_its_forwards(imported):
+    """Fast-dLLM v1's generate functions return their forward count (nfe): dlm runs as many passes, but for one.
+    Over its caches Fast-dLLM runs a pass more on a block its first pass filled (it tests for holes after each later
+    pass; that pass commits nothing); dlm takes that pass's draws without its forward. So dlm's forwards plus its
+    blocks of one pass (cached) equal nfe, on every recording that runs to the end (<eos> suppressed)."""
+    from dlm.sampling.common import Done
+
+    rec = recordings("fast-dllm-llada")
+    model, ck = imported["fast-dllm-llada"]
+    idle_blocks = 0
+    for i in FAST_DLLM_SUPPRESSED:
+        case = rec["cases"][i]
+        with recorded_head(model, rec, case):
+            cfg = fast_dllm_llada_options(case["args"])
+            done = [ev for ev in stream(model, ck, [Prompt(rec["prompts"][case["prompt"]])], cfg)
+                    if isinstance(ev, Done)][0]
+        cached = case["args"]["function"] != "generate"
+        idle = sum(n == 1 for n in done.stats.extra["steps_per_canvas"]) if cached else 0
+        idle_blocks += idle
+        assert done.stats.forwards + idle == case["nfe"], case["args"]
+    assert idle_blocks > 0  # (the extra pass's draws are exercised)
+
+
+def test_fast_dllm_llada_caches_change_the_tokens(imported):
+    """The recordings tell the three functions apart: over the prefix cache and over the dual cache Fast-dLLM's tokens
+    differ from its exact generate's in most settings, and from each other in some; dlm without --dual-cache (the
+    prefix cache) differs from some dual-cache recordings."""
+    rec = recordings("fast-dllm-llada")
+    by = {}
+    for c in rec["cases"]:
+        a = {k: v for k, v in c["args"].items() if k != "function"}
+        by.setdefault((c["eos"], c["prompt"], json.dumps(a, sort_keys=True)), {})[c["args"]["function"]] = c
+    exact_differs = sum(v["generate"]["ids"] != v["generate_with_prefix_cache"]["ids"] for v in by.values())
+    dual_differs = [v["generate_with_dual_cache"] for v in by.values()
+                    if v["generate_with_dual_cache"]["ids"] != v["generate_with_prefix_cache"]["ids"]]
+    assert exact_differs > len(by) // 2 and len(dual_differs) > 4
+    model, ck = imported["fast-dllm-llada"]
+    differ = 0
+    for c in dual_differs[:6]:
+        with recorded_head(model, rec, c):
+            cfg = fast_dllm_llada_options(c["args"]).replace(dual_cache=False, prefix_cache=True)
+            got = dlm_ids(model, ck, rec["prompts"][c["prompt"]], cfg)
+        differ += got != until_eos(c["ids"], eos_ids(rec))
+    assert differ > 0
+
+
+@pytest.mark.parametrize("family,flags,says", [
+    ("sdar", ["--dual-cache"], "--dual-cache applies to a full-attention checkpoint"),
+    ("llada", ["--dual-cache", "--naive"], "--dual-cache and --naive"),
+    ("llada", ["--dual-cache", "--no-prefix-cache"], "does not go with --no-prefix-cache"),
+    ("llada", ["--dual-cache", "--cfg-scale", "1"], "--cfg-scale applies to a full-attention checkpoint"),
+])
+def test_dual_cache_refusals_are_one_line_exit_2(imported, capsys, family, flags, says):
+    from dlm.cli import main
+
+    _, ck = imported[family]
+    rc = main(["generate", "--model", str(ck.path), "--prompt", "w1 w2 w3", "--max-new-tokens", "8", *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and says in err and err.strip().count("\n") == 0, err
+
+
+def test_dual_cache_through_the_cli(imported, capsys):
+    """`dlm generate --dual-cache` on the imported LLaDA fixture prints Fast-dLLM's generate_with_dual_cache tokens
+    (a greedy threshold recording that ends on <eos>)."""
+    from dlm.cli import main
+
+    rec = recordings("fast-dllm-llada")
+    _, ck = imported["fast-dllm-llada"]
+    c = next(c for c in rec["cases"] if c["args"]["function"] == "generate_with_dual_cache" and c["eos"] == "live"
+             and c["args"]["threshold"] == 0.9 and not c["args"].get("temperature") and rec["eos_id"] in c["ids"])
+    a = c["args"]
+    prompt = ck.tokenizer.decode(rec["prompts"][c["prompt"]])
+    assert ck.tokenizer.encode(prompt) == rec["prompts"][c["prompt"]]
+    rc = main(["generate", "--model", str(ck.path), "--prompt", prompt, "--max-new-tokens", str(a["gen_length"]),
+               "--preset", "none", "--sampler", "threshold", "--threshold", "0.9", "--block-size",
+               str(a["block_length"]), "--dual-cache", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    want = until_eos(c["ids"], eos_ids(rec))
+    assert rc == 0 and out["text"] == ck.tokenizer.decode([t for t in want if t not in eos_ids(rec)]), out
+    assert want[-1] in eos_ids(rec) and out["new_tokens"] == len(want)  # (it ends on <eos>)

@@ -100,7 +100,13 @@ trains has neither):
                       remasking). Exact decoding runs the whole sequence at every step (no cache: any change
                       anywhere changes every K/V); `--prefix-cache` is Fast-dLLM's approximation: a block's
                       first pass runs the whole sequence and keeps the K/V of the positions before the
-                      block, which its later passes read instead of recomputing them
+                      block, which its later passes read instead of recomputing them; `--dual-cache` (its
+                      dual cache) keeps the first pass's K/V of the positions after the block too, and the
+                      later passes run the block alone (its K/V written over its own slots, the keys in
+                      position order as in a full pass). At temperature > 0 with --gumbel the draws are
+                      Fast-dLLM's: noise for every position a pass runs, twice a pass over the prefix cache
+                      (its loop's first draw is unused), and the draws of the pass its cached functions run
+                      after a block that the first pass filled (taken here without the forward: idle_draws)
 
 `--preset NAME` sets a family's published recipe (PRESETS below: the rule, block, steps, threshold,
 cache); an option given explicitly wins. A checkpoint may record its family's preset, used when none
@@ -149,6 +155,7 @@ MAX_REVISIONS = 3  # --revise: times one position may be sent back to <mask> (so
 # the SampleConfig fields this sampler reads (see dlm.sampling.OPTIONS)
 OPTIONS = frozenset({"temperature", "top_k", "top_p", "naive", "sampler", "steps", "threshold", "entropy_bound",
                      "block_size", "remasking", "revise", "suffix", "fill_length", "preset", "prefix_cache",
+                     "dual_cache",
                      "sub_block", "schedule", "whole_blocks", "eos_early_stop", "confidence",
                      "mask_proposals", "draw_holes", "gumbel", "editing_threshold", "max_post_steps",
                      "alg_temp", "logits_eos_inf", "confidence_eos_eot_inf", "cfg_scale", "entropy_form"})
@@ -536,10 +543,12 @@ class Denoising:
     """The state of one sequence being denoised: tokens, holes, the block of each position, its cache."""
 
     def __init__(self, model, job: Job, mask_id: int, naive: bool, prefix_cache: bool = False,
-                 own_cache: bool = True):
+                 own_cache: bool = True, dual_cache: bool = False):
         dev = model.device
+        prefix_cache = prefix_cache or dual_cache
         naive = naive or (job.full_context and not prefix_cache)  # full context: exact means no cache
         self.model, self.job, self.naive = model, job, naive
+        self.dual = dual_cache and job.full_context and not naive
         total = len(job.known)
         self.seq = torch.tensor([mask_id if k is None else k for k in job.known], dtype=torch.long, device=dev)
         self.hole = torch.tensor([k is None for k in job.known], dtype=torch.bool, device=dev)
@@ -558,6 +567,8 @@ class Denoising:
         self.block_of[s:e] = len(self.job.blocks)
         self.recompute = not self.naive
         self.naive = True
+        self.span = None  # the last pass: (the block's offset in the positions it ran, how many it ran)
+        self.reread = False  # the last pass read the prefix cache (a block's later pass, without the dual cache)
 
     def logits(self, s: int, e: int) -> Tensor:
         """One denoising pass over block [s, e) run alone, over this sequence's own cache: the logits (e - s, V) that
@@ -570,20 +581,26 @@ class Denoising:
 
         Full context: the whole sequence, every position seeing every other (with the prefix cache: the whole
         sequence on the block's first pass, its prefix's K/V kept; then the block and everything after it,
-        reading them).
+        reading them; with the dual cache: the first pass's K/V of every position kept, then the block alone,
+        its K/V written over its own slots, reading the prefix and the suffix from the cache).
 
         naive: the whole sequence so far, every finished block block-causal, this one last. Cached:
         the finished blocks not yet in the cache are written in this same pass (block-causal, blind
         to this block, kept); else the block reads the cache only."""
         seq, job = self.seq, self.job
-        mask = None
+        mask, at = None, None
+        self.reread = False
         if job.full_context:
             start, stop, keep = s, len(seq), 0
             if self.naive or self.block != s:
                 start = 0
                 if not self.naive:
                     yield Crop(0)
-                    keep, self.block = s, s
+                    keep, self.block = (len(seq) if self.dual else s), s
+            elif self.dual:
+                stop, at = e, s
+            else:
+                self.reread = True
         elif self.naive:
             if self.recompute:  # (the cache held the blocks before a left block: dropped)
                 yield Crop(0)
@@ -597,7 +614,8 @@ class Denoising:
                 mask = mdlm_denoise_mask(self.block_of, start, e, job.causal_context)[:, start:]  # (T, T)
             self.cached = s
         lo = max(start, s - 1) if job.shift else s  # the first position whose output is read
-        rows = (yield Window(tokens=seq[start:stop], mask=mask, keep=keep, out=(lo - start, e - start)))[0]
+        self.span = (s - start, stop - start)
+        rows = (yield Window(tokens=seq[start:stop], mask=mask, keep=keep, out=(lo - start, e - start), at=at))[0]
         if not job.shift:
             return rows
         if s == 0:  # nothing before position 0: its own output predicts it
@@ -615,11 +633,11 @@ def denoise_sequence(model, job: Job, rule: Rule, steps: int | None, mask_id: in
                      stats: Stats | None = None, revise: float = 0.0,
                      step_events: bool = True, prefix_cache: bool = False,
                      sub_block: int | None = None, schedule: str = "even", edit: float | None = None,
-                     post_steps: int = 16) -> Iterator[Event]:
+                     post_steps: int = 16, dual_cache: bool = False) -> Iterator[Event]:
     """Events of one sequence, block by block; counts forwards, steps, canvases and new tokens in `stats`
     (and, with revise > 0, the tokens sent back to <mask> in stats.extra["revisions"]).
     step_events: a Step event (the canvas, read back from the device) after every denoising step."""
-    state = Denoising(model, job, mask_id, naive, prefix_cache)
+    state = Denoising(model, job, mask_id, naive, prefix_cache, dual_cache=dual_cache)
     program = _program(state, rule, steps, mask_id, eos_id, temperature=temperature, top_k=top_k, top_p=top_p,
                        gen=gen, row=row, clock=clock, stats=stats, revise=revise, step_events=step_events,
                        sub_block=sub_block, schedule=schedule, edit=edit, post_steps=post_steps)
@@ -706,9 +724,14 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
                 part = torch.arange(len(free), device=free.device) // sub_block
                 free = free & (part == part[free][0])
             proposed = None
-            # (full context: random remasking and the Gumbel draw take uniforms for the whole sequence, as LLaDA's
-            # generate does)
-            span = (s, len(seq)) if job.full_context else None
+            # (full context: random remasking and the Gumbel draw take uniforms for every position the pass ran, as
+            # LLaDA's and Fast-dLLM's generate functions do: the whole sequence; over the prefix cache the block and
+            # what follows it; over the dual cache the block)
+            span = state.span if job.full_context else None
+            if rule.gumbel and temperature > 0 and state.reread:  # Fast-dLLM's generate_with_prefix_cache draws its
+                # noise twice on a pass that reads the cache, the first draw unused: taken here too, so that the
+                # later draws are its draws
+                torch.rand(span[1], logits.shape[-1], dtype=torch.float64, generator=gen, device=logits.device)
             if edit is not None:  # (LLaDA 2.1: one proposal for every position of the block, for the masks and edits)
                 proposed = propose(logits, temperature, top_k, top_p, gen, rule.sampled, rule.gumbel, span,
                                    rule.hidden(temperature))
@@ -751,6 +774,9 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
             if cap is not None and step >= cap:  # SDAR's entropy_bounded: its passes are spent (holes or not), so
                 state.leave(s, e)  # its generate never writes the block to its cache (that write opens a pass)
                 break
+        if n and step == 1 and job.full_context and not state.naive:  # (over the prefix or dual cache)
+            idle_draws(rule, temperature, gen, len(seq) - s if not state.dual else e - s, logits.shape[-1],
+                       1 if state.dual else 2, seq.device)
         if n:
             index += 1
             stats.canvases += 1
@@ -770,6 +796,20 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
             break
         stats.new_tokens += sum(generated)
         yield Commit(out, row)
+
+
+def idle_draws(rule: Rule, temperature: float, gen: torch.Generator | None, rows: int, vocab: int, gumbels: int,
+               device) -> None:
+    """The draws of the pass Fast-dLLM's generate_with_prefix_cache / generate_with_dual_cache run after a block's
+    first pass has filled it (they test for holes after each later pass, so a block gets one at least; it commits
+    nothing), taken without its forward so that the draws after it are theirs: its Gumbel noise (--gumbel at
+    temperature > 0: `gumbels` draws of rows x vocab float64 uniforms, two over the prefix cache, one over the dual
+    cache), then random remasking's uniforms (rows)."""
+    if rule.gumbel and temperature > 0:
+        for _ in range(gumbels):
+            torch.rand(rows, vocab, dtype=torch.float64, generator=gen, device=device)
+    if rule.random:
+        torch.rand(rows, generator=gen, device=device)
 
 
 # the sampler --------------------------------------------------------------------------------------
@@ -876,11 +916,19 @@ def stream(model, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> 
     if asked_cache and not full:
         raise DlmError("--prefix-cache applies to a full-attention checkpoint (LLaDA, Dream); this one decodes over "
                        "an exact KV cache already")
+    if cfg.dual_cache and not full:
+        raise DlmError("--dual-cache applies to a full-attention checkpoint (LLaDA, Dream); this one decodes over "
+                       "an exact KV cache already")
+    if cfg.dual_cache and cfg.naive:
+        raise DlmError("--dual-cache and --naive contradict each other (--naive recomputes the whole sequence every "
+                       "step): give one")
+    if cfg.dual_cache and "prefix_cache" in cfg.given and not cfg.prefix_cache:
+        raise DlmError("--dual-cache keeps the prefix cache too: it does not go with --no-prefix-cache")
     if not full:  # (a preset's prefix cache: this checkpoint's exact cache is already there)
         cfg = cfg.replace(prefix_cache=False)
-    if cfg.cfg_scale > 0 and (not full or cfg.prefix_cache):
-        raise DlmError("--cfg-scale applies to a full-attention checkpoint (LLaDA) without --prefix-cache: the "
-                       "unconditional pass reads the whole sequence")
+    if cfg.cfg_scale > 0 and (not full or cfg.prefix_cache or cfg.dual_cache):
+        raise DlmError("--cfg-scale applies to a full-attention checkpoint (LLaDA) without --prefix-cache or "
+                       "--dual-cache: the unconditional pass reads the whole sequence")
     jobs = [make_job(p, cfg, ck.block_size, model.cfg.max_seq_len, causal, full, shift) for p in prompts]
     return _run(model, jobs, rule, cfg, mask_id, tok.eos_set, step_events)
 
@@ -912,7 +960,8 @@ def _run_in_turn(model, jobs: list[Job], rule: Rule, cfg, mask_id: int, eos_id: 
                                     sub_block=getattr(cfg, "sub_block", None),
                                     schedule=getattr(cfg, "schedule", "even"),
                                     edit=getattr(cfg, "editing_threshold", None),
-                                    post_steps=getattr(cfg, "max_post_steps", 16))
+                                    post_steps=getattr(cfg, "max_post_steps", 16),
+                                    dual_cache=getattr(cfg, "dual_cache", False))
     stats.extra["forwards_per_canvas"] = stats.forwards / stats.canvases if stats.canvases else 0.0
     yield clock.finish(stats)
 
@@ -951,6 +1000,9 @@ def row_job(model, ck, prompt: Prompt, cfg) -> tuple[Job, Rule, Any]:
     if ck.mask_id is None:
         raise DlmError(f"{ck.path}: the tokenizer has no <mask> token")
     cfg = apply_preset(cfg, ck.config.get("preset")).replace(prefix_cache=False)
+    if cfg.dual_cache:
+        raise DlmError("--dual-cache applies to a full-attention checkpoint (LLaDA, Dream); this one decodes over an "
+                       "exact KV cache already")
     rule = with_end_ids(check_options(cfg), cfg, ck.tokenizer)
     if cfg.cfg_scale > 0:
         raise DlmError("--cfg-scale applies to a full-attention checkpoint (LLaDA), whose rows run one after another")

@@ -60,13 +60,16 @@ class Window:
     taps: tuple[int, ...] = ()  # also return these layers' outputs over the whole window: (out, (T, F))
     ctx: Tensor | None = None  # (C, D) a DFlash drafter's new context features: their K/V are kept in the row's
     # next C slots (always, before the window, which then starts C positions later)
+    at: int | None = None  # the window's K/V overwrite the row's cached slots at..at+T-1 (its positions), every cached
+    # slot seen, the cache's length unchanged (Fast-dLLM's dual cache: a block rerun between its cached prefix and
+    # suffix)
 
     @property
     def decodes(self) -> bool:
         """A plain decoding step: one token id, kept, its logits wanted, at the row's next position."""
         return (self.tokens is not None and self.tokens.shape[0] == 1 and self.keep == 1 and self.out == (0, 1)
                 and not self.hidden and not self.canvas and self.embeds is None and self.pos is None and not self.taps
-                and self.ctx is None and self.on == "target" and not isinstance(self.mask, Tensor))
+                and self.ctx is None and self.on == "target" and not isinstance(self.mask, Tensor) and self.at is None)
 
     @property
     def length(self) -> int:
@@ -118,6 +121,8 @@ def run_one(model, cache: KVCache | None, w: Window):
     cache, the window alone): its outputs (1, n, V|D), with the taps over the window (T, F) beside them when it asked
     for taps."""
     dev = (w.tokens if w.tokens is not None else w.embeds).device
+    if w.at is not None:
+        return run_in_place(model, cache, w)
     L0 = 0 if cache is None else cache.length
     T = w.length
     C = 0 if w.ctx is None else w.ctx.shape[0]
@@ -144,6 +149,27 @@ def run_one(model, cache: KVCache | None, w: Window):
     if w.taps:
         return res, torch.cat([taps[i][0] for i in w.taps], -1)
     return res
+
+
+def run_in_place(model, cache: KVCache, w: Window):
+    """A window over slots already cached (Window.at): its K/V written over theirs, the queries at those positions
+    seeing every cached slot in slot order (the keys in the same order as a full pass's); the cache's length is
+    unchanged. Its outputs (1, n, V|D)."""
+    T = w.length
+    dev = w.tokens.device
+    if w.mask is not None or w.canvas or w.embeds is not None or w.ctx is not None or w.taps or w.keep:
+        raise DlmError("a window over cached slots takes tokens only, every slot seen")
+    if w.at + T > cache.length:
+        raise DlmError(f"a window over cached slots {w.at}..{w.at + T - 1} lies past the cache's {cache.length}")
+    pos = w.pos if w.pos is not None else torch.arange(w.at, w.at + T, device=dev)
+    seen = (torch.arange(cache.capacity, device=dev) < cache.length).expand(T, -1)  # (T, capacity)
+    cache.slot = torch.arange(w.at, w.at + T, device=dev)
+    try:
+        last, _ = model.rows_forward(w.tokens[None], None, pos, cache, seen, True, None, None, ())
+    finally:
+        cache.slot = None
+    a, b = w.out
+    return last[:, a:b] if w.hidden else model.head(last[:, a:b])
 
 
 def alone(model, cache: KVCache | None) -> Callable:

@@ -142,6 +142,7 @@ class DlmFields(_Strict):
     max_post_steps: int | None = None
     preset: str | None = None
     prefix_cache: bool | None = None
+    dual_cache: bool | None = None
     sub_block: int | None = None
     schedule: str | None = None
     whole_blocks: bool | None = None
