@@ -560,6 +560,8 @@ class Denoising:
         self.block = None  # full context with the prefix cache: the block whose prefix the cache holds
         self.before = None  # shift: the output (V,) at the position before the block, from its first pass
         self.recompute = False  # a block was left with holes (leave): recompute from position 0, cache dropped
+        self.span = None  # the last pass: (the block's offset in the positions it ran, how many it ran)
+        self.reread = False  # the last pass read the prefix cache (a block's later pass, without the dual cache)
 
     def leave(self, s: int, e: int) -> None:
         """Block [s, e) took all the passes SDAR's entropy_bounded allows (its holes stay): no later block sees it (its
@@ -567,8 +569,6 @@ class Denoising:
         self.block_of[s:e] = len(self.job.blocks)
         self.recompute = not self.naive
         self.naive = True
-        self.span = None  # the last pass: (the block's offset in the positions it ran, how many it ran)
-        self.reread = False  # the last pass read the prefix cache (a block's later pass, without the dual cache)
 
     def logits(self, s: int, e: int) -> Tensor:
         """One denoising pass over block [s, e) run alone, over this sequence's own cache: the logits (e - s, V) that
