@@ -1,6 +1,7 @@
 """Record what the authors' own code generates on tiny random models, as test fixtures for dlm.
 
     python scripts/record_upstream.py dream --code PATH/TO/Fast-dLLM
+    python scripts/record_upstream.py dream-block --code PATH/TO/Fast-dLLM   # its Dream block decoding, same model
     python scripts/record_upstream.py llada --code PATH/TO/LLaDA --code PATH/TO/Fast-dLLM
     python scripts/record_upstream.py fast-dllm-llada --code PATH/TO/Fast-dLLM
     python scripts/record_upstream.py sdar  --code PATH/TO/SDAR
@@ -180,8 +181,9 @@ def each_case(head: torch.Tensor, eos: int, settings: list[dict], prompts: list[
                            {k: v for k, v in s.items() if k != "seed"})
 
 
-def record_dream(code: list[Path], out: Path) -> None:
-    (fast,) = code
+def dream_model(fast: Path):
+    """The tiny Dream model built with Fast-dLLM's dream/model classes: (model, its config, tokenizer, Dream's
+    generation config class, prompts, eos, mask, bos)."""
     shim_transformers()
     pkg = load_package("dream_upstream", fast / "dream" / "model")
     DreamConfig, DreamModel = pkg.DreamConfig, pkg.DreamModel
@@ -197,9 +199,15 @@ def record_dream(code: list[Path], out: Path) -> None:
                       eos_token_id=eos, bos_token_id=bos, tie_word_embeddings=False)
     cfg._attn_implementation = "sdpa"
     model = DreamModel(cfg).eval()
-    head = model.lm_head.weight
-    randomize(model, head, eos, mask, eos_gain=2.2)
+    randomize(model, model.lm_head.weight, eos, mask, eos_gain=2.2)
     prompts = [[len(DREAM_SPECIALS) + i for i in p] for p in PROMPTS]
+    return model, cfg, tok, Gen, prompts, eos, mask, bos
+
+
+def record_dream(code: list[Path], out: Path) -> None:
+    (fast,) = code
+    model, cfg, tok, Gen, prompts, eos, mask, bos = dream_model(fast)
+    head = model.lm_head.weight
 
     cases = []
     settings = []
@@ -245,6 +253,71 @@ def record_dream(code: list[Path], out: Path) -> None:
     print(f"dream: {len(cases)} cases, <eos> generated in {live_eos} of the live ones")
     write_fixture(out, model, tok, config, {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
                                             "mask_token": "<|mask|>", "bos_token": "<|beginoftext|>"}, rec)
+
+
+# Fast-dLLM v1's block decoding for Dream (dream/model/generation_utils_block.py: diffusion_generate with
+# block_length, threshold, dual_cache; bound to the model as Fast-dLLM's eval.py binds it) -------------------------
+
+def dream_block_settings() -> list[dict]:
+    """The settings recorded, each once with dual_cache False (the prefix cache) and once True (the dual cache).
+    gen_length must be a multiple of block_length and steps of the number of blocks (the code asserts both)."""
+    out = []
+    for threshold in (0.9, 0.5, 1.0):  # alg confidence_threshold: steps are not read (any multiple of the blocks)
+        for n, block in ((16, 4), (16, 8), (24, 8)):
+            out.append({"alg": "confidence_threshold", "threshold": threshold, "max_new_tokens": n,
+                        "block_length": block, "steps": n // block, "temperature": 0.0})
+    for block, temp, top_p in ((8, 1.0, None), (8, 0.2, 0.95), (4, 1.0, None)):
+        out.append({"alg": "confidence_threshold", "threshold": 0.9, "max_new_tokens": 16, "block_length": block,
+                    "steps": 16 // block, "temperature": temp, "top_p": top_p, "seed": 5})
+    # every other alg: the steps per block on Dream's time grid, ranked by entropy (the block code scores every alg
+    # by sample_tokens(neg_entropy=True)), the first pass committing the block's first position alone
+    for alg, combos in (("entropy", ((16, 8, 8), (16, 4, 8), (24, 8, 12), (16, 8, 16))),
+                        ("maskgit_plus", ((16, 8, 8), (24, 8, 12))), ("topk_margin", ((16, 8, 8), (16, 4, 8))),
+                        ("origin", ((16, 8, 8),))):
+        for n, block, steps in combos:
+            out.append({"alg": alg, "max_new_tokens": n, "block_length": block, "steps": steps, "temperature": 0.0})
+    for alg, temp, top_p, alg_temp, seed in (("entropy", 1.0, None, None, 5), ("entropy", 0.2, 0.95, None, 5),
+                                             ("entropy", 0.0, None, 0.1, 3), ("maskgit_plus", 0.2, 0.95, 0.5, 3)):
+        out.append({"alg": alg, "max_new_tokens": 16, "block_length": 8, "steps": 8, "temperature": temp,
+                    "top_p": top_p, "alg_temp": alg_temp, "seed": seed})
+    return [{**s, "dual_cache": dual} for dual in (False, True) for s in out]
+
+
+def record_dream_block(code: list[Path], out: Path) -> None:
+    """Recordings only (recordings.json): the model is the dream fixture's (same build, asserted bit for bit)."""
+    from safetensors.torch import load_file
+
+    (fast,) = code
+    model, cfg, tok, Gen, prompts, eos, mask, bos = dream_model(fast)
+    block = load_module("dream_upstream.generation_utils_block", fast / "dream" / "model" / "generation_utils_block.py")
+    want = load_file(str(ROOT / "tests" / "fixtures" / "upstream" / "dream" / "model.safetensors"))
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items() if k in want), "not the dream fixture"
+    model.diffusion_generate = types.MethodType(block.DreamGenerationMixin.diffusion_generate, model)
+    model._sample = types.MethodType(block.DreamGenerationMixin._sample, model)
+    seen: list[torch.Tensor] = []  # the sequence before each forward (a cached pass's input is a view of it)
+    model.register_forward_pre_hook(
+        lambda m, args: seen.append((args[0] if args[0]._base is None else args[0]._base)[0].clone()))
+    head = model.lm_head.weight
+    cases = []
+    for case, p, kw in each_case(head, eos, dream_block_settings(), prompts):
+        extra = {k: kw.pop(k) for k in ("threshold", "block_length", "dual_cache") if k in kw}
+        gc = Gen(return_dict_in_generate=True, mask_token_id=mask, eos_token_id=eos, pad_token_id=eos,
+                 bos_token_id=bos, **kw)
+        seen.clear()
+        res = model.diffusion_generate(torch.tensor([p]), generation_config=gc, **extra)
+        ids = res.sequences[0, len(p):].tolist()
+        # the canvas after every pass: what the next pass reads, then the result
+        passes = [s[len(p):].tolist() for s in seen[1:]] + [ids]
+        cases.append({**case, "ids": ids, "forwards": len(seen), **({"passes": passes} if case["prompt"] == 0 else {})})
+    live_eos = sum(c["eos"] == "live" and eos in c["ids"] for c in cases)
+    rec = {"family": "dream-block", "model": "dream",
+           "upstream": {"repo": "NVlabs/Fast-dLLM", "files": "dream/model/ (generation_utils_block.py)",
+                        "commit": commit_of(fast)},
+           "eos_id": eos, "mask_id": mask, "prompts": prompts, "cases": cases}
+    print(f"dream-block: {len(cases)} cases, <eos> generated in {live_eos} of the live ones")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "recordings.json").write_text(json.dumps(rec, separators=(",", ":")) + "\n")
+    print(f"wrote {out / 'recordings.json'} ({(out / 'recordings.json').stat().st_size / 1024:.0f} KiB)")
 
 
 class Called:
@@ -1075,6 +1148,7 @@ def record_nemotron(code: list[Path], out: Path) -> None:
 FAMILIES = {"dream": record_dream, "llada": record_llada, "fast-dllm-llada": record_fast_dllm_llada,
             "sdar": record_sdar, "fast-dllm-v2": record_fast_dllm_v2,
             "llada2": record_llada2, "nemotron": record_nemotron}
+FAMILIES["dream-block"] = record_dream_block  # (its recordings only: the model is the dream fixture's)
 
 
 def main() -> None:

@@ -46,6 +46,28 @@ def dream_options(a: dict) -> SampleConfig:
                         alg_temp=a.get("alg_temp"), **DREAM_ALG[a["alg"]])
 
 
+def dream_block_options(a: dict) -> SampleConfig:
+    """Fast-dLLM's Dream block decoding, diffusion_generate(alg, steps, max_new_tokens, block_length, threshold,
+    dual_cache, temperature, top_p, alg_temp) of generation_utils_block.py, torch.manual_seed(seed) before it: blocks
+    of block_length over the prefix cache (dual_cache: --dual-cache), each block's first position from its full pass,
+    the dream preset's draws (--draw-holes: a draw per hole, scored by the distribution it was drawn from;
+    --mask-proposals). alg confidence_threshold: the fast-dllm preset with its threshold (at least one position a
+    pass, no step count); every other alg: the dream preset with its steps per block on Dream's time grid, ranked by
+    entropy (the block code scores every other alg by entropy). The presets' settings are spelled out (preset none)
+    so that a value equal to SampleConfig's default still counts."""
+    from dlm.sampling.mdlm import PRESETS
+
+    blocks = a["max_new_tokens"] // a["block_length"]
+    if a["alg"] == "confidence_threshold":
+        rule = {**PRESETS["fast-dllm"], "threshold": a["threshold"], "draw_holes": True, "mask_proposals": True}
+    else:
+        rule = {**PRESETS["dream"], "prefix_cache": True, "steps": a["steps"] // blocks}
+    return SampleConfig(**{**rule, "preset": "none", "max_new_tokens": a["max_new_tokens"],
+                           "block_size": a["block_length"], "temperature": a["temperature"],
+                           "top_p": a.get("top_p") or 1.0, "seed": a.get("seed", 0), "alg_temp": a.get("alg_temp"),
+                           **({"dual_cache": True} if a["dual_cache"] else {})})
+
+
 def llada_options(a: dict) -> SampleConfig:
     """LLaDA's generate(steps, gen_length, block_length, remasking, temperature, cfg_scale, logits_eos_inf,
     confidence_eos_eot_inf), torch.manual_seed(seed) before it: its steps are for the whole generation, dlm's --steps
@@ -123,7 +145,7 @@ def llada2_options(a: dict) -> SampleConfig:
                            "top_k": a.get("top_k") or 0, "top_p": a.get("top_p") or 1.0, "seed": a.get("seed", 0)})
 
 
-OPTIONS = {"dream": dream_options, "llada": llada_options, "fast-dllm-llada": fast_dllm_llada_options,
+OPTIONS = {"dream": dream_options, "dream-block": dream_block_options, "llada": llada_options, "fast-dllm-llada": fast_dllm_llada_options,
            "sdar": sdar_options, "fast-dllm-v2": fast_dllm_v2_options,
            "llada2": llada2_options}
 # how the recorder ran the prompt's one forward
@@ -209,16 +231,18 @@ def test_logits_equal_the_authors_model(family, imported):
     assert (got - want).abs().max() < 1e-4
 
 
+# recordings made on another family's fixture model: recordings folder -> the model's folder
+ON_MODEL = {"dream-block": "dream"}
 # (a case the upstream code could not finish holds its error instead of ids: SDAR's generate.py indexes its step quota
 # past the planned steps when a <|MASK|> drawn at the last one keeps a hole; nothing to compare)
-CASES = [(f, i) for f in FAMILIES for i, c in enumerate(recordings(f)["cases"]) if "ids" in c]
+CASES = [(f, i) for f in (*FAMILIES, *ON_MODEL) for i, c in enumerate(recordings(f)["cases"]) if "ids" in c]
 
 
 @pytest.mark.parametrize("family,index", CASES, ids=[f"{f}-{i}" for f, i in CASES])
 def test_generation_equals_the_recording(family, index, imported):
     rec = recordings(family)
     case = rec["cases"][index]
-    model, ck = imported[family]
+    model, ck = imported[ON_MODEL.get(family, family)]
     with recorded_head(model, rec, case):
         cfg = OPTIONS[family]({**case["args"], "n": len(case["ids"])})
         got = dlm_ids(model, ck, rec["prompts"][case["prompt"]], cfg)
@@ -226,7 +250,7 @@ def test_generation_equals_the_recording(family, index, imported):
     assert got == until_eos(case["ids"][:n], eos_ids(rec)), case["args"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", (*FAMILIES, *ON_MODEL))
 def test_the_recordings_exercise_eos(family):
     """<eos> lands inside the generation in some live recordings (else the eos handling would go untested), and in
     more live than suppressed ones (suppressed: its LM-head row zero, a logit of 0; never the argmax here, but a draw
@@ -366,6 +390,50 @@ def test_dream_canvas_after_every_step_equals_the_recording(index, imported):
     history = case["steps"]
     assert canvases == history[:len(canvases)]
     assert all(h == history[-1] for h in history[len(canvases) - 1:])
+
+
+DREAM_BLOCK_PASSES = [i for i, c in enumerate(recordings("dream-block")["cases"]) if "passes" in c]
+
+
+@pytest.mark.parametrize("index", DREAM_BLOCK_PASSES)
+def test_dream_block_canvas_after_every_pass_equals_the_recording(index, imported):
+    """Fast-dLLM's Dream block decoding, pass by pass: the canvas after each forward (the first pass of a block commits
+    its first position alone, then the passes over the cache), and, where no `<eos>` ends dlm early, as many forwards
+    as the recording."""
+    from dlm.sampling.common import Done
+
+    rec = recordings("dream-block")
+    case = rec["cases"][index]
+    model, ck = imported["dream"]
+    canvas = [rec["mask_id"]] * case["args"]["max_new_tokens"]
+    after, forwards = [], None
+    with eos_row(model, rec["eos_id"], case["eos"] == "live"):
+        for ev in stream(model, ck, [Prompt(rec["prompts"][case["prompt"]])], dream_block_options(case["args"]),
+                         step_events=True):
+            if isinstance(ev, Step):
+                canvas[ev.offset:ev.offset + len(ev.canvas)] = ev.canvas
+                after.append(list(canvas))
+            elif isinstance(ev, Done):
+                forwards = ev.stats.forwards
+    assert after == case["passes"][:len(after)]
+    if rec["eos_id"] not in case["ids"]:
+        assert forwards == case["forwards"] == len(after)
+
+
+def test_dream_block_recordings_hold_the_prefix_cache(imported):
+    """The block recordings hold Fast-dLLM's approximation, not exact decoding: without --prefix-cache (every pass
+    recomputing the whole sequence; the block's first position then not committed alone) dlm differs from most
+    greedy recordings (all 36 here)."""
+    rec = recordings("dream-block")
+    model, ck = imported["dream"]
+    cases = [c for c in rec["cases"] if not c["args"]["dual_cache"] and not c["args"]["temperature"]
+             and c["prompt"] == 0 and not c["args"].get("alg_temp")]
+    differ = 0
+    for c in cases:
+        with eos_row(model, rec["eos_id"], c["eos"] == "live"):
+            got = dlm_ids(model, ck, rec["prompts"][0], dream_block_options(c["args"]).replace(prefix_cache=False))
+        differ += got != until_eos(c["ids"], eos_ids(rec))
+    assert len(cases) >= 20 and differ >= len(cases) // 2, differ
 
 
 def test_llada_sampled_recordings_need_the_gumbel_draw(imported):

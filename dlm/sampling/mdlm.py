@@ -106,7 +106,10 @@ trains has neither):
                       position order as in a full pass). At temperature > 0 with --gumbel the draws are
                       Fast-dLLM's: noise for every position a pass runs, twice a pass over the prefix cache
                       (its loop's first draw is unused), and the draws of the pass its cached functions run
-                      after a block that the first pass filled (taken here without the forward: idle_draws)
+                      after a block that the first pass filled (taken here without the forward: idle_draws).
+                      Shifted (Dream): a block's first pass commits its first position
+                      alone, whatever the rule's count, as Fast-dLLM's Dream block
+                      decoding does
 
 `--preset NAME` sets a family's published recipe (PRESETS below: the rule, block, steps, threshold,
 cache); an option given explicitly wins. A checkpoint may record its family's preset, used when none
@@ -440,8 +443,10 @@ def propose(logits: Tensor, temperature: float, top_k: int, top_p: float,
 
 def denoise_step(logits: Tensor, x: Tensor, masked: Tensor, rule: Rule, k: int, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, gen: torch.Generator | None = None,
-                 span: tuple[int, int] | None = None) -> tuple[Tensor, Tensor, float]:
-    """One step on a block: logits (N, V), tokens x (N,), masked (N,) bool.
+                 span: tuple[int, int] | None = None, pad: tuple[int, int] = (0, 0)) -> tuple[Tensor, Tensor, float]:
+    """One step on a block: logits (N, V), tokens x (N,), masked (N,) bool. pad (before, after): with rule.holes at
+    temperature > 0, the draw of the masked positions' rows is one torch.multinomial over that many more rows before
+    and after them (whose draws are dropped), as Fast-dLLM's Dream block decoding draws rows it does not read.
 
     Returns (new tokens (N,), newly committed (N,) bool, mean entropy of the masked positions).
     """
@@ -464,8 +469,9 @@ def denoise_step(logits: Tensor, x: Tensor, masked: Tensor, rule: Rule, k: int, 
     elif rule.holes:  # Dream: one draw per masked position, in order, and every score from the drawn distribution
         at = masked.nonzero()[:, 0]  # (greedy, with alg_temp: the most likely token, scored as Dream's generate does)
         probs = probs_from_logits(logits[at], temperature or 1.0, top_k, top_p)  # (n, V)
-        if temperature > 0:
-            tok = torch.multinomial(probs, 1, replacement=True, generator=gen)[:, 0]  # (torch's Categorical draw)
+        if temperature > 0:  # (torch's Categorical draw)
+            rows = torch.cat([probs.new_ones(pad[0], probs.shape[1]), probs, probs.new_ones(pad[1], probs.shape[1])])
+            tok = torch.multinomial(rows, 1, replacement=True, generator=gen)[pad[0]:pad[0] + len(at), 0]
         else:
             tok = probs.max(dim=-1).indices
         parts = (tok, probs.gather(-1, tok[:, None])[:, 0], -(probs * torch.log(probs + 1e-10)).sum(-1))
@@ -718,8 +724,13 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
                 else:
                     back = None
             free = masked if back is None else masked & ~back  # a revised position is proposed from the next pass
-            if step == 0 and ar_first:  # the block's first position reads only finished blocks: commit it alone
+            step_rule, pad = rule, (0, 0)
+            if step == 0 and ar_first:  # the block's first position reads only finished blocks: commit it alone, its
+                # proposal whatever the rule's count (Fast-dLLM's generate writes it before the block's other passes)
                 free = free & (torch.arange(len(free), device=free.device) == 0)
+                if rule.kind != "origin":
+                    step_rule = replace(rule, kind="confidence", random=False, sequential=False, alg_temp=0.0)
+                    k = 1
             if sub_block and bool(free.any()):  # commit only in the first sub-block that still has holes
                 part = torch.arange(len(free), device=free.device) // sub_block
                 free = free & (part == part[free][0])
@@ -732,16 +743,23 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
                 # noise twice on a pass that reads the cache, the first draw unused: taken here too, so that the
                 # later draws are its draws
                 torch.rand(span[1], logits.shape[-1], dtype=torch.float64, generator=gen, device=logits.device)
+            if rule.holes and job.full_context and job.shift and not state.naive:  # Fast-dLLM's Dream block decoding
+                # draws a token for every row of its first pass, and (confidence_threshold) for every hole after the
+                # block too
+                if step_rule is not rule:
+                    pad = (span[0], span[1] - span[0] - 1)
+                elif rule.kind == "threshold":
+                    pad = (0, int((seq[e:s - span[0] + span[1]] == mask_id).sum()))
             if edit is not None:  # (LLaDA 2.1: one proposal for every position of the block, for the masks and edits)
                 proposed = propose(logits, temperature, top_k, top_p, gen, rule.sampled, rule.gumbel, span,
                                    rule.hidden(temperature))
             if bool(free.any()):
                 if proposed is None:
-                    x, chosen, ent = denoise_step(logits, seq[s:e], free, rule, k, temperature, top_k, top_p, gen,
-                                                  span)
+                    x, chosen, ent = denoise_step(logits, seq[s:e], free, step_rule, k, temperature, top_k, top_p,
+                                                  gen, span, pad)
                 else:
                     margin = top_margin(logits) if rule.kind == "margin" else None
-                    x, chosen, ent = _commit(rule, seq[s:e], free, k, gen, span, *proposed, margin)
+                    x, chosen, ent = _commit(step_rule, seq[s:e], free, k, gen, span, *proposed, margin)
                 at = chosen.nonzero()[:, 0]  # the model's log-probability of what it commits (best-of-N reads it)
                 stats.extra["logprob"] = stats.extra.get("logprob", 0.0) + float(
                     torch.log_softmax(logits[at].float(), -1).gather(-1, x[at, None]).sum())
