@@ -93,12 +93,15 @@ def sdar_options(a: dict) -> SampleConfig:
 
 
 def fast_dllm_v2_options(a: dict) -> SampleConfig:
-    """Fast-dLLM v2's generate(max_new_tokens, block_size, small_block_size, threshold, temperature 0): the preset
-    (block-causal over the cache, shifted, whole blocks) with its block, sub-block and threshold. Its output (the
-    prompt's partial block first, each block's first token appended by the block before) is as long as the
-    recording: dlm is asked for that many tokens."""
+    """Fast-dLLM v2's generate(max_new_tokens, block_size, small_block_size, threshold, temperature, top_p,
+    use_block_cache), torch.manual_seed(seed) before it: the preset (block-causal over the cache, shifted, whole
+    blocks, a block's first token its argmax, the drawn token's probability thresholded) with its block, sub-block,
+    threshold, sampling and --block-cache, the same seed. Its output (the prompt's partial block first, each block's
+    first token appended by the block before) is as long as the recording: dlm is asked for that many tokens."""
     return SampleConfig(preset="fast-dllm-v2", max_new_tokens=a["n"], block_size=a["block_size"],
-                        sub_block=a["small_block_size"], threshold=a["threshold"])
+                        sub_block=a["small_block_size"], threshold=a["threshold"],
+                        temperature=a.get("temperature", 0.0), top_p=a.get("top_p") or 1.0, seed=a.get("seed", 0),
+                        block_cache=a.get("use_block_cache", False))
 
 
 def llada2_options(a: dict) -> SampleConfig:
@@ -214,6 +217,15 @@ def test_logits_equal_the_authors_model(family, imported):
 CASES = [(f, i) for f in FAMILIES for i, c in enumerate(recordings(f)["cases"]) if "ids" in c]
 
 
+def generated(family: str, case: dict) -> int:
+    """How many of the recorded ids the generation holds: SDAR returns whole blocks past gen_length; Fast-dLLM v2's
+    output is its generation (its last block's first token, appended past max_new_tokens after a prompt of whole
+    blocks, included)."""
+    if family == "fast-dllm-v2":
+        return len(case["ids"])
+    return case["args"].get("max_new_tokens", case["args"].get("gen_length"))
+
+
 @pytest.mark.parametrize("family,index", CASES, ids=[f"{f}-{i}" for f, i in CASES])
 def test_generation_equals_the_recording(family, index, imported):
     rec = recordings(family)
@@ -222,7 +234,7 @@ def test_generation_equals_the_recording(family, index, imported):
     with recorded_head(model, rec, case):
         cfg = OPTIONS[family]({**case["args"], "n": len(case["ids"])})
         got = dlm_ids(model, ck, rec["prompts"][case["prompt"]], cfg)
-    n = case["args"].get("max_new_tokens", case["args"].get("gen_length"))  # (SDAR returns whole blocks)
+    n = generated(family, case)
     assert got == until_eos(case["ids"][:n], eos_ids(rec)), case["args"]
 
 
