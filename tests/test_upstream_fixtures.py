@@ -601,3 +601,32 @@ def test_dual_cache_through_the_cli(imported, capsys):
     want = until_eos(c["ids"], eos_ids(rec))
     assert rc == 0 and out["text"] == ck.tokenizer.decode([t for t in want if t not in eos_ids(rec)]), out
     assert want[-1] in eos_ids(rec) and out["new_tokens"] == len(want)  # (it ends on <eos>)
+
+
+FDLLM2_SWITCHES = [  # (option, its value off, which recordings, how many of them must differ without it)
+    ("block_cache", False, lambda a, c: a.get("use_block_cache") and not a["temperature"] and c["prompt"] == 0, 5),
+    ("greedy_first", False, lambda a, c: a["temperature"] and c["prompt"] == 2 and c["eos"] == "live", 9),
+    ("confidence", "model", lambda a, c: a["temperature"] == 4.0, 9),
+]
+
+
+@pytest.mark.parametrize("switch,off,which,least", FDLLM2_SWITCHES, ids=[s[0] for s in FDLLM2_SWITCHES])
+def test_fast_dllm_v2_recordings_need_its_options(switch, off, which, least, imported):
+    """Fast-dLLM v2's recordings hold what each option does: without --block-cache (use_block_cache's stale K/V after
+    a prompt's partial block), --greedy-first (a block's first token its argmax at any temperature) or --confidence
+    sampled (the drawn token's probability thresholded), dlm differs from some of them. The preset is spelled out
+    (preset none) so that the option's value off counts."""
+    from dlm.sampling.mdlm import PRESETS
+
+    rec = recordings("fast-dllm-v2")
+    model, ck = imported["fast-dllm-v2"]
+    cases = [c for c in rec["cases"] if which(c["args"], c)]
+    differ = 0
+    for c in cases:
+        cfg = fast_dllm_v2_options({**c["args"], "n": len(c["ids"])})
+        cfg = cfg.replace(preset="none", **{**PRESETS["fast-dllm-v2"], "block_size": cfg.block_size,
+                                            "sub_block": cfg.sub_block, "threshold": cfg.threshold, switch: off})
+        with eos_row(model, rec["eos_id"], c["eos"] == "live"):
+            got = dlm_ids(model, ck, rec["prompts"][c["prompt"]], cfg)
+        differ += got != until_eos(c["ids"], eos_ids(rec))
+    assert differ >= least, (len(cases), differ)
