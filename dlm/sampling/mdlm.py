@@ -168,8 +168,7 @@ OPTIONS = frozenset({"temperature", "top_k", "top_p", "naive", "sampler", "steps
                      "block_size", "remasking", "revise", "suffix", "fill_length", "preset", "prefix_cache",
                      "dual_cache",
                      "sub_block", "block_cache", "greedy_first", "schedule", "whole_blocks", "eos_early_stop",
-                     "confidence",
-                     "mask_proposals", "draw_holes", "gumbel", "editing_threshold", "max_post_steps",
+                     "confidence", "mask_proposals", "draw_holes", "gumbel", "editing_threshold", "max_post_steps",
                      "alg_temp", "logits_eos_inf", "confidence_eos_eot_inf", "cfg_scale", "entropy_form"})
 
 # The published decoding recipes of the public masked-diffusion families, as SampleConfig settings (docs/public-
@@ -953,7 +952,8 @@ def make_job(prompt: Prompt, cfg, train_block: int, context: int, causal_context
                full_context=full_context, shift=shift, limit=limit,
                eos_early_stop=bool(getattr(cfg, "eos_early_stop", False)),
                mask_proposals=bool(getattr(cfg, "mask_proposals", False)),
-               block_cache=bool(getattr(cfg, "block_cache", False)), greedy_first=bool(getattr(cfg, "greedy_first", False)))
+               block_cache=bool(getattr(cfg, "block_cache", False)),
+               greedy_first=bool(getattr(cfg, "greedy_first", False)))
 
 
 def stream(model, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> Iterator[Event]:
