@@ -352,8 +352,9 @@ def test_block_cache_passes_run_the_sub_block_alone(mdlm64, monkeypatch):
 
     model, ck = mdlm64
     seen = []
-    rewrite = rows.rewrite
-    monkeypatch.setattr(rows, "rewrite", lambda m, c, w: seen.append((w.at, w.length, c.length)) or rewrite(m, c, w))
+    in_place = rows.run_in_place
+    monkeypatch.setattr(rows, "run_in_place",
+                        lambda m, c, w: seen.append((w.at, w.length, c.length)) or in_place(m, c, w))
     cfg = SampleConfig(max_new_tokens=24, sub_block=4, block_cache=True, sampler="threshold", threshold=0.6)
     res = generate(model, ck, [PROMPT, "import os\n"], cfg)
     assert seen and all(n == 4 and at % 4 == 0 and at + n <= length for at, n, length in seen)
