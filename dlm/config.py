@@ -634,7 +634,9 @@ class SampleConfig:
         logits_eos_inf: mdlm: the <eos> logit at -inf before each draw, so no position proposes <eos> (LLaDA's generate's logits_eos_inf)
         confidence_eos_eot_inf: mdlm, low-confidence remasking: a proposed <eos> or <|eot_id|> has confidence 0, so it commits last in its block (LLaDA's generate's confidence_eos_eot_inf: the softmax the confidence reads has those logits at -inf; as there, at temperature > 0 only <|eot_id|>'s)
         cfg_scale: mdlm, a full-attention checkpoint (LLaDA): classifier-free guidance: each pass also runs with the prompt's tokens at <mask>, and the logits are un + (s + 1) (cond - un) (LLaDA's generate's cfg_scale; twice the forwards); 0 = off
-        sub_block: mdlm: commit only in the first stretch of this many positions of the block that still has holes (Fast-dLLM v2: 8); default: the whole block
+        sub_block: mdlm: commit only in the first stretch of this many positions of the block that still has holes (Fast-dLLM v2: 8); a step reads (at temperature > 0: draws for) that stretch's positions only; default: the whole block
+        block_cache: mdlm with --sub-block, a block-causal checkpoint: Fast-dLLM v2's block cache (its generate's use_block_cache): a pass whose sub-block starts with a known token runs only that sub-block's positions, reading the rest of the block's K/V as the block's last whole pass left them (an approximation: fewer positions per pass); off: every pass runs the whole block
+        greedy_first: mdlm, a shifted checkpoint (Fast-dLLM v2): the first token of a block after a finished one (read from the finished block alone, committed alone) is its most likely token whatever the temperature, as Fast-dLLM v2's generate appends it (the fast-dllm-v2 preset's); off: drawn as the others
         editing_threshold: mdlm token editing (LLaDA 2.1): every pass also replaces a token the block has committed when the model's most likely token there differs with probability above this; default off
         max_post_steps: mdlm token editing: passes that only edit after a block's last mask (LLaDA 2.1's max_post_steps)
         revise: mdlm revision (ReMDM-style): a committed token whose probability under a later pass falls below this goes back to <mask> and is predicted again (at most 3 times per position); 0 = off
@@ -676,6 +678,8 @@ class SampleConfig:
     prefix_cache: bool = False
     dual_cache: bool = False
     sub_block: int | None = None
+    block_cache: bool = False
+    greedy_first: bool = False
     schedule: str = "even"
     whole_blocks: bool = False
     eos_early_stop: bool = False

@@ -686,6 +686,9 @@ def record_sdar(code: list[Path], out: Path) -> None:
 # Fast-dLLM v2 (its remote code: configuration.py, modeling.py with Fast_dLLM_QwenForCausalLM.generate) ----------
 
 FDLLM2_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+# a prompt of exactly two blocks of 8 (the first token after it is the prefill's argmax; a prompt of exactly one block
+# the generate denoises without the prompt in view, a quirk not recorded)
+WHOLE_PROMPT = [5, 58, 33, 70, 2, 47, 19, 66, 12, 39, 77, 24, 51, 9, 63, 28]
 
 
 def record_fast_dllm_v2(code: list[Path], out: Path) -> None:
@@ -712,10 +715,27 @@ def record_fast_dllm_v2(code: list[Path], out: Path) -> None:
     prompts = [[len(FDLLM2_SPECIALS) + i for i in p] for p in PROMPTS]
     settings = [{"max_new_tokens": n, "block_size": block, "small_block_size": sb, "threshold": thr,
                  "temperature": 0.0} for n in (16, 24) for sb in (4, 8) for thr in (0.9, 0.5, 1.0)]
+    # the block cache (use_block_cache: the block's K/V kept across its sub-blocks' passes), the same grid
+    cached = [{**s, "use_block_cache": True} for s in settings]
+    # sampled (torch.manual_seed(S) before it): a top-p draw for the current sub-block's rows, the threshold read on
+    # the drawn token's probability; each setting its own seed. The model's predictions are peaked (its tokens
+    # rarely differ from the argmax at temperature 1): temperatures 2 and 4 draw other tokens
+    sampled = [{"max_new_tokens": 16, "block_size": block, "small_block_size": sb, "threshold": thr,
+                "temperature": t, "top_p": tp, "use_block_cache": c, "seed": 3 + i}
+               for i, ((t, tp), (sb, thr, c)) in enumerate(
+                   (tt, v) for tt in ((0.7, 0.9), (1.0, 1.0), (0.7, 1.0), (1.0, 0.9), (2.0, 0.95), (4.0, 1.0))
+                   for v in ((4, 0.9, False), (8, 0.5, True), (4, 1.0, True)))]
+    whole = prompts + [[len(FDLLM2_SPECIALS) + i for i in WHOLE_PROMPT]]  # the third: two whole blocks
     cases = []
-    for case, p, kw in each_case(head, im_end, settings, prompts):
-        x = model.generate(torch.tensor([p]), mask_id=mask, stop_token=im_end, **kw)
-        cases.append({**case, "ids": x[0, len(p):].tolist()})
+
+    def run(runs, at=0):
+        for case, p, kw in runs:
+            x = model.generate(torch.tensor([p]), mask_id=mask, stop_token=im_end, **kw)
+            cases.append({**case, "prompt": case["prompt"] + at, "ids": x[0, len(p):].tolist()})
+
+    run(each_case(head, im_end, settings, prompts))  # (the first 48: greedy, no block cache)
+    run(each_case(head, im_end, settings, whole[2:]), at=2)
+    run(each_case(head, im_end, cached + sampled, whole))
     with torch.no_grad():
         logits = model(torch.tensor([prompts[1]]), use_cache=False, block_size=1).logits[0]  # causal: blocks of 1
     generic = ("_attn_implementation_autoset", "transformers_version", "_name_or_path", "id2label", "label2id",
@@ -728,7 +748,7 @@ def record_fast_dllm_v2(code: list[Path], out: Path) -> None:
     live_eos = sum(c["eos"] == "live" and im_end in c["ids"] for c in cases)
     rec = {"family": "fast-dllm-v2", "upstream": {"files": "the model folder's configuration.py and modeling.py",
                                                   "commit": commit_of(folder)},
-           "eos_id": im_end, "mask_id": mask, "prompts": prompts, "logits": logits_summary(logits), "cases": cases}
+           "eos_id": im_end, "mask_id": mask, "prompts": whole, "logits": logits_summary(logits), "cases": cases}
     print(f"fast-dllm-v2: {len(cases)} cases, <|im_end|> generated in {live_eos} of the live ones")
     write_fixture(out, model, tok, config, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
                                             "mask_token": "<|mask|>"}, rec)

@@ -326,6 +326,44 @@ def test_whole_sequence_checkpoint_denoises_prompt_and_answer_as_one_block(tiny_
     assert len([e for e in res.events if isinstance(e, Step)][0].canvas) == 20  # the generated part only
 
 
+@pytest.mark.parametrize("opts", [dict(), dict(sampler="threshold", threshold=0.5, block_size=8),
+                                  dict(temperature=1.0, seed=3, sampler="threshold", threshold=0.7)],
+                         ids=["default", "threshold", "sampled"])
+def test_block_cache_with_one_sub_block_per_block_is_exact(mdlm64, opts):
+    """--block-cache with a sub-block as long as the block: once the block's first token is known, every pass runs
+    the whole block alone over the cache (its K/V written over the kept ones), which is the block's whole pass: the
+    tokens, forwards and steps of the plain cached loop."""
+    model, ck = mdlm64
+    block = opts.get("block_size", 16)
+    cfg = SampleConfig(max_new_tokens=40, sub_block=block, **opts)
+    plain = generate(model, ck, PROMPT, cfg)
+    cached = generate(model, ck, PROMPT, cfg.replace(block_cache=True))
+    assert cached.tokens == plain.tokens
+    assert cached.stats.forwards == plain.stats.forwards
+    assert cached.stats.extra["steps_per_canvas"] == plain.stats.extra["steps_per_canvas"]
+
+
+def test_block_cache_passes_run_the_sub_block_alone(mdlm64, monkeypatch):
+    """With sub-blocks of 4 in blocks of 16, a pass whose sub-block starts with a known token runs the sub-block's 4
+    positions alone, rewriting their cache slots in place (Window.at), and the other passes the whole block; several
+    prompts run in turn, each as it runs alone. A row of the server's batch refuses the option in one line."""
+    from dlm.sampling import Prompt, row_program
+    from dlm.sampling import rows
+
+    model, ck = mdlm64
+    seen = []
+    in_place = rows.run_in_place
+    monkeypatch.setattr(rows, "run_in_place",
+                        lambda m, c, w: seen.append((w.at, w.length, c.length)) or in_place(m, c, w))
+    cfg = SampleConfig(max_new_tokens=24, sub_block=4, block_cache=True, sampler="threshold", threshold=0.6)
+    res = generate(model, ck, [PROMPT, "import os\n"], cfg)
+    assert seen and all(n == 4 and at % 4 == 0 and at + n <= length for at, n, length in seen)
+    assert ck.tokenizer.mask_id not in res.tokens[0]
+    assert res.tokens[1] == generate(model, ck, "import os\n", cfg).tokens[0]
+    with pytest.raises(DlmError, match="--block-cache runs its rows one after another"):
+        row_program(model, ck, Prompt(ck.tokenizer.encode(PROMPT)), cfg)
+
+
 def test_sampling_is_seeded(mdlm64):
     model, ck = mdlm64
     cfg = SampleConfig(max_new_tokens=24, temperature=1.0, seed=7)
@@ -440,6 +478,9 @@ BAD = [
     (["--cfg-scale", "-1"], "--cfg-scale must be >= 0"),
     (["--cfg-scale", "1"], "--cfg-scale applies to a full-attention checkpoint"),
     (["--confidence-eos-eot-inf", "--draw-holes"], "--confidence-eos-eot-inf reads the model's probability"),
+    (["--block-cache"], "--block-cache keeps a block's K/V for its sub-blocks' passes: it needs --sub-block"),
+    (["--block-cache", "--sub-block", "4", "--naive"], "--block-cache is an approximation, --naive"),
+    (["--block-cache", "--sub-block", "4", "--revise", "0.5"], "--block-cache runs a sub-block alone"),
 ]
 
 

@@ -115,12 +115,15 @@ def sdar_options(a: dict) -> SampleConfig:
 
 
 def fast_dllm_v2_options(a: dict) -> SampleConfig:
-    """Fast-dLLM v2's generate(max_new_tokens, block_size, small_block_size, threshold, temperature 0): the preset
-    (block-causal over the cache, shifted, whole blocks) with its block, sub-block and threshold. Its output (the
-    prompt's partial block first, each block's first token appended by the block before) is as long as the
-    recording: dlm is asked for that many tokens."""
+    """Fast-dLLM v2's generate(max_new_tokens, block_size, small_block_size, threshold, temperature, top_p,
+    use_block_cache), torch.manual_seed(seed) before it: the preset (block-causal over the cache, shifted, whole
+    blocks, a block's first token its argmax, the drawn token's probability thresholded) with its block, sub-block,
+    threshold, sampling and --block-cache, the same seed. Its output (the prompt's partial block first, each block's
+    first token appended by the block before) is as long as the recording: dlm is asked for that many tokens."""
     return SampleConfig(preset="fast-dllm-v2", max_new_tokens=a["n"], block_size=a["block_size"],
-                        sub_block=a["small_block_size"], threshold=a["threshold"])
+                        sub_block=a["small_block_size"], threshold=a["threshold"],
+                        temperature=a.get("temperature", 0.0), top_p=a.get("top_p") or 1.0, seed=a.get("seed", 0),
+                        block_cache=a.get("use_block_cache", False))
 
 
 def llada2_options(a: dict) -> SampleConfig:
@@ -238,6 +241,15 @@ ON_MODEL = {"dream-block": "dream"}
 CASES = [(f, i) for f in (*FAMILIES, *ON_MODEL) for i, c in enumerate(recordings(f)["cases"]) if "ids" in c]
 
 
+def generated(family: str, case: dict) -> int:
+    """How many of the recorded ids the generation holds: SDAR returns whole blocks past gen_length; Fast-dLLM v2's
+    output is its generation (its last block's first token, appended past max_new_tokens after a prompt of whole
+    blocks, included)."""
+    if family == "fast-dllm-v2":
+        return len(case["ids"])
+    return case["args"].get("max_new_tokens", case["args"].get("gen_length"))
+
+
 @pytest.mark.parametrize("family,index", CASES, ids=[f"{f}-{i}" for f, i in CASES])
 def test_generation_equals_the_recording(family, index, imported):
     rec = recordings(family)
@@ -246,7 +258,7 @@ def test_generation_equals_the_recording(family, index, imported):
     with recorded_head(model, rec, case):
         cfg = OPTIONS[family]({**case["args"], "n": len(case["ids"])})
         got = dlm_ids(model, ck, rec["prompts"][case["prompt"]], cfg)
-    n = case["args"].get("max_new_tokens", case["args"].get("gen_length"))  # (SDAR returns whole blocks)
+    n = generated(family, case)
     assert got == until_eos(case["ids"][:n], eos_ids(rec)), case["args"]
 
 
@@ -657,3 +669,32 @@ def test_dual_cache_through_the_cli(imported, capsys):
     want = until_eos(c["ids"], eos_ids(rec))
     assert rc == 0 and out["text"] == ck.tokenizer.decode([t for t in want if t not in eos_ids(rec)]), out
     assert want[-1] in eos_ids(rec) and out["new_tokens"] == len(want)  # (it ends on <eos>)
+
+
+FDLLM2_SWITCHES = [  # (option, its value off, which recordings, how many of them must differ without it)
+    ("block_cache", False, lambda a, c: a.get("use_block_cache") and not a["temperature"] and c["prompt"] == 0, 5),
+    ("greedy_first", False, lambda a, c: a["temperature"] and c["prompt"] == 2 and c["eos"] == "live", 9),
+    ("confidence", "model", lambda a, c: a["temperature"] == 4.0, 9),
+]
+
+
+@pytest.mark.parametrize("switch,off,which,least", FDLLM2_SWITCHES, ids=[s[0] for s in FDLLM2_SWITCHES])
+def test_fast_dllm_v2_recordings_need_its_options(switch, off, which, least, imported):
+    """Fast-dLLM v2's recordings hold what each option does: without --block-cache (use_block_cache's stale K/V after
+    a prompt's partial block), --greedy-first (a block's first token its argmax at any temperature) or --confidence
+    sampled (the drawn token's probability thresholded), dlm differs from some of them. The preset is spelled out
+    (preset none) so that the option's value off counts."""
+    from dlm.sampling.mdlm import PRESETS
+
+    rec = recordings("fast-dllm-v2")
+    model, ck = imported["fast-dllm-v2"]
+    cases = [c for c in rec["cases"] if which(c["args"], c)]
+    differ = 0
+    for c in cases:
+        cfg = fast_dllm_v2_options({**c["args"], "n": len(c["ids"])})
+        cfg = cfg.replace(preset="none", **{**PRESETS["fast-dllm-v2"], "block_size": cfg.block_size,
+                                            "sub_block": cfg.sub_block, "threshold": cfg.threshold, switch: off})
+        with eos_row(model, rec["eos_id"], c["eos"] == "live"):
+            got = dlm_ids(model, ck, rec["prompts"][c["prompt"]], cfg)
+        differ += got != until_eos(c["ids"], eos_ids(rec))
+    assert differ >= least, (len(cases), differ)

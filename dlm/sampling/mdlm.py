@@ -82,7 +82,18 @@ block); the draws are L x V float64 uniforms a pass instead of N x V float32 one
 as in training; what lies past `--max-new-tokens` is dropped.
 
 `--sub-block N` (Fast-dLLM v2's sub-blocks): every pass still denoises the whole block, but a step commits
-only inside the first N-position stretch of the block (counted from its start) that still has holes.
+only inside the first N-position stretch of the block (counted from its start) that still has holes, and reads
+(at temperature > 0: draws for) that stretch's positions only, as Fast-dLLM v2's generate draws.
+
+`--block-cache` (with --sub-block; Fast-dLLM v2's `use_block_cache`): a pass whose sub-block starts with a known
+token runs that sub-block's positions only, over the cache, which then holds the block's K/V as its last whole pass
+computed them; the sub-block's own K/V are written over theirs (Window.at). A whole pass runs when a sub-block
+starts with a hole, and on a block's first pass after its first token is known. An approximation (the rest of the
+block's K/V are stale), as Fast-dLLM v1's prefix cache is; off, every pass runs the whole block.
+
+`--greedy-first` (the fast-dllm-v2 preset; shifted checkpoints): the first token of a block after a finished one,
+committed alone from the finished block's last output, is that output's argmax at any temperature (Fast-dLLM v2's
+generate appends it so; no draw is taken for it).
 
 Two conventions a checkpoint records (public models imported by dlm.hf_mdlm carry them; a checkpoint dlm
 trains has neither):
@@ -159,8 +170,8 @@ MAX_REVISIONS = 3  # --revise: times one position may be sent back to <mask> (so
 OPTIONS = frozenset({"temperature", "top_k", "top_p", "naive", "sampler", "steps", "threshold", "entropy_bound",
                      "block_size", "remasking", "revise", "suffix", "fill_length", "preset", "prefix_cache",
                      "dual_cache",
-                     "sub_block", "schedule", "whole_blocks", "eos_early_stop", "confidence",
-                     "mask_proposals", "draw_holes", "gumbel", "editing_threshold", "max_post_steps",
+                     "sub_block", "block_cache", "greedy_first", "schedule", "whole_blocks", "eos_early_stop",
+                     "confidence", "mask_proposals", "draw_holes", "gumbel", "editing_threshold", "max_post_steps",
                      "alg_temp", "logits_eos_inf", "confidence_eos_eot_inf", "cfg_scale", "entropy_form"})
 
 # The published decoding recipes of the public masked-diffusion families, as SampleConfig settings (docs/public-
@@ -177,9 +188,10 @@ PRESETS: dict[str, dict] = {
     # (its quota: the block's length over the steps, prompt positions included; entropy_bounded as published)
     "sdar": {"sampler": "threshold", "threshold": 0.9, "block_size": 4, "steps": 4, "whole_blocks": True,
              "confidence": "sampled", "mask_proposals": True, "schedule": "block", "entropy_form": "sdar"},
-    # Fast-dLLM v2: blocks of 32 over the KV cache, threshold 0.9 within sub-blocks of 8
+    # Fast-dLLM v2: blocks of 32 over the KV cache, threshold 0.9 within sub-blocks of 8; sampled: a block's first
+    # token its argmax, the others drawn (<mask> among the candidates) and thresholded on the drawn token's probability
     "fast-dllm-v2": {"sampler": "threshold", "threshold": 0.9, "block_size": 32, "sub_block": 8,
-                     "whole_blocks": True},
+                     "whole_blocks": True, "greedy_first": True, "confidence": "sampled", "mask_proposals": True},
     # LLaDA 2: blocks of 32 over the KV cache, 32 steps per block, every position above 0.95 (else the step's quota,
     # the block's length over the steps), <mask> among the candidates, sampled: the drawn token's probability
     "llada2": {"sampler": "threshold", "threshold": 0.95, "block_size": 32, "steps": 32, "whole_blocks": True,
@@ -308,10 +320,17 @@ def select_sdar_entropy(conf: Tensor, masked: Tensor, bound: float) -> Tensor:
 
 
 def select_threshold(conf: Tensor, masked: Tensor, threshold: float, k_min: int = 1,
-                     span: tuple[int, int] | None = None) -> Tensor:
-    """Fast-dLLM: every masked position with confidence above threshold, at least the k_min most confident."""
+                     span: tuple[int, int] | None = None, first: bool = False) -> Tensor:
+    """Fast-dLLM: every masked position with confidence above threshold, at least the k_min most confident. first
+    (k_min 1): the one is the first of the most confident (an argmax, as Fast-dLLM v2's generate takes it), not
+    torch.topk's pick among equals (confidences of exactly 1 under top-p)."""
     chosen = masked & (conf > threshold)
-    return chosen if int(chosen.sum()) >= k_min else top_k_of(conf, masked, k_min, span)
+    if int(chosen.sum()) >= k_min:
+        return chosen
+    if first and k_min == 1:
+        chosen[torch.where(masked, conf.float(), float("-inf")).argmax()] = True
+        return chosen
+    return top_k_of(conf, masked, k_min, span)
 
 
 def origin_transfer(step: int, steps: int, eps: float = 1e-3) -> float | Tensor:
@@ -355,6 +374,7 @@ class Rule:
     no_eos: int | None = None  # --logits-eos-inf: this <eos> id's logit is -inf before the draw
     eos_eot: tuple[int, ...] = ()  # --confidence-eos-eot-inf: <eos> then <|eot_id|> (if the tokenizer has one)
     cfg_scale: float = 0.0  # --cfg-scale: classifier-free guidance against a pass with the known tokens masked
+    first: bool = False  # threshold: the at-least-one is the first most confident (--sub-block: Fast-dLLM v2's argmax)
 
     def top(self, score: Tensor, masked: Tensor, k: int, gen: torch.Generator | None,
             span: tuple[int, int] | None) -> Tensor:
@@ -375,7 +395,7 @@ class Rule:
         if self.kind == "origin":
             return select_origin(masked, k, gen)
         if self.kind == "threshold":
-            return select_threshold(conf, masked, self.threshold, k, span)
+            return select_threshold(conf, masked, self.threshold, k, span, self.first)
         if self.kind == "margin":  # (margin: top_margin of the step's logits)
             chosen = masked & (margin > self.threshold)
             return chosen if int(chosen.sum()) >= k else self.top(margin, masked, k, gen, span)
@@ -543,6 +563,8 @@ class Job:
     limit: int | None = None  # whole blocks: positions from here on are padding, denoised but never emitted
     eos_early_stop: bool = False  # stop denoising a block's positions after a committed <eos> at once
     mask_proposals: bool = False  # <mask> stays among the candidates (a position that draws it stays a hole)
+    block_cache: bool = False  # a pass over a sub-block that starts with a known token runs that sub-block alone
+    greedy_first: bool = False  # shift: a block's first token (committed alone) is the argmax at any temperature
 
 
 class Denoising:
@@ -564,6 +586,8 @@ class Denoising:
         self.cache = None if naive or not own_cache else model.new_cache(1, total)
         self.cached = 0  # positions 0..cached-1 are in the cache (slots == positions)
         self.block = None  # full context with the prefix cache: the block whose prefix the cache holds
+        self.kept = False  # block cache: the cache also holds the current block's K/V (slots cached..), from its last
+        # whole pass
         self.before = None  # shift: the output (V,) at the position before the block, from its first pass
         self.recompute = False  # a block was left with holes (leave): recompute from position 0, cache dropped
         self.span = None  # the last pass: (the block's offset in the positions it ran, how many it ran)
@@ -581,9 +605,13 @@ class Denoising:
         predict its positions (with shift: the outputs one position earlier)."""
         return finish(self.denoise(s, e), alone(self.model, self.cache))
 
-    def denoise(self, s: int, e: int) -> Iterator[Window | Crop]:
+    def denoise(self, s: int, e: int, sub: tuple[int, int] | None = None) -> Iterator[Window | Crop]:
         """One denoising pass over block [s, e) as the requests of a row program (served alone or by a RowBatch that
         holds this row's cache); returns the logits (e - s, V) that predict the block's positions.
+
+        sub (a, b): the block cache's pass over positions s + a .. s + b - 1 alone, their K/V written over the ones
+        the block's last whole pass kept, every query seeing the whole block; returns their logits (b - a, V) (with
+        shift, s + a's is its own output: a known token's, read by no step).
 
         Full context: the whole sequence, every position seeing every other (with the prefix cache: the whole
         sequence on the block's first pass, its prefix's K/V kept; then the block and everything after it,
@@ -596,6 +624,10 @@ class Denoising:
         seq, job = self.seq, self.job
         mask, at = None, None
         self.reread = False
+        if sub is not None:
+            a, b = sub
+            rows = (yield Window(tokens=seq[s + a:s + b], at=s + a, out=(0, b - a)))[0]  # (b - a, V)
+            return torch.cat([rows[:1], rows[:-1]]) if job.shift else rows
         if job.full_context:
             start, stop, keep = s, len(seq), 0
             if self.naive or self.block != s:
@@ -614,11 +646,15 @@ class Denoising:
             start, stop, keep = 0, e, 0
             mask = mdlm_denoise_mask(self.block_of, 0, e, job.causal_context)  # (e, e)
         else:
+            if self.kept:  # (block cache: the last pass kept the block's K/V; this one computes them afresh)
+                yield Crop(self.cached)
             start, stop = min(self.cached, s), e
             keep = s - start
             if start < s:
                 mask = mdlm_denoise_mask(self.block_of, start, e, job.causal_context)[:, start:]  # (T, T)
             self.cached = s
+            if job.block_cache:  # the block's K/V stay too, for the sub-blocks' passes that follow
+                keep, self.kept = e - start, True
         lo = max(start, s - 1) if job.shift else s  # the first position whose output is read
         self.span = (s - start, stop - start)
         rows = (yield Window(tokens=seq[start:stop], mask=mask, keep=keep, out=(lo - start, e - start), at=at))[0]
@@ -680,6 +716,7 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
         ar_first = job.shift and (not job.full_context or not state.naive) and s > 0 and bool(masked[0])
         post = 0  # editing: passes after the block's last hole
         cap = rule.passes(steps, n)  # (SDAR's entropy_bounded: a block may end with holes)
+        kv = False  # block cache: the cache holds the block's K/V from a whole pass after its first token was known
         while True:
             holes = bool(masked.any())
             if not holes:
@@ -689,7 +726,14 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
                 if post > post_steps:
                     break
             was = masked.clone()
-            logits = yield from state.denoise(s, e)  # (Lb, V)
+            sub = None  # block cache: this pass runs the current sub-block (a, b) alone
+            if job.block_cache and kv and holes and not state.naive:  # (naive: a block SDAR's entropy_bounded left)
+                a = int(masked.nonzero()[0]) // sub_block * sub_block
+                if not bool(masked[a]):
+                    sub = (a, min(a + sub_block, e - s))
+            logits = yield from state.denoise(s, e, sub)  # (Lb, V), or (b - a, V) for a sub-block alone
+            if job.block_cache and sub is None:
+                kv = not (step == 0 and ar_first)
             stats.forwards += 1
             if rule.cfg_scale > 0:  # LLaDA's unsupervised classifier-free guidance: the same pass with every known
                 # token (the prompt) at <mask>, logits = un + (scale + 1) (cond - un)
@@ -754,15 +798,24 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
                 proposed = propose(logits, temperature, top_k, top_p, gen, rule.sampled, rule.gumbel, span,
                                    rule.hidden(temperature))
             if bool(free.any()):
+                a, b = 0, e - s  # the positions the step reads: the block, or the sub-block it commits in
+                if sub_block:
+                    a = int(free.nonzero()[0]) // sub_block * sub_block
+                    b = min(a + sub_block, e - s)
+                    assert sub is None or sub == (a, b)
+                rows = logits if sub is not None else logits[a:b]  # (b - a, V)
                 if proposed is None:
-                    x, chosen, ent = denoise_step(logits, seq[s:e], free, step_rule, k, temperature, top_k, top_p,
-                                                  gen, span, pad)
+                    t = 0.0 if job.greedy_first and ar_first and step == 0 else temperature
+                    part_x, part, ent = denoise_step(rows, seq[s + a:s + b], free[a:b], step_rule, k, t, top_k, top_p,
+                                                     gen, span if span is None else (span[0] + a, span[1]), pad)
+                    x, chosen = seq[s:e].clone(), torch.zeros_like(free)
+                    x[a:b], chosen[a:b] = part_x, part
                 else:
                     margin = top_margin(logits) if rule.kind == "margin" else None
                     x, chosen, ent = _commit(step_rule, seq[s:e], free, k, gen, span, *proposed, margin)
-                at = chosen.nonzero()[:, 0]  # the model's log-probability of what it commits (best-of-N reads it)
+                at = chosen[a:b].nonzero()[:, 0]  # the model's log-probability of what it commits (best-of-N reads it)
                 stats.extra["logprob"] = stats.extra.get("logprob", 0.0) + float(
-                    torch.log_softmax(logits[at].float(), -1).gather(-1, x[at, None]).sum())
+                    torch.log_softmax(rows[at].float(), -1).gather(-1, x[a:b][at, None]).sum())
             else:
                 x, chosen, ent = seq[s:e], torch.zeros_like(free), None
             if rule.sequential:  # (its stretch may hold committed positions, drawn again; never pinned ones)
@@ -850,6 +903,12 @@ def check_options(cfg) -> Rule:
           f"--remasking {cfg.remasking} goes with --sampler confidence, got --sampler {sampler}")
     check(cfg.entropy_form in ("eb", "sdar"), f"--entropy-form must be eb or sdar, got {cfg.entropy_form!r}")
     check(cfg.sub_block is None or cfg.sub_block > 0, f"--sub-block must be > 0, got {cfg.sub_block}")
+    if getattr(cfg, "block_cache", False):
+        check(cfg.sub_block is not None, "--block-cache keeps a block's K/V for its sub-blocks' passes: it needs "
+              "--sub-block")
+        check(not cfg.naive, "--block-cache is an approximation, --naive the exact recomputation: give one")
+        check(not getattr(cfg, "revise", 0.0) and getattr(cfg, "editing_threshold", None) is None,
+              "--block-cache runs a sub-block alone: --revise and --editing-threshold read the whole block")
     check(cfg.schedule in ("even", "dream", "block"), f"--schedule must be even, dream or block, got {cfg.schedule!r}")
     edit = getattr(cfg, "editing_threshold", None)
     check(edit is None or 0 <= edit < 1, f"--editing-threshold must be in [0, 1), got {edit}")
@@ -871,7 +930,7 @@ def check_options(cfg) -> Rule:
           "--confidence sampled")
     return Rule(sampler, cfg.threshold, cfg.entropy_bound, cfg.remasking == "random", cfg.remasking == "sequential",
                 cfg.entropy_form, cfg.confidence == "sampled", cfg.draw_holes, cfg.gumbel, alg_temp,
-                cfg_scale=float(cfg.cfg_scale))
+                cfg_scale=float(cfg.cfg_scale), first=cfg.sub_block is not None)
 
 
 def with_end_ids(rule: Rule, cfg, tok) -> Rule:
@@ -910,7 +969,9 @@ def make_job(prompt: Prompt, cfg, train_block: int, context: int, causal_context
     return Job(known, P, blocks, stop_at_eos=plain, forbid_eos=not plain, causal_context=causal_context,
                full_context=full_context, shift=shift, limit=limit,
                eos_early_stop=bool(getattr(cfg, "eos_early_stop", False)),
-               mask_proposals=bool(getattr(cfg, "mask_proposals", False)))
+               mask_proposals=bool(getattr(cfg, "mask_proposals", False)),
+               block_cache=bool(getattr(cfg, "block_cache", False)),
+               greedy_first=bool(getattr(cfg, "greedy_first", False)))
 
 
 def stream(model, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> Iterator[Event]:
@@ -944,6 +1005,12 @@ def stream(model, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> 
         raise DlmError("--dual-cache keeps the prefix cache too: it does not go with --no-prefix-cache")
     if not full:  # (a preset's prefix cache: this checkpoint's exact cache is already there)
         cfg = cfg.replace(prefix_cache=False)
+    if cfg.block_cache and full:
+        raise DlmError("--block-cache applies to a block-causal checkpoint (Fast-dLLM v2, SDAR, dlm's own); this one "
+                       "attends over the whole sequence (its approximate caches are --prefix-cache and --dual-cache)")
+    if cfg.block_cache and getattr(model, "rows_band", 0):
+        raise DlmError("--block-cache does not go with sliding-window layers (its sub-block passes attend over "
+                       "every slot)")
     if cfg.cfg_scale > 0 and (not full or cfg.prefix_cache or cfg.dual_cache):
         raise DlmError("--cfg-scale applies to a full-attention checkpoint (LLaDA) without --prefix-cache or "
                        "--dual-cache: the unconditional pass reads the whole sequence")
@@ -992,9 +1059,9 @@ def _run_batched(model, jobs: list[Job], rule: Rule, cfg, mask_id: int, eos_id: 
 
 
 def job_fits_rows(job: Job) -> bool:
-    """Whether a Batch can run this job: block-causal context over the exact cache, unshifted (a full-attention or
-    shifted imported model runs its rows one after another)."""
-    return not job.full_context and not job.shift
+    """Whether a Batch can run this job: block-causal context over the exact cache, unshifted, without the block cache
+    (a full-attention or shifted imported model, and the block cache, run their rows one after another)."""
+    return not job.full_context and not job.shift and not job.block_cache
 
 
 def rows_fit(ck) -> bool:
@@ -1022,6 +1089,8 @@ def row_job(model, ck, prompt: Prompt, cfg) -> tuple[Job, Rule, Any]:
         raise DlmError("--dual-cache applies to a full-attention checkpoint (LLaDA, Dream); this one decodes over an "
                        "exact KV cache already")
     rule = with_end_ids(check_options(cfg), cfg, ck.tokenizer)
+    if cfg.block_cache:
+        raise DlmError("--block-cache runs its rows one after another (dlm generate), not in a batch")
     if cfg.cfg_scale > 0:
         raise DlmError("--cfg-scale applies to a full-attention checkpoint (LLaDA), whose rows run one after another")
     job = make_job(prompt, cfg, ck.block_size, model.cfg.max_seq_len, ck.objective == "joint")

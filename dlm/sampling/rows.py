@@ -399,6 +399,8 @@ class RowBatch:
         T, Lc, Cm = max(Ts), max(length), max(Cs)
         if Lc + Cm + T > self.C:
             self._reserve(len(self.length), max(Lc + Cm + T, self.C + self.C // 2))
+        if any(w.at is not None for w in windows) and n > 1:
+            raise DlmError("a Window with `at` (a row rewriting its cache in place) is served alone")
         if n == 1 and not windows[0].canvas:  # one row: its own slots are a cache of its own (the one-row forward)
             b = idx[0]
 
