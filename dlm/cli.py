@@ -523,7 +523,7 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
               block_size: int | None = None, repeat: int = 3, task: str | None = None, span: str = "line",
               joint: str | None = None, joint_blocks: list[int] | None = None, shape: str | None = None,
               context: int = 256, points: list[int] | None = None, layers: int = 0, device: str = "auto",
-              clock: str = "wall", dtype: str | None = None, row_tokens: int = 1) -> None:
+              clock: str = "wall", dtype: str | None = None, row_tokens: int = 1, col_major: bool = False) -> None:
     """Benchmark the paradigms side by side on held-out task cases: task metrics, tok/forward, tok/s, TTFT, ratios
     against AR in the same round (methods interleaved case by case, repeated; medians and min-max).
 
@@ -566,6 +566,9 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
             checkpoint's own)
         row_tokens: --shape: new tokens of each row in the B-rows curve (1: decoding; a diffusion block's or a
             speculative verify's width: what a batch of those rows costs)
+        col_major: every model's linear weights stored column-major (float32 on a CPU): MKL's product of a few rows
+            is then much cheaper relative to one row (a speculative verify's block); decoding's values are the same,
+            their rounding not bit-identical to the default layout's (dlm.model.column_major)
     """
     if shape is not None:
         from dlm.bench.cost import POINTS, run_cost
@@ -576,7 +579,7 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
         if layers < 0:
             raise DlmError(f"--layers must be >= 0 (0 = the shape's own depth), got {layers}")
         run_cost(shape, context, tuple(points or POINTS), repeat, layers=layers, out=out or None, device=device,
-                 clock=clock, dtype=dtype, row_tokens=row_tokens)
+                 clock=clock, dtype=dtype, row_tokens=row_tokens, col_major=col_major)
         if out:
             print(f"report: {out}")
         return
@@ -606,7 +609,8 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
         max_new_tokens = task_module(task).default_new_tokens(span) if task else 64
     run_bench(model, prompts, max_new_tokens, out or None, data, warmup, naive, mdlm=default(mdlm, "mdlm-small"),
               usdm=default(usdm, "usdm-small"), sweep=sweep, draft=draft, temperatures=temps, block_size=block_size,
-              repeat=repeat, task=task, span=span, joint=joint, joint_blocks=tuple(joint_blocks or (16,)))
+              repeat=repeat, task=task, span=span, joint=joint, joint_blocks=tuple(joint_blocks or (16,)),
+              col_major=col_major)
     if out:
         print(f"report: {out}")
 

@@ -35,6 +35,7 @@ from collections import defaultdict
 import torch
 
 from dlm import drafter as dflash
+from dlm.bench import relayout
 from dlm.bench.harness import run_item
 from dlm.bench.methods import bench_items, build_methods
 from dlm.checkpoint import load_model
@@ -105,6 +106,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--col-major", action="store_true", help="every model's linear weights column-major (dlm bench's)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     net, ck = load_model(args.model)
@@ -113,6 +115,8 @@ def main() -> None:
                               (args.temperature,), args.block_size)
     _, base, group = groups[0]
     methods = [base, *group]  # the target alone at this temperature, then each drafter
+    if args.col_major:
+        relayout(methods)
     context = min(window(m.ck, m.model) for m in methods)
     spans = Spans()
     instrument(spans, net)

@@ -29,6 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dlm.bench.harness import (
     check_positive,
     environment,
@@ -57,12 +59,22 @@ from dlm.errors import DlmError
 from dlm.files import check_out_file
 
 
+def relayout(methods) -> int:
+    """--col-major: every model the methods run (the target, the other paradigms' models, the drafters') with its
+    linear weights column-major (dlm.model.column_major), once each; the number of weights relaid."""
+    from dlm.model import column_major
+
+    models = {id(x): x for m in methods for x in (m.model, getattr(m.drafter, "model", None))
+              if isinstance(x, torch.nn.Module)}
+    return sum(column_major(x) for x in models.values())
+
+
 def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str | None = None, data: str | None = None,
               warmup: int = 1, naive: bool = True, quiet: bool = False, mdlm: str | None = None,
               usdm: str | None = None, sweep: bool = False, draft: list[str] | None = None,
               temperatures: tuple[float, ...] = (0.0, 1.0), block_size: int | None = None, repeat: int = 3,
               task: str | None = None, span: str = "line", joint: str | None = None,
-              joint_blocks: tuple[int, ...] = (16,)) -> dict[str, Any]:
+              joint_blocks: tuple[int, ...] = (16,), col_major: bool = False) -> dict[str, Any]:
     """Run every method on the same held-out cases, interleaved and repeated; print the tables, write the JSON
     report (and the PNG of quality against tokens per forward and wall time beside it).
 
@@ -95,6 +107,8 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
         infill_items = []
     methods, spec_groups = build_methods(net, ck, max_new_tokens, naive, mdlm, usdm, sweep, draft, temperatures,
                                          block_size, joint, joint_blocks)
+    if col_major:
+        relayout(methods)
     context = min(window(m.ck, m.model) for m in methods)  # every method gets the same prompt tokens
 
     from rich.progress import Progress
@@ -133,7 +147,7 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
                          for i, r in enumerate(rows[k][0])] for k, m in enumerate(methods)}
     report = {"environment": environment(), "model": str(ck.path), "max_new_tokens": max_new_tokens,
               "task": task, "span": span if task == "infill" else None, "cases": len(items), "repeat": repeat,
-              "warmup": warmup, "context": context,
+              "warmup": warmup, "context": context, "col_major": col_major,
               "order": "interleaved: each case runs every method in turn, the order rotated by one each repetition",
               "prompts": [it.case.name for it in items], "infill_cases": len(infill_items),
               "infill_max_new_tokens": min(max_new_tokens, INFILL_NEW_TOKENS) if infill_items else None,

@@ -193,8 +193,9 @@ def available_bytes() -> int | None:
 def run_cost(shape: str, context: int = 256, points: tuple[int, ...] = POINTS, repeat: int = 3, inner: int = 5,
              layers: int = 0, out: str | None = None, device: str = "auto", machine_mb: int = 256,
              clock: str = "wall", quiet: bool = False, dtype: str | None = None,
-             row_tokens: int = 1) -> dict[str, Any]:
-    """Measure the cost curve of one shape; print the tables, write the JSON report (and the PNG beside it)."""
+             row_tokens: int = 1, col_major: bool = False) -> dict[str, Any]:
+    """Measure the cost curve of one shape; print the tables, write the JSON report (and the PNG beside it).
+    col_major: the linear weights stored column-major (dlm.model.column_major)."""
     from dlm.bench.harness import environment, write_json
     from dlm.device import resolve_device
 
@@ -214,6 +215,11 @@ def run_cost(shape: str, context: int = 256, points: tuple[int, ...] = POINTS, r
           "--clock cpu times a CPU run; a GPU's forward is timed by the wall clock")
     load_before = os.getloadavg()
     model, label = shape_model(shape, layers, dev, dtype)
+    if col_major:
+        from dlm.model import column_major
+
+        column_major(model)
+        label += " (column-major)"
     cfg = model.cfg
     widest = max(max(points), row_tokens)  # the most new tokens of one row
     check(context + widest <= cfg.max_seq_len,
