@@ -2,6 +2,8 @@
 
     python scripts/record_upstream.py dream --code PATH/TO/Fast-dLLM
     python scripts/record_upstream.py dream-block --code PATH/TO/Fast-dLLM   # its Dream block decoding, same model
+    python scripts/record_upstream.py dream-block-one-step --code PATH/TO/Fast-dLLM   # the same, one step per block
+    python scripts/record_upstream.py dream-threshold --code PATH/TO/Fast-dLLM   # Dream's confidence_threshold
     python scripts/record_upstream.py llada --code PATH/TO/LLaDA --code PATH/TO/Fast-dLLM
     python scripts/record_upstream.py fast-dllm-llada --code PATH/TO/Fast-dLLM
     python scripts/record_upstream.py sdar  --code PATH/TO/SDAR
@@ -255,6 +257,45 @@ def record_dream(code: list[Path], out: Path) -> None:
                                             "mask_token": "<|mask|>", "bos_token": "<|beginoftext|>"}, rec)
 
 
+def record_dream_threshold(code: list[Path], out: Path) -> None:
+    """Dream's alg="confidence_threshold" in Fast-dLLM's dream/model/generation_utils.py (its diffusion_generate
+    without blocks): recordings only, on the dream fixture's model (same build, asserted bit for bit). max_new_tokens
+    must be a multiple of steps (asserted there)."""
+    from safetensors.torch import load_file
+
+    (fast,) = code
+    model, cfg, tok, Gen, prompts, eos, mask, bos = dream_model(fast)
+    want = load_file(str(ROOT / "tests" / "fixtures" / "upstream" / "dream" / "model.safetensors"))
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items() if k in want), "not the dream fixture"
+    head = model.lm_head.weight
+    settings = []
+    for threshold in (0.9, 0.5, 1.0):
+        for n, steps in ((16, 8), (16, 4), (24, 6), (16, 2)):
+            settings.append({"alg": "confidence_threshold", "threshold": threshold, "max_new_tokens": n,
+                             "steps": steps, "temperature": 0.0})
+    for threshold, n, steps, temp, top_p, seed in ((0.9, 16, 4, 1.0, None, 5), (0.9, 16, 4, 0.2, 0.95, 5),
+                                                   (0.5, 16, 2, 1.0, None, 7), (1.0, 24, 6, 1.0, None, 3)):
+        settings.append({"alg": "confidence_threshold", "threshold": threshold, "max_new_tokens": n, "steps": steps,
+                         "temperature": temp, "top_p": top_p, "seed": seed})
+    cases = []
+    for case, p, kw in each_case(head, eos, settings, prompts):
+        threshold = kw.pop("threshold")
+        gc = Gen(output_history=True, return_dict_in_generate=True, mask_token_id=mask, eos_token_id=eos,
+                 pad_token_id=eos, bos_token_id=bos, **kw)
+        res = model.diffusion_generate(torch.tensor([p]), generation_config=gc, threshold=threshold)
+        hist = [h[0, len(p):].tolist() for h in res.history] if case["prompt"] == 0 else None
+        cases.append({**case, "ids": res.sequences[0, len(p):].tolist(), **({"steps": hist} if hist else {})})
+    live_eos = sum(c["eos"] == "live" and eos in c["ids"] for c in cases)
+    rec = {"family": "dream-threshold", "model": "dream",
+           "upstream": {"repo": "NVlabs/Fast-dLLM", "files": "dream/model/ (generation_utils.py)",
+                        "commit": commit_of(fast)},
+           "eos_id": eos, "mask_id": mask, "prompts": prompts, "cases": cases}
+    print(f"dream-threshold: {len(cases)} cases, <eos> generated in {live_eos} of the live ones")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "recordings.json").write_text(json.dumps(rec, separators=(",", ":")) + "\n")
+    print(f"wrote {out / 'recordings.json'} ({(out / 'recordings.json').stat().st_size / 1024:.0f} KiB)")
+
+
 # Fast-dLLM v1's block decoding for Dream (dream/model/generation_utils_block.py: diffusion_generate with
 # block_length, threshold, dual_cache; bound to the model as Fast-dLLM's eval.py binds it) -------------------------
 
@@ -283,7 +324,23 @@ def dream_block_settings() -> list[dict]:
     return [{**s, "dual_cache": dual} for dual in (False, True) for s in out]
 
 
-def record_dream_block(code: list[Path], out: Path) -> None:
+def dream_block_one_step_settings() -> list[dict]:
+    """One step per block (steps = the number of blocks): Fast-dLLM's loop ends a block after its full pass (which
+    writes the block's first position), leaving its other positions masked."""
+    out = [{"alg": alg, "max_new_tokens": n, "block_length": block, "steps": n // block, "temperature": 0.0}
+           for alg, n, block in (("entropy", 16, 8), ("entropy", 16, 4), ("entropy", 24, 8), ("entropy", 16, 2),
+                                 ("entropy", 24, 2), ("maskgit_plus", 16, 8))]
+    out += [{"alg": "entropy", "max_new_tokens": 16, "block_length": block, "steps": 16 // block, "temperature": temp,
+             "top_p": top_p, "seed": 5} for block, temp, top_p in ((4, 1.0, None), (8, 0.2, 0.95), (2, 1.0, None))]
+    return [{**s, "dual_cache": dual} for dual in (False, True) for s in out]
+
+
+def record_dream_block_one_step(code: list[Path], out: Path) -> None:
+    record_dream_block(code, out, dream_block_one_step_settings(), "dream-block-one-step")
+
+
+def record_dream_block(code: list[Path], out: Path, settings: list[dict] | None = None,
+                       family: str = "dream-block") -> None:
     """Recordings only (recordings.json): the model is the dream fixture's (same build, asserted bit for bit)."""
     from safetensors.torch import load_file
 
@@ -299,7 +356,7 @@ def record_dream_block(code: list[Path], out: Path) -> None:
         lambda m, args: seen.append((args[0] if args[0]._base is None else args[0]._base)[0].clone()))
     head = model.lm_head.weight
     cases = []
-    for case, p, kw in each_case(head, eos, dream_block_settings(), prompts):
+    for case, p, kw in each_case(head, eos, settings or dream_block_settings(), prompts):
         extra = {k: kw.pop(k) for k in ("threshold", "block_length", "dual_cache") if k in kw}
         gc = Gen(return_dict_in_generate=True, mask_token_id=mask, eos_token_id=eos, pad_token_id=eos,
                  bos_token_id=bos, **kw)
@@ -310,11 +367,11 @@ def record_dream_block(code: list[Path], out: Path) -> None:
         passes = [s[len(p):].tolist() for s in seen[1:]] + [ids]
         cases.append({**case, "ids": ids, "forwards": len(seen), **({"passes": passes} if case["prompt"] == 0 else {})})
     live_eos = sum(c["eos"] == "live" and eos in c["ids"] for c in cases)
-    rec = {"family": "dream-block", "model": "dream",
+    rec = {"family": family, "model": "dream",
            "upstream": {"repo": "NVlabs/Fast-dLLM", "files": "dream/model/ (generation_utils_block.py)",
                         "commit": commit_of(fast)},
            "eos_id": eos, "mask_id": mask, "prompts": prompts, "cases": cases}
-    print(f"dream-block: {len(cases)} cases, <eos> generated in {live_eos} of the live ones")
+    print(f"{family}: {len(cases)} cases, <eos> generated in {live_eos} of the live ones")
     out.mkdir(parents=True, exist_ok=True)
     (out / "recordings.json").write_text(json.dumps(rec, separators=(",", ":")) + "\n")
     print(f"wrote {out / 'recordings.json'} ({(out / 'recordings.json').stat().st_size / 1024:.0f} KiB)")
@@ -1169,6 +1226,8 @@ FAMILIES = {"dream": record_dream, "llada": record_llada, "fast-dllm-llada": rec
             "sdar": record_sdar, "fast-dllm-v2": record_fast_dllm_v2,
             "llada2": record_llada2, "nemotron": record_nemotron}
 FAMILIES["dream-block"] = record_dream_block  # (its recordings only: the model is the dream fixture's)
+FAMILIES["dream-block-one-step"] = record_dream_block_one_step  # (the same)
+FAMILIES["dream-threshold"] = record_dream_threshold  # (the same)
 
 
 def main() -> None:

@@ -46,6 +46,18 @@ def dream_options(a: dict) -> SampleConfig:
                         alg_temp=a.get("alg_temp"), **DREAM_ALG[a["alg"]])
 
 
+def dream_threshold_options(a: dict) -> SampleConfig:
+    """Dream's diffusion_generate(alg="confidence_threshold", threshold, steps, max_new_tokens, temperature, top_p) of
+    Fast-dLLM's generation_utils.py, torch.manual_seed(seed) before it: the dream preset with --sampler threshold (its
+    --threshold-cap: at most the even quota of --steps a step, the rest carried; its --leave-holes), spelled out
+    (preset none) so that a value equal to SampleConfig's default still counts."""
+    from dlm.sampling.mdlm import PRESETS
+
+    return SampleConfig(**{**PRESETS["dream"], "preset": "none", "sampler": "threshold", "threshold": a["threshold"],
+                           "max_new_tokens": a["max_new_tokens"], "steps": a["steps"], "temperature": a["temperature"],
+                           "top_p": a.get("top_p") or 1.0, "seed": a.get("seed", 0)})
+
+
 def dream_block_options(a: dict) -> SampleConfig:
     """Fast-dLLM's Dream block decoding, diffusion_generate(alg, steps, max_new_tokens, block_length, threshold,
     dual_cache, temperature, top_p, alg_temp) of generation_utils_block.py, torch.manual_seed(seed) before it: blocks
@@ -148,7 +160,8 @@ def llada2_options(a: dict) -> SampleConfig:
                            "top_k": a.get("top_k") or 0, "top_p": a.get("top_p") or 1.0, "seed": a.get("seed", 0)})
 
 
-OPTIONS = {"dream": dream_options, "dream-block": dream_block_options, "llada": llada_options, "fast-dllm-llada": fast_dllm_llada_options,
+OPTIONS = {"dream": dream_options, "dream-block": dream_block_options, "dream-threshold": dream_threshold_options,
+           "dream-block-one-step": dream_block_options, "llada": llada_options, "fast-dllm-llada": fast_dllm_llada_options,
            "sdar": sdar_options, "fast-dllm-v2": fast_dllm_v2_options,
            "llada2": llada2_options}
 # how the recorder ran the prompt's one forward
@@ -235,7 +248,7 @@ def test_logits_equal_the_authors_model(family, imported):
 
 
 # recordings made on another family's fixture model: recordings folder -> the model's folder
-ON_MODEL = {"dream-block": "dream"}
+ON_MODEL = {"dream-block": "dream", "dream-threshold": "dream", "dream-block-one-step": "dream"}
 # (a case the upstream code could not finish holds its error instead of ids: SDAR's generate.py indexes its step quota
 # past the planned steps when a <|MASK|> drawn at the last one keeps a hole; nothing to compare)
 CASES = [(f, i) for f in (*FAMILIES, *ON_MODEL) for i, c in enumerate(recordings(f)["cases"]) if "ids" in c]
@@ -262,7 +275,7 @@ def test_generation_equals_the_recording(family, index, imported):
     assert got == until_eos(case["ids"][:n], eos_ids(rec)), case["args"]
 
 
-@pytest.mark.parametrize("family", (*FAMILIES, *ON_MODEL))
+@pytest.mark.parametrize("family", (*FAMILIES, *(f for f in ON_MODEL if f != "dream-block-one-step")))
 def test_the_recordings_exercise_eos(family):
     """<eos> lands inside the generation in some live recordings (else the eos handling would go untested), and in
     more live than suppressed ones (suppressed: its LM-head row zero, a logit of 0; never the argmax here, but a draw
@@ -402,6 +415,50 @@ def test_dream_canvas_after_every_step_equals_the_recording(index, imported):
     history = case["steps"]
     assert canvases == history[:len(canvases)]
     assert all(h == history[-1] for h in history[len(canvases) - 1:])
+
+
+DREAM_THRESHOLD_STEPS = [i for i, c in enumerate(recordings("dream-threshold")["cases"]) if "steps" in c]
+
+
+@pytest.mark.parametrize("index", DREAM_THRESHOLD_STEPS[::4])
+def test_dream_threshold_canvas_after_every_step_equals_the_recording(index, imported):
+    """Dream's confidence_threshold step by step (`output_history`, the steps past `steps` its loop adds while a
+    quota is left included): dlm's Step events hold the same canvases, as many."""
+    rec = recordings("dream-threshold")
+    case = rec["cases"][index]
+    model, ck = imported["dream"]
+    with eos_row(model, rec["eos_id"], case["eos"] == "live"):
+        canvases = [ev.canvas for ev in stream(model, ck, [Prompt(rec["prompts"][case["prompt"]])],
+                                               dream_threshold_options(case["args"]), step_events=True)
+                    if isinstance(ev, Step)]
+    assert canvases == case["steps"]
+
+
+def test_dream_threshold_and_one_step_recordings_need_the_options(imported):
+    """Without --threshold-cap (the quota the least a step commits, dlm's threshold) dlm differs from some
+    confidence_threshold recordings; without --leave-holes (every block finished) from every one-step-per-block
+    recording of a block longer than one position; with it, dlm runs one forward a block fewer than Fast-dLLM (whose
+    loop runs a cached pass and then stops before reading it)."""
+    from dlm.sampling.common import Done
+
+    model, ck = imported["dream"]
+    rec = recordings("dream-threshold")
+    differ = 0
+    for c in rec["cases"]:
+        with eos_row(model, rec["eos_id"], c["eos"] == "live"):
+            got = dlm_ids(model, ck, rec["prompts"][c["prompt"]],
+                          dream_threshold_options(c["args"]).replace(threshold_cap=False))
+        differ += got != until_eos(c["ids"], eos_ids(rec))
+    assert differ >= len(rec["cases"]) // 4, differ
+    rec = recordings("dream-block-one-step")
+    for c in rec["cases"][::5]:
+        blocks = c["args"]["max_new_tokens"] // c["args"]["block_length"]
+        with eos_row(model, rec["eos_id"], c["eos"] == "live"):
+            cfg = dream_block_options(c["args"])
+            got = dlm_ids(model, ck, rec["prompts"][c["prompt"]], cfg.replace(leave_holes=False))
+            done = [ev for ev in stream(model, ck, [Prompt(rec["prompts"][c["prompt"]])], cfg) if isinstance(ev, Done)]
+        assert rec["mask_id"] in c["ids"] and got != c["ids"] and rec["mask_id"] not in got
+        assert done[0].stats.forwards + blocks == c["forwards"]
 
 
 DREAM_BLOCK_PASSES = [i for i, c in enumerate(recordings("dream-block")["cases"]) if "passes" in c]

@@ -73,6 +73,17 @@ tokens stay.
 families' own generate functions (a position whose proposal is <mask> stays a hole; a trained model rarely proposes
 it); past the planned --steps it is excluded, so a block always ends. Off: <mask> is never proposed.
 
+`--threshold-cap` (the dream preset; the threshold rule with --steps): the step's quota (the block's holes spread
+evenly over --steps) is the most a step commits, not the least: the most confident positions above `--threshold`, at
+least the most confident; what a step leaves is carried to the next, and past --steps the passes go on while the
+block's quota is not spent (Dream's `alg="confidence_threshold"`, its generate's `left_tokens_last_step`).
+
+`--leave-holes` (the dream preset): a block ends after its planned passes (--steps; with --threshold-cap once its
+quota is spent) even with holes left, which stay <mask> in the output and in what later blocks read, and <mask>
+stays among the proposals on every pass (Dream's generate and Fast-dLLM's Dream block decoding: with one step per
+block over the prefix cache the block's first position alone is written). Off: a block is denoised until it has no
+hole.
+
 `--gumbel` (the llada preset): at temperature > 0 a pass draws as LLaDA's generate does, float64 Gumbel noise for every
 token of every position of the whole sequence (gumbel_draw), so that `--seed S` gives the tokens LLaDA's generate gives
 after torch.manual_seed(S). The distribution is the same as the default draw's (one Exp(1) race per position of the
@@ -172,7 +183,8 @@ OPTIONS = frozenset({"temperature", "top_k", "top_p", "naive", "sampler", "steps
                      "dual_cache",
                      "sub_block", "block_cache", "greedy_first", "schedule", "whole_blocks", "eos_early_stop",
                      "confidence", "mask_proposals", "draw_holes", "gumbel", "editing_threshold", "max_post_steps",
-                     "alg_temp", "logits_eos_inf", "confidence_eos_eot_inf", "cfg_scale", "entropy_form"})
+                     "alg_temp", "logits_eos_inf", "confidence_eos_eot_inf", "cfg_scale", "entropy_form",
+                     "threshold_cap", "leave_holes"})
 
 # The published decoding recipes of the public masked-diffusion families, as SampleConfig settings (docs/public-
 # models.md has a command for each). steps: per block; block_size None: the whole generation.
@@ -183,7 +195,10 @@ PRESETS: dict[str, dict] = {
     # prefix cache
     "fast-dllm": {"sampler": "threshold", "threshold": 0.9, "block_size": 32, "prefix_cache": True},
     # Dream: entropy-ordered unmasking over the whole generation on its time grid (steps default: one per token)
-    "dream": {"sampler": "entropy", "schedule": "dream", "mask_proposals": True, "draw_holes": True},
+    # (--sampler threshold: its confidence_threshold, at most steps' even quota a step; a block ends after its --steps,
+    # holes left as <mask>, as Dream's and Fast-dLLM's Dream block decoding end)
+    "dream": {"sampler": "entropy", "schedule": "dream", "mask_proposals": True, "draw_holes": True,
+              "threshold_cap": True, "leave_holes": True},
     # SDAR: blocks of 4 over the KV cache, 4 steps per block, low_confidence_dynamic at 0.9
     # (its quota: the block's length over the steps, prompt positions included; entropy_bounded as published)
     "sdar": {"sampler": "threshold", "threshold": 0.9, "block_size": 4, "steps": 4, "whole_blocks": True,
@@ -320,11 +335,15 @@ def select_sdar_entropy(conf: Tensor, masked: Tensor, bound: float) -> Tensor:
 
 
 def select_threshold(conf: Tensor, masked: Tensor, threshold: float, k_min: int = 1,
-                     span: tuple[int, int] | None = None, first: bool = False) -> Tensor:
+                     span: tuple[int, int] | None = None, first: bool = False, at_most: bool = False) -> Tensor:
     """Fast-dLLM: every masked position with confidence above threshold, at least the k_min most confident. first
     (k_min 1): the one is the first of the most confident (an argmax, as Fast-dLLM v2's generate takes it), not
-    torch.topk's pick among equals (confidences of exactly 1 under top-p)."""
+    torch.topk's pick among equals (confidences of exactly 1 under top-p). at_most (--threshold-cap, Dream's
+    confidence_threshold): k_min is the most it commits instead, the most confident of those above the threshold, at
+    least the most confident of all."""
     chosen = masked & (conf > threshold)
+    if at_most:
+        return top_k_of(conf, masked, max(1, min(int(k_min), int(chosen.sum()))), span)
     if int(chosen.sum()) >= k_min:
         return chosen
     if first and k_min == 1:
@@ -375,6 +394,8 @@ class Rule:
     eos_eot: tuple[int, ...] = ()  # --confidence-eos-eot-inf: <eos> then <|eot_id|> (if the tokenizer has one)
     cfg_scale: float = 0.0  # --cfg-scale: classifier-free guidance against a pass with the known tokens masked
     first: bool = False  # threshold: the at-least-one is the first most confident (--sub-block: Fast-dLLM v2's argmax)
+    cap: bool = False  # threshold: the step's count is the most it commits, the rest carried (--threshold-cap)
+    leave: bool = False  # a block ends after its planned passes, holes or not (--leave-holes)
 
     def top(self, score: Tensor, masked: Tensor, k: int, gen: torch.Generator | None,
             span: tuple[int, int] | None) -> Tensor:
@@ -395,7 +416,7 @@ class Rule:
         if self.kind == "origin":
             return select_origin(masked, k, gen)
         if self.kind == "threshold":
-            return select_threshold(conf, masked, self.threshold, k, span, self.first)
+            return select_threshold(conf, masked, self.threshold, k, span, self.first, self.cap)
         if self.kind == "margin":  # (margin: top_margin of the step's logits)
             chosen = masked & (margin > self.threshold)
             return chosen if int(chosen.sum()) >= k else self.top(margin, masked, k, gen, span)
@@ -715,6 +736,7 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
         # cache): the block's first token is committed alone on its first pass
         ar_first = job.shift and (not job.full_context or not state.naive) and s > 0 and bool(masked[0])
         post = 0  # editing: passes after the block's last hole
+        used = 0  # --threshold-cap: positions the block's passes chose so far
         cap = rule.passes(steps, n)  # (SDAR's entropy_bounded: a block may end with holes)
         kv = False  # block cache: the cache holds the block's K/V from a whole pass after its first token was known
         while True:
@@ -745,7 +767,7 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
                 logits = un + (rule.cfg_scale + 1) * (logits - un)
             # (mask proposals: a position whose proposal is <mask> stays a hole, as in the public generate functions;
             # past the planned steps <mask> is never proposed, so a block always ends)
-            if not (job.mask_proposals and step < (cap or steps or n)):
+            if not (job.mask_proposals and (rule.leave or step < (cap or steps or n))):
                 logits[:, mask_id] = float("-inf")
             if job.forbid_eos:
                 logits[:, stop] = float("-inf")
@@ -753,6 +775,8 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
                 logits[:, rule.no_eos] = float("-inf")
             if rule.kind == "origin":  # Dream's origin: a probability per position, not a count
                 k = origin_transfer(step, steps or n)
+            elif rule.cap:  # the quota so far less what the block has committed (<mask> proposals included);
+                k = sum(budget[:step + 1]) - used  # past the planned steps, what is left of the block's quota
             elif schedule == "dream":  # Dream: a count from the holes left and the time grid
                 k = dream_count(int(masked.sum()), step, steps or n)
             else:
@@ -825,6 +849,7 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
             if back is not None:
                 masked |= back
             masked = (masked & ~chosen) | (chosen & (x == mask_id))  # (a drawn <mask> is a hole again)
+            used += int(chosen.sum())
             if job.stop_at_eos and job.eos_early_stop:  # what follows a committed <eos> will be dropped
                 ends = (chosen & is_eos(x, stop)).nonzero()
                 if len(ends):
@@ -842,10 +867,14 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
                 yield Step(seq[g:e].tolist(), (seq[g:e] != mask_id).tolist(), step, index, ent, row, g - P)
             if not holes and not edited:
                 break
+            if rule.leave and bool(masked.any()) and (  # --leave-holes: the planned passes are spent
+                    (used >= n and step >= len(budget)) if rule.cap else step >= (steps or n)):
+                break
             if cap is not None and step >= cap:  # SDAR's entropy_bounded: its passes are spent (holes or not), so
                 state.leave(s, e)  # its generate never writes the block to its cache (that write opens a pass)
                 break
-        if n and step == 1 and job.full_context and not state.naive:  # (over the prefix or dual cache)
+        if n and step == 1 and job.full_context and not state.naive and not bool(masked.any()):  # (over the prefix
+            # or dual cache, a block its first pass filled)
             idle_draws(rule, temperature, gen, len(seq) - s if not state.dual else e - s, logits.shape[-1],
                        1 if state.dual else 2, seq.device)
         if n:
@@ -930,7 +959,8 @@ def check_options(cfg) -> Rule:
           "--confidence sampled")
     return Rule(sampler, cfg.threshold, cfg.entropy_bound, cfg.remasking == "random", cfg.remasking == "sequential",
                 cfg.entropy_form, cfg.confidence == "sampled", cfg.draw_holes, cfg.gumbel, alg_temp,
-                cfg_scale=float(cfg.cfg_scale), first=cfg.sub_block is not None)
+                cfg_scale=float(cfg.cfg_scale), first=cfg.sub_block is not None,
+                cap=cfg.threshold_cap and sampler == "threshold", leave=cfg.leave_holes)
 
 
 def with_end_ids(rule: Rule, cfg, tok) -> Rule:

@@ -150,6 +150,8 @@ class DlmFields(_Strict):
     confidence: str | None = None
     mask_proposals: bool | None = None
     draw_holes: bool | None = None
+    threshold_cap: bool | None = None
+    leave_holes: bool | None = None
     gumbel: bool | None = None
     alg_temp: float | None = None
     logits_eos_inf: bool | None = None
