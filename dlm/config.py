@@ -631,6 +631,7 @@ class SampleConfig:
         draw_holes: mdlm at temperature > 0: a draw only for the positions still masked, one each in order (torch's categorical draw), the confidence, entropy and margin read from the distribution drawn from (Dream's sample_tokens; the dream preset's); default: a draw for every position of the block, the scores from the model's own distribution
         threshold_cap: mdlm, the threshold sampler with --steps: a step commits at most its quota (the block's holes spread evenly over --steps, what a step leaves carried to the next), the most confident above --threshold, at least the most confident; past --steps, what is left of the quota (Dream's alg="confidence_threshold"; the dream preset's); off: the quota is the least a step commits
         leave_holes: mdlm: a block ends after its planned passes (--steps, one a position without; --threshold-cap: once its quota is spent), holes or not, a hole left being <mask> in the output and <mask> proposed on every pass, as Dream's generate and Fast-dLLM's Dream block decoding end (with one step per block: the block's first position alone); the dream preset's; off: a block is denoised until no hole is left
+        redraw_committed: mdlm, low-confidence remasking and the threshold sampler: a step whose count is above the positions still masked (a quota of the block's length over --steps, --schedule block, with fewer steps than the block) draws the rest again among the block's committed positions, the prompt's included, the ones torch.topk picks among their -inf scores (SDAR's generate; the sdar preset's); off: a step commits at most the holes left
         alg_temp: mdlm, the confidence, entropy and margin samplers: draw the positions a step commits, without replacement, with probabilities softmax(score / alg_temp) over the sequence (Dream's alg_temp: torch.multinomial from the row's generator after the step's token draws), instead of taking the highest scores; default off (0)
         gumbel: mdlm at temperature > 0: LLaDA's draw (its generate's float64 Gumbel noise): a float64 uniform u for every token of every position of the whole sequence, prompt included, from the row's generator, each position's token the argmax of exp(logit) / (-log u)^T; with --seed S the draws of LLaDA's generate after torch.manual_seed(S) (the llada preset's); default: one draw per position of the block (torch.multinomial's), the same distribution at a fraction of the draws
         logits_eos_inf: mdlm: the <eos> logit at -inf before each draw, so no position proposes <eos> (LLaDA's generate's logits_eos_inf)
@@ -690,6 +691,7 @@ class SampleConfig:
     draw_holes: bool = False
     threshold_cap: bool = False
     leave_holes: bool = False
+    redraw_committed: bool = False
     gumbel: bool = False
     alg_temp: float | None = None
     logits_eos_inf: bool = False

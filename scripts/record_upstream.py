@@ -7,6 +7,7 @@
     python scripts/record_upstream.py llada --code PATH/TO/LLaDA --code PATH/TO/Fast-dLLM
     python scripts/record_upstream.py fast-dllm-llada --code PATH/TO/Fast-dLLM
     python scripts/record_upstream.py sdar  --code PATH/TO/SDAR
+    python scripts/record_upstream.py sdar-redraw --code PATH/TO/SDAR   # low_confidence_* with fewer steps, same model
     python scripts/record_upstream.py fast-dllm-v2 --code PATH/TO/FOLDER   # configuration.py + modeling.py
     python scripts/record_upstream.py llada2 --code PATH/TO/LLaDA2.0-FOLDER --code PATH/TO/LLaDA2.1-FOLDER   # transformers 4.x
 
@@ -644,8 +645,9 @@ def sdar_generate(path: Path) -> types.ModuleType:
     return mod
 
 
-def record_sdar(code: list[Path], out: Path) -> None:
-    (sdar,) = code
+def sdar_model(sdar: Path):
+    """The tiny SDAR built with its training/model/SDAR-4B-Chat classes: (model, its config, the folder, generate.py
+    as published, generate.py with its one line added, tokenizer, LM head, prompts, eos, im_end, mask)."""
     shim_transformers()
     shim_sdar()
     folder = sdar / "training" / "model" / "SDAR-4B-Chat"
@@ -670,12 +672,19 @@ def record_sdar(code: list[Path], out: Path) -> None:
     with torch.no_grad():  # <|endoftext|> never wins; <|im_end|> (what the chat turns end with) is the live one
         head[eos] = 0.0
     prompts = [[len(SDAR_SPECIALS) + i for i in p] for p in PROMPTS]
+    return model, cfg, folder, published, gen, tok, head, prompts, eos, im_end, mask
+
+
+def record_sdar(code: list[Path], out: Path) -> None:
+    (sdar,) = code
+    model, cfg, folder, published, gen, tok, head, prompts, eos, im_end, mask = sdar_model(sdar)
 
     settings = []
     for strategy, thr in (("low_confidence_dynamic", 0.85), ("low_confidence_dynamic", 0.5),
                           ("low_confidence_static", None)):
         # (steps = block length: one position a step at least. With fewer steps, a step's quota can exceed the
-        # positions still masked, and generate.py's top-k then re-draws committed positions, prompt tokens included)
+        # positions still masked, and generate.py's top-k then re-draws committed positions, prompt tokens included:
+        # record_sdar_redraw)
         for n, block, steps, temp, top_k in ((16, 4, 4, 1.0, 0), (16, 8, 8, 1.0, 0), (12, 4, 4, 0.7, 20),
                                              (16, 4, 4, 0.4, 0)):
             settings.append({"gen_length": n, "block_length": block, "denoising_steps": steps,
@@ -738,6 +747,49 @@ def record_sdar(code: list[Path], out: Path) -> None:
                                             "mask_token": "<|MASK|>"}, rec)
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eos, "eos_token_id": [im_end, eos],
                                                             "pad_token_id": eos}, indent=2) + "\n")
+
+
+def record_sdar_redraw(code: list[Path], out: Path) -> None:
+    """SDAR's low_confidence_dynamic / low_confidence_static with fewer steps than the block: a step's quota (the
+    block's length over the steps, prompt positions included) can exceed the positions still masked, and generate.py's
+    torch.topk over the block's confidences (-inf where nothing is masked) then re-draws committed positions, prompt
+    tokens in the block included. Recordings only, on the sdar fixture's model (same build, asserted bit for bit). A
+    run the upstream code cannot finish (a <|MASK|> drawn at the last step: its quota indexed past the steps) is
+    recorded as its error."""
+    from safetensors.torch import load_file
+
+    (sdar,) = code
+    model, cfg, folder, published, gen, tok, head, prompts, eos, im_end, mask = sdar_model(sdar)
+    want = load_file(str(ROOT / "tests" / "fixtures" / "upstream" / "sdar" / "model.safetensors"))
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items() if k in want), "not the sdar fixture"
+    settings = []
+    for strategy, thr in (("low_confidence_dynamic", 0.85), ("low_confidence_dynamic", 0.5),
+                          ("low_confidence_static", None)):
+        for n, block, steps, temp, top_k, top_p, seed in ((16, 4, 2, 1.0, 0, 1.0, 11), (16, 8, 4, 0.7, 0, 1.0, 5),
+                                                          (13, 8, 3, 1.0, 20, 1.0, 11), (16, 4, 3, 0.4, 0, 0.9, 5),
+                                                          (16, 8, 2, 1.0, 0, 1.0, 28), (24, 4, 2, 1.0, 0, 1.0, 7),
+                                                          (24, 8, 3, 0.7, 0, 1.0, 3)):
+            settings.append({"gen_length": n, "block_length": block, "denoising_steps": steps, "temperature": temp,
+                             "top_k": top_k, "top_p": top_p, "remasking_strategy": strategy,
+                             **({"confidence_threshold": thr} if thr is not None else {}), "seed": seed,
+                             "stopping_criteria_idx": [im_end, eos]})
+    cases = []
+    for case, p, kw in each_case(head, im_end, settings, prompts):
+        try:
+            x = published.block_diffusion_generate(model, {"input_ids": torch.tensor([p])}, mask_id=mask, **kw)
+            cases.append({**case, "ids": x[0, len(p):].tolist(), "prompt_after": x[0, :len(p)].tolist()})
+        except IndexError as e:
+            cases.append({**case, "error": f"{type(e).__name__}: {e}"})
+    live_eos = sum(c["eos"] == "live" and im_end in c.get("ids", ()) for c in cases)
+    moved = sum(c.get("prompt_after", prompts[c["prompt"]]) != prompts[c["prompt"]] for c in cases)
+    rec = {"family": "sdar-redraw", "model": "sdar",
+           "upstream": {"repo": "JetAstra/SDAR", "files": "generate.py", "commit": commit_of(sdar)},
+           "eos_id": im_end, "eos_ids": [im_end, eos], "mask_id": mask, "prompts": prompts, "cases": cases}
+    print(f"sdar-redraw: {len(cases)} cases ({sum('error' in c for c in cases)} the upstream code fails), <|im_end|> "
+          f"generated in {live_eos} of the live ones, a prompt token re-drawn in {moved}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "recordings.json").write_text(json.dumps(rec, separators=(",", ":")) + "\n")
+    print(f"wrote {out / 'recordings.json'} ({(out / 'recordings.json').stat().st_size / 1024:.0f} KiB)")
 
 
 # Fast-dLLM v2 (its remote code: configuration.py, modeling.py with Fast_dLLM_QwenForCausalLM.generate) ----------
@@ -1228,6 +1280,7 @@ FAMILIES = {"dream": record_dream, "llada": record_llada, "fast-dllm-llada": rec
 FAMILIES["dream-block"] = record_dream_block  # (its recordings only: the model is the dream fixture's)
 FAMILIES["dream-block-one-step"] = record_dream_block_one_step  # (the same)
 FAMILIES["dream-threshold"] = record_dream_threshold  # (the same)
+FAMILIES["sdar-redraw"] = record_sdar_redraw  # (its recordings only: the model is the sdar fixture's)
 
 
 def main() -> None:

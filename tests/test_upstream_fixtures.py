@@ -161,7 +161,7 @@ def llada2_options(a: dict) -> SampleConfig:
 
 
 OPTIONS = {"dream": dream_options, "dream-block": dream_block_options, "dream-threshold": dream_threshold_options,
-           "dream-block-one-step": dream_block_options, "llada": llada_options, "fast-dllm-llada": fast_dllm_llada_options,
+           "dream-block-one-step": dream_block_options, "sdar-redraw": sdar_options, "llada": llada_options, "fast-dllm-llada": fast_dllm_llada_options,
            "sdar": sdar_options, "fast-dllm-v2": fast_dllm_v2_options,
            "llada2": llada2_options}
 # how the recorder ran the prompt's one forward
@@ -248,7 +248,8 @@ def test_logits_equal_the_authors_model(family, imported):
 
 
 # recordings made on another family's fixture model: recordings folder -> the model's folder
-ON_MODEL = {"dream-block": "dream", "dream-threshold": "dream", "dream-block-one-step": "dream"}
+ON_MODEL = {"dream-block": "dream", "dream-threshold": "dream", "dream-block-one-step": "dream",
+            "sdar-redraw": "sdar"}
 # (a case the upstream code could not finish holds its error instead of ids: SDAR's generate.py indexes its step quota
 # past the planned steps when a <|MASK|> drawn at the last one keeps a hole; nothing to compare)
 CASES = [(f, i) for f in (*FAMILIES, *ON_MODEL) for i, c in enumerate(recordings(f)["cases"]) if "ids" in c]
@@ -632,6 +633,26 @@ def test_sdar_recordings_need_each_option_and_quirk(imported, monkeypatch):
         assert differs("entropy_bounded")
 
 
+def test_sdar_redraw_recordings_need_the_option(imported):
+    """SDAR's low_confidence_* with fewer steps than the block re-draw committed positions when a step's quota is above
+    the holes left (the prompt's tokens in the block among them in some recordings: its output's prompt part differs):
+    without --redraw-committed dlm differs from most recordings, and from every one whose prompt was re-drawn."""
+    from dlm.sampling import mdlm
+
+    rec = recordings("sdar-redraw")
+    model, ck = imported["sdar"]
+    cases = [c for c in rec["cases"] if "ids" in c][::2]
+    moved = [c["prompt_after"] != rec["prompts"][c["prompt"]] for c in cases]
+    differ = []
+    for c in cases:
+        cfg = mdlm.apply_preset(sdar_options(c["args"])).replace(preset="none", redraw_committed=False)
+        with eos_row(model, rec["eos_id"], c["eos"] == "live"):
+            got = dlm_ids(model, ck, rec["prompts"][c["prompt"]], cfg)
+        differ.append(got != until_eos(c["ids"][:c["args"]["gen_length"]], eos_ids(rec)))
+    assert any(moved) and all(d for d, m in zip(differ, moved) if m), (differ, moved)
+    assert sum(differ) >= len(cases) // 2, sum(differ)
+
+
 def test_sdar_recordings_cover_the_strategies_and_errors():
     """Every remasking strategy of SDAR's generate is recorded, with steps equal to and fewer than the block, and
     entropy_bounded leaves <|MASK|> in some outputs; the runs the upstream code could not finish are its IndexError."""
@@ -697,6 +718,7 @@ def test_fast_dllm_llada_caches_change_the_tokens(imported):
     ("llada", ["--dual-cache", "--naive"], "--dual-cache and --naive"),
     ("llada", ["--dual-cache", "--no-prefix-cache"], "does not go with --no-prefix-cache"),
     ("llada", ["--dual-cache", "--cfg-scale", "1"], "--cfg-scale applies to a full-attention checkpoint"),
+    ("dream", ["--redraw-committed"], "it does not go with --draw-holes"),  # (the dream preset's draws)
 ])
 def test_dual_cache_refusals_are_one_line_exit_2(imported, capsys, family, flags, says):
     from dlm.cli import main

@@ -184,7 +184,7 @@ OPTIONS = frozenset({"temperature", "top_k", "top_p", "naive", "sampler", "steps
                      "sub_block", "block_cache", "greedy_first", "schedule", "whole_blocks", "eos_early_stop",
                      "confidence", "mask_proposals", "draw_holes", "gumbel", "editing_threshold", "max_post_steps",
                      "alg_temp", "logits_eos_inf", "confidence_eos_eot_inf", "cfg_scale", "entropy_form",
-                     "threshold_cap", "leave_holes"})
+                     "threshold_cap", "leave_holes", "redraw_committed"})
 
 # The published decoding recipes of the public masked-diffusion families, as SampleConfig settings (docs/public-
 # models.md has a command for each). steps: per block; block_size None: the whole generation.
@@ -202,7 +202,8 @@ PRESETS: dict[str, dict] = {
     # SDAR: blocks of 4 over the KV cache, 4 steps per block, low_confidence_dynamic at 0.9
     # (its quota: the block's length over the steps, prompt positions included; entropy_bounded as published)
     "sdar": {"sampler": "threshold", "threshold": 0.9, "block_size": 4, "steps": 4, "whole_blocks": True,
-             "confidence": "sampled", "mask_proposals": True, "schedule": "block", "entropy_form": "sdar"},
+             "confidence": "sampled", "mask_proposals": True, "schedule": "block", "entropy_form": "sdar",
+             "redraw_committed": True},
     # Fast-dLLM v2: blocks of 32 over the KV cache, threshold 0.9 within sub-blocks of 8; sampled: a block's first
     # token its argmax, the others drawn (<mask> among the candidates) and thresholded on the drawn token's probability
     "fast-dllm-v2": {"sampler": "threshold", "threshold": 0.9, "block_size": 32, "sub_block": 8,
@@ -251,11 +252,14 @@ def dream_count(holes: int, step: int, steps: int, eps: float = 1e-3) -> int:
     return int(torch.tensor(float(holes)) * (1 - t[step + 1] / t[step]))
 
 
-def top_k_of(score: Tensor, masked: Tensor, k: int, span: tuple[int, int] | None = None) -> Tensor:
+def top_k_of(score: Tensor, masked: Tensor, k: int, span: tuple[int, int] | None = None,
+             over: bool = False) -> Tensor:
     """Bool (N,): the k masked positions with the highest score (all of them if fewer). span (offset, total): the
     scores are ranked inside a row of `total` positions, -inf outside the block, as LLaDA's and Dream's generate rank
-    them (torch.topk then breaks exact ties, such as confidences of 1, as theirs does)."""
-    k = min(k, int(masked.sum()))
+    them (torch.topk then breaks exact ties, such as confidences of 1, as theirs does). over (--redraw-committed): k
+    above the masked positions takes the rest from the others, the ones torch.topk picks among their -inf scores (as
+    SDAR's generate does: they are drawn again)."""
+    k = min(k, (span[1] if span is not None else len(masked)) if over else int(masked.sum()))
     chosen = torch.zeros_like(masked)
     if k > 0:
         score = torch.where(masked, score.float().nan_to_num(neginf=-1e30), float("-inf"))  # masked ones first
@@ -264,7 +268,8 @@ def top_k_of(score: Tensor, masked: Tensor, k: int, span: tuple[int, int] | None
         else:
             row = score.new_full((span[1],), float("-inf"))
             row[span[0]:span[0] + len(score)] = score
-            chosen[row.topk(k).indices - span[0]] = True
+            idx = row.topk(k).indices - span[0]
+            chosen[idx[(idx >= 0) & (idx < len(masked))]] = True
     return chosen
 
 
@@ -335,12 +340,13 @@ def select_sdar_entropy(conf: Tensor, masked: Tensor, bound: float) -> Tensor:
 
 
 def select_threshold(conf: Tensor, masked: Tensor, threshold: float, k_min: int = 1,
-                     span: tuple[int, int] | None = None, first: bool = False, at_most: bool = False) -> Tensor:
+                     span: tuple[int, int] | None = None, first: bool = False, at_most: bool = False,
+                     over: bool = False) -> Tensor:
     """Fast-dLLM: every masked position with confidence above threshold, at least the k_min most confident. first
     (k_min 1): the one is the first of the most confident (an argmax, as Fast-dLLM v2's generate takes it), not
     torch.topk's pick among equals (confidences of exactly 1 under top-p). at_most (--threshold-cap, Dream's
     confidence_threshold): k_min is the most it commits instead, the most confident of those above the threshold, at
-    least the most confident of all."""
+    least the most confident of all. over: see top_k_of (--redraw-committed)."""
     chosen = masked & (conf > threshold)
     if at_most:
         return top_k_of(conf, masked, max(1, min(int(k_min), int(chosen.sum()))), span)
@@ -349,7 +355,7 @@ def select_threshold(conf: Tensor, masked: Tensor, threshold: float, k_min: int 
     if first and k_min == 1:
         chosen[torch.where(masked, conf.float(), float("-inf")).argmax()] = True
         return chosen
-    return top_k_of(conf, masked, k_min, span)
+    return top_k_of(conf, masked, k_min, span, over)
 
 
 def origin_transfer(step: int, steps: int, eps: float = 1e-3) -> float | Tensor:
@@ -396,13 +402,14 @@ class Rule:
     first: bool = False  # threshold: the at-least-one is the first most confident (--sub-block: Fast-dLLM v2's argmax)
     cap: bool = False  # threshold: the step's count is the most it commits, the rest carried (--threshold-cap)
     leave: bool = False  # a block ends after its planned passes, holes or not (--leave-holes)
+    redraw: bool = False  # confidence / threshold: a count above the holes re-draws committed positions (SDAR's)
 
     def top(self, score: Tensor, masked: Tensor, k: int, gen: torch.Generator | None,
             span: tuple[int, int] | None) -> Tensor:
         """The k masked positions with the highest score, or with alg_temp drawn by it."""
         if self.alg_temp:
             return draw_k_of(score, masked, k, self.alg_temp, gen, span)
-        return top_k_of(score, masked, k, span)
+        return top_k_of(score, masked, k, span, self.redraw and self.kind == "confidence")
 
     def hidden(self, temperature: float) -> tuple[int, ...]:
         """The ids whose confidence is read as 0 (--confidence-eos-eot-inf): the softmax the confidence reads has
@@ -416,7 +423,7 @@ class Rule:
         if self.kind == "origin":
             return select_origin(masked, k, gen)
         if self.kind == "threshold":
-            return select_threshold(conf, masked, self.threshold, k, span, self.first, self.cap)
+            return select_threshold(conf, masked, self.threshold, k, span, self.first, self.cap, self.redraw)
         if self.kind == "margin":  # (margin: top_margin of the step's logits)
             chosen = masked & (margin > self.threshold)
             return chosen if int(chosen.sum()) >= k else self.top(margin, masked, k, gen, span)
@@ -502,7 +509,7 @@ def denoise_step(logits: Tensor, x: Tensor, masked: Tensor, rule: Rule, k: int, 
         return cand, chosen, float(ent.mean())
     if temperature == 0 and not (rule.holes and rule.alg_temp):  # greedy: only the masked positions' proposals are
         at = masked.nonzero()[:, 0]  # read (the same values, less work; sequential may draw others again)
-        if rule.sequential:
+        if rule.sequential or rule.redraw:
             at = torch.arange(len(masked), device=masked.device)
         cand, conf, ent = (t.new_zeros(masked.shape).scatter(0, at, part)
                            for t, part in zip((x, x.float(), x.float()),
@@ -845,6 +852,9 @@ def _program(state: Denoising, rule: Rule, steps: int | None, mask_id: int, eos_
             if rule.sequential:  # (its stretch may hold committed positions, drawn again; never pinned ones)
                 chosen = chosen & hole[s:e]
                 x = torch.where(chosen, x, seq[s:e])
+            elif rule.redraw:  # (committed positions drawn again, the prompt's in the block too; never a pinned one in
+                chosen = chosen & (hole[s:e] | (torch.arange(s, e, device=seq.device) < P))  # the canvas)
+                x = torch.where(chosen, x, seq[s:e])
             seq[s:e] = x
             if back is not None:
                 masked |= back
@@ -954,13 +964,17 @@ def check_options(cfg) -> Rule:
           + (" --remasking random" if cfg.remasking == "random" else ""))
     check(cfg.cfg_scale >= 0 and math.isfinite(cfg.cfg_scale),
           f"--cfg-scale must be >= 0 (0 = off), got {cfg.cfg_scale}")
+    check(not (cfg.redraw_committed and cfg.draw_holes), "--redraw-committed (the sdar preset's) draws a token for "
+          "every position of the block: it does not go with --draw-holes")
     check(not (cfg.confidence_eos_eot_inf and (cfg.draw_holes or cfg.confidence == "sampled")),
           "--confidence-eos-eot-inf reads the model's probability: it does not go with --draw-holes or "
           "--confidence sampled")
     return Rule(sampler, cfg.threshold, cfg.entropy_bound, cfg.remasking == "random", cfg.remasking == "sequential",
                 cfg.entropy_form, cfg.confidence == "sampled", cfg.draw_holes, cfg.gumbel, alg_temp,
                 cfg_scale=float(cfg.cfg_scale), first=cfg.sub_block is not None,
-                cap=cfg.threshold_cap and sampler == "threshold", leave=cfg.leave_holes)
+                cap=cfg.threshold_cap and sampler == "threshold", leave=cfg.leave_holes,
+                redraw=cfg.redraw_committed and sampler in ("confidence", "threshold")
+                and cfg.remasking == "low_confidence")
 
 
 def with_end_ids(rule: Rule, cfg, tok) -> Rule:

@@ -152,6 +152,7 @@ class DlmFields(_Strict):
     draw_holes: bool | None = None
     threshold_cap: bool | None = None
     leave_holes: bool | None = None
+    redraw_committed: bool | None = None
     gumbel: bool | None = None
     alg_temp: float | None = None
     logits_eos_inf: bool | None = None
