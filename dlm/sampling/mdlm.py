@@ -81,8 +81,8 @@ block's quota is not spent (Dream's `alg="confidence_threshold"`, its generate's
 `--leave-holes` (the dream preset): a block ends after its planned passes (--steps; with --threshold-cap once its
 quota is spent) even with holes left, which stay <mask> in the output and in what later blocks read, and <mask>
 stays among the proposals on every pass (Dream's generate and Fast-dLLM's Dream block decoding: with one step per
-block over the prefix cache the block's first position alone is written). Off: a block is denoised until it has no
-hole.
+block over the prefix cache the block's first position alone is written). Off, and with --revise (its passes go on
+past the plan): a block is denoised until it has no hole.
 
 `--gumbel` (the llada preset): at temperature > 0 a pass draws as LLaDA's generate does, float64 Gumbel noise for every
 token of every position of the whole sequence (gumbel_draw), so that `--seed S` gives the tokens LLaDA's generate gives
@@ -972,7 +972,7 @@ def check_options(cfg) -> Rule:
     return Rule(sampler, cfg.threshold, cfg.entropy_bound, cfg.remasking == "random", cfg.remasking == "sequential",
                 cfg.entropy_form, cfg.confidence == "sampled", cfg.draw_holes, cfg.gumbel, alg_temp,
                 cfg_scale=float(cfg.cfg_scale), first=cfg.sub_block is not None,
-                cap=cfg.threshold_cap and sampler == "threshold", leave=cfg.leave_holes,
+                cap=cfg.threshold_cap and sampler == "threshold", leave=cfg.leave_holes and not revise,
                 redraw=cfg.redraw_committed and sampler in ("confidence", "threshold")
                 and cfg.remasking == "low_confidence")
 
