@@ -652,6 +652,9 @@ class SampleConfig:
         self_cond_input: usdm: what the next step is self-conditioned on: tempered (the softmax of the temperature-scaled logits, as DiffusionGemma's reference sampler) or untempered (their T = 1 softmax, what training feeds)
         ar_seed: joint, the diffusion samplers: blocks start right after the prompt; each block's first token is the AR mode's next token, read from the causal pass that writes the prompt or the block before to the cache, and its other positions are denoised over that cache (confidence: --steps of the block's budget, default one per position; threshold: every hole at or above --threshold, at least the most confident; at temperature > 0 LLaDA's float64 Gumbel draw): Nemotron-Labs-Diffusion's generate. Default: on for an imported Nemotron-Labs-Diffusion, off for dlm's own joint checkpoints (blocks on the training grid, finished blocks written in the next block's first pass)
         draft_threshold: self-spec-linear, greedy: the draft is denoised in passes over the cache, each committing every slot whose confidence is at or above this (at least the most confident), until the block is full (Nemotron-Labs-Diffusion's linear_spec_generate threshold); 0: one pass fills every slot
+        bidirectional_context: joint, --ar-seed: the prompt and every finished block are written to the cache by a bidirectional pass (each position seeing the whole prompt or block and the cache) and no block is seeded by the AR mode (every position starts <mask>): Nemotron-Labs-Diffusion's generate with causal_context=False; off: causal writes, AR seeds
+        shift_logits: joint, --ar-seed: a denoising pass reads position j's proposal from the output at j - 1, a block's first position's from the last output of the pass that wrote the cache before it (generate_diffusion's shift_logits, Dream-style); off: each position from its own output
+        ar_mix_weight: joint, self-spec-quadratic, greedy: each row verifies (and takes its bonus token) with W x the AR mode's logit + (1 - W) x the logit of its first mask slot (the same position), as self_spec_generate's ar_mix_weight: not lossless; default: the AR mode's logit alone
         last_canvas: usdm, when --max-new-tokens ends inside a canvas: whole (denoise a whole canvas, as DiffusionGemma's generate does; what lies past --max-new-tokens is dropped) or fit (a canvas of only the positions left); default: whole for an imported DiffusionGemma, fit for dlm's own usdm checkpoints
         suffix: infilling: text after the hole (pinned, comes out byte-exact)
         fill_length: template markers: positions per <fill> (<fill:N> asks for N)
@@ -711,6 +714,9 @@ class SampleConfig:
     # joint
     ar_seed: bool | None = None
     draft_threshold: float = 0.0
+    bidirectional_context: bool = False
+    shift_logits: bool = False
+    ar_mix_weight: float | None = None
     suffix: str | None = None
     fill_length: int = 16
     # speculative decoding

@@ -41,17 +41,19 @@ def options(a: dict, **over) -> SampleConfig:
     diffusion mode (an imported Nemotron-Labs-Diffusion seeds its blocks by the AR mode: --ar-seed), threshold None
     its confidence rule; the earlier folders' generate_diffusion (chat_utils' generate_with_prefix_cache_block_diff)
     the same with its steps; linear_spec_generate(block_length, threshold) is self-spec-linear with --draft-threshold;
-    self_spec_generate(block_length) is self-spec-quadratic."""
+    self_spec_generate(block_length) is self-spec-quadratic; causal_context=False is --bidirectional-context,
+    shift_logits --shift-logits, ar_mix_weight --ar-mix-weight."""
     o = {"max_new_tokens": a["max_new_tokens"], "block_size": a["block_length"]}
     if a["mode"] in ("generate", "generate_diffusion"):
         o |= {"temperature": a.get("temperature", 0.0), "seed": a.get("seed", 0), "threshold": a["threshold"] or 0.9,
-              "sampler": "threshold" if a["threshold"] is not None else "confidence"}
+              "sampler": "threshold" if a["threshold"] is not None else "confidence",
+              "bidirectional_context": not a.get("causal_context", True), "shift_logits": a.get("shift_logits", False)}
         if "steps" in a:  # (generate_diffusion's steps are for the whole generation, dlm's --steps per block)
             o["steps"] = a["steps"] // (a["max_new_tokens"] // a["block_length"])
     elif a["mode"] == "linear_spec_generate":
         o |= {"sampler": "self-spec-linear", "draft_threshold": a["threshold"]}
     else:
-        o |= {"sampler": "self-spec-quadratic"}
+        o |= {"sampler": "self-spec-quadratic", "ar_mix_weight": a.get("ar_mix_weight")}
     return SampleConfig(**(o | over))
 
 
@@ -93,8 +95,8 @@ def test_every_recording_is_reproduced(index, imported):
     if a["mode"] in ("generate", "generate_diffusion"):  # every forward after the prompt's: each block before each pass, then its write
         want = []
         for i, st in enumerate(steps):
-            if st.step == 1:
-                want.append([st.canvas[0]] + [mask] * (L - 1))
+            if st.step == 1:  # (the AR seed first, or, without causal_context, no seed)
+                want.append([st.canvas[0] if a.get("causal_context", True) else mask] + [mask] * (L - 1))
             want.append(st.canvas)
         assert calls[1:] == want
     elif a["mode"] == "linear_spec_generate":  # the verify passes (no <mask> left): the token before + the draft
@@ -124,7 +126,8 @@ def test_the_options_are_what_makes_them_equal(imported):
     """Without --ar-seed (dlm's own joint layout: blocks on the training grid) the block-diffusion recordings mostly
     differ; without --draft-threshold the threshold recordings' drafts do."""
     model, ck = imported
-    gen = [c for c in CASES if c["args"]["mode"] in ("generate", "generate_diffusion")]
+    gen = [c for c in CASES if c["args"]["mode"] in ("generate", "generate_diffusion") and c["args"].get(
+        "causal_context", True) and not c["args"].get("shift_logits")]
     differ = sum(run(model, ck, c, ar_seed=False)[0] != until_eos(c["ids"][:c["args"]["max_new_tokens"]],
                                                                    [REC["eos_id"]]) for c in gen[::3])
     assert differ >= len(gen[::3]) // 2
@@ -134,6 +137,23 @@ def test_the_options_are_what_makes_them_equal(imported):
     _, _, passes, d2 = run(model, ck, case)
     assert [v.proposed for v in one_pass] != [v.proposed for v in passes]
     assert d2.stats.draft_forwards > d1.stats.draft_forwards
+
+
+@pytest.mark.parametrize("option,off", [("causal_context", {"bidirectional_context": False}),
+                                        ("shift_logits", {"shift_logits": False}),
+                                        ("ar_mix_weight", {"ar_mix_weight": None})])
+def test_each_option_is_needed(imported, option, off):
+    """Without --bidirectional-context (causal_context=False), --shift-logits or --ar-mix-weight, most of the
+    recordings made with the upstream option differ from what dlm then generates (the rest: <eos> first, or the
+    mixed verification agreeing with the AR mode's)."""
+    model, ck = imported
+    cases = [c for c in CASES if option in c["args"] and c["args"][option] not in (True, None)
+             or option == "shift_logits" and c["args"].get("shift_logits")]
+    assert len(cases) >= 12
+    want = [until_eos(c["ids"][:c["args"]["max_new_tokens"]], [REC["eos_id"]]) for c in cases]
+    assert all(run(model, ck, c)[0] == w for c, w in zip(cases[::4], want[::4]))
+    differ = sum(run(model, ck, c, **off)[0] != w for c, w in zip(cases, want))
+    assert differ >= len(cases) // 2, (option, differ, len(cases))
 
 
 def test_export_is_the_folder_again(tmp_path, imported):
@@ -177,8 +197,9 @@ def test_rows_in_one_batch_reproduce_the_recordings(imported):
 
 
 def test_bad_options_are_refused(imported, tmp_path):
-    """--draft-threshold outside [0, 1], or with a mode it does not belong to; --ar-seed with a rule its generate does
-    not have: one line, exit code 2."""
+    """--draft-threshold or --ar-mix-weight outside [0, 1], or with a mode it does not belong to; --ar-seed with a rule
+    its generate does not have; --shift-logits or --bidirectional-context outside --ar-seed's layout: one line, exit
+    code 2."""
     from conftest import cli
 
     ck_dir = import_hf(FOLDER, tmp_path / "ck")
@@ -186,6 +207,12 @@ def test_bad_options_are_refused(imported, tmp_path):
                           (["--draft-threshold", "0.5", "--sampler", "self-spec-quadratic"], "self-spec-linear"),
                           (["--draft-threshold", "0.5", "--temperature", "0.7"], "greedy draft"),
                           (["--sampler", "entropy"], "--sampler confidence"),
-                          (["--sampler", "threshold", "--top-k", "5", "--temperature", "0.5"], "--top-k")):
+                          (["--sampler", "threshold", "--top-k", "5", "--temperature", "0.5"], "--top-k"),
+                          (["--sampler", "confidence", "--no-ar-seed", "--shift-logits"], "--shift-logits applies"),
+                          (["--sampler", "self-spec-linear", "--bidirectional-context"], "--bidirectional-context"),
+                          (["--sampler", "self-spec-quadratic", "--ar-mix-weight", "1.5"], "must be in [0, 1]"),
+                          (["--ar-mix-weight", "0.5"], "self-spec-quadratic"),
+                          (["--sampler", "self-spec-quadratic", "--ar-mix-weight", "0.5", "--temperature", "0.5"],
+                           "greedy")):
         code, _, err = cli("generate", "--model", str(ck_dir), "--prompt", "w1 w2", "--max-new-tokens", "4", *extra)
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err

@@ -52,7 +52,8 @@ DIFFUSION = mdlm.RULES
 SAMPLERS = ("auto", "ar", *SELF_SPEC, *DIFFUSION)
 # the SampleConfig fields this sampler reads (see dlm.sampling.OPTIONS): its AR mode's, its diffusion mode's and
 # self-speculation's
-OPTIONS = ar.OPTIONS | mdlm.OPTIONS | frozenset({"check_lossless", "ar_seed", "draft_threshold"})
+OPTIONS = ar.OPTIONS | mdlm.OPTIONS | frozenset({"check_lossless", "ar_seed", "draft_threshold", "bidirectional_context",
+                                                  "shift_logits", "ar_mix_weight"})
 
 
 class SelfDraft(Drafter):
@@ -131,10 +132,11 @@ class SelfDraft(Drafter):
 @torch.inference_mode()
 def quadratic(model: Transformer, prompt: Sequence[int], *, block_size: int, max_new_tokens: int, mask_id: int,
               sampling: Sampling, eos_id: Eos, row: int = 0, stats: SpecStats | None = None,
-              clock: Clock | None = None) -> Iterator[Event]:
+              clock: Clock | None = None, ar_mix: float | None = None) -> Iterator[Event]:
     """Quadratic self-speculation of one prompt (Commit and Verified events)."""
     program = quadratic_program(prompt, block_size=block_size, max_new_tokens=max_new_tokens, mask_id=mask_id,
-                                sampling=sampling, eos_id=eos_id, row=row, stats=stats, clock=clock, dev=model.device)
+                                sampling=sampling, eos_id=eos_id, row=row, stats=stats, clock=clock, dev=model.device,
+                                ar_mix=ar_mix)
     yield from drive(program, Alone(model, quadratic_capacity(len(prompt), max_new_tokens, block_size)))
 
 
@@ -144,9 +146,12 @@ def quadratic_capacity(P: int, max_new_tokens: int, L: int) -> int:
 
 def quadratic_program(prompt: Sequence[int], *, block_size: int, max_new_tokens: int, mask_id: int, sampling: Sampling,
                       eos_id: Eos, row: int = 0, stats: SpecStats | None = None, clock: Clock | None = None,
-                      dev: torch.device | str = "cpu") -> Iterator:
+                      dev: torch.device | str = "cpu", ar_mix: float | None = None) -> Iterator:
     """Quadratic self-speculation of one prompt as a row program (its events, and its requests to the model: one
-    pass per cycle, then a Crop of its cache to the accepted row-first tokens)."""
+    pass per cycle, then a Crop of its cache to the accepted row-first tokens). ar_mix W (--ar-mix-weight, greedy):
+    row i verifies with W * (d_i's AR logit) + (1 - W) * (its first mask slot's logit, the same position), as
+    Nemotron-Labs-Diffusion's self_spec_generate mixes them (no longer the AR mode's output: not lossless), in every
+    cycle but the first."""
     stats = stats if stats is not None else SpecStats()
     L = block_size
     prompt = list(prompt)
@@ -156,7 +161,7 @@ def quadratic_program(prompt: Sequence[int], *, block_size: int, max_new_tokens:
         stats.forwards += 1
         c = len(prompt) - 1
     d0, draft, q = prompt[-1], torch.zeros(0, dtype=torch.long, device=dev), None
-    new = 0
+    new, first = 0, True
     while new < max_new_tokens:
         m = min(draft.shape[0], max_new_tokens - new - 1)
         draft, q = draft[:m], (q[:m] if q is not None else None)
@@ -170,7 +175,11 @@ def quadratic_program(prompt: Sequence[int], *, block_size: int, max_new_tokens:
                                out=(0, Q)))[0]  # (Q, V)
         stats.forwards += 1
         ar_logits = logits[:m + 1]  # (m+1, V): the AR mode's next-token logits after d_0 .. d_i
+        if ar_mix is not None and not first:  # (the first cycle verifies no draft: its token is the AR mode's, as
+            # their draft-only first pass's; a row's first mask slot predicts the same position as its AR logit)
+            ar_logits = ar_logits * ar_mix + logits[m + 1:].view(m + 1, L, -1)[:, 0] * (1 - ar_mix)
         n, bonus = verify(draft, ar_logits, q, sampling)
+        first = False
         c += n + 1  # keep d_0 .. d_n (d_0 was committed before, d_1 .. d_n now)
         yield Crop(c)
         slots = logits[m + 1:].view(m + 1, L, -1)[n, 1:]  # (L-1, V): row n drafts the block after the bonus
@@ -198,7 +207,7 @@ def seeded_capacity(P: int, max_new_tokens: int, L: int) -> int:
 def seeded_program(prompt: Sequence[int], *, block_size: int, max_new_tokens: int, steps: int | None, rule: mdlm.Rule,
                    mask_id: int, temperature: float, gen: torch.Generator | None, eos_id: Eos, stats: Stats,
                    row: int = 0, clock: Clock | None = None, dev: torch.device | str = "cpu",
-                   step_events: bool = False) -> Iterator:
+                   step_events: bool = False, causal: bool = True, shift: bool = False) -> Iterator:
     """Block diffusion seeded by the AR mode, as Nemotron-Labs-Diffusion's `generate` decodes (causal_context on).
 
     A causal pass writes the prompt to the cache; its last output is the AR mode's next token (argmax, or a draw at
@@ -211,7 +220,13 @@ def seeded_program(prompt: Sequence[int], *, block_size: int, max_new_tokens: in
     otherwise the rule with the step's budget (the block's holes spread over --steps, default L, the remainder first).
     A block stops early once it holds an <eos> with no hole before it. A causal pass over the whole block then writes
     it to the cache and gives the next block's first token. The answer is cut after its first <eos> (no block
-    follows) or at max_new_tokens. step_events: a Step event (the block) after every denoising pass."""
+    follows) or at max_new_tokens. step_events: a Step event (the block) after every denoising pass.
+
+    causal False (--bidirectional-context; its causal_context=False): the passes that write the prompt and each
+    finished block to the cache attend bidirectionally (every position of the window seeing the whole window and the
+    cache), and no AR seed: every block starts all <mask>. shift (--shift-logits; generate_diffusion's shift_logits,
+    Dream-style): a pass reads position j's proposal from the output at j - 1, the block's first from the last output
+    of the pass that wrote the cache before it."""
     L, P = block_size, len(prompt)
     stop = sorted(eos_set(eos_id))
 
@@ -220,19 +235,22 @@ def seeded_program(prompt: Sequence[int], *, block_size: int, max_new_tokens: in
             return int(torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=gen)[0, 0])
         return int(logits[0].argmax())
 
-    seed = seed_of((yield Window(tokens=torch.tensor(list(prompt), device=dev), mask="causal", keep=P,
-                                 out=(P - 1, P)))[0])
-    stats.forwards += 1
+    context = "causal" if causal else None  # (None: full attention over the window and the cache)
+    last = (yield Window(tokens=torch.tensor(list(prompt), device=dev), mask=context, keep=P, out=(P - 1, P)))[0]
+    stats.forwards += 1  # last: (1, V) the output at the position before the block
     new, index = 0, 0
     while new < max_new_tokens:
         block = torch.full((L,), mask_id, dtype=torch.long, device=dev)
-        block[0] = seed
+        if causal:
+            block[0] = seed_of(last)
         holes = block == mask_id  # (L,)
         budget = mdlm.step_budget(int(holes.sum()), steps or L)
         for i in range(steps or L):
             if not bool(holes.any()):
                 break
             logits = (yield Window(tokens=block, out=(0, L)))[0].float()  # (L, V)
+            if shift:
+                logits = torch.cat([last.float(), logits[:-1]])
             stats.forwards += 1
             stats.steps += 1
             cand = mdlm.gumbel_draw(logits, temperature, 0, 1.0, gen) if temperature > 0 else logits.argmax(-1)
@@ -251,9 +269,8 @@ def seeded_program(prompt: Sequence[int], *, block_size: int, max_new_tokens: in
             ends = is_eos(block, stop).nonzero()
             if len(ends) and not bool(holes[:int(ends[0, 0])].any()):
                 break
-        logits = (yield Window(tokens=block, mask="causal", keep=L, out=(L - 1, L)))[0]
+        last = (yield Window(tokens=block, mask=context, keep=L, out=(L - 1, L)))[0]
         stats.forwards += 1
-        seed = seed_of(logits)
         stats.canvases += 1
         out = block.tolist()[:max_new_tokens - new]
         ends = [j for j, t in enumerate(out) if t in stop]
@@ -287,7 +304,7 @@ def seeded_row(model: Transformer, ck, prompt: list[int], cfg, sampler: str, row
     return seeded_program(prompt, block_size=block_of(ck, cfg), max_new_tokens=cfg.max_new_tokens, steps=cfg.steps,
                           rule=rule, mask_id=ck.mask_id, temperature=cfg.temperature, gen=gen,
                           eos_id=ck.tokenizer.eos_set, stats=stats, row=row, clock=clock, dev=model.device,
-                          step_events=step_events)
+                          step_events=step_events, causal=not cfg.bidirectional_context, shift=cfg.shift_logits)
 
 
 def seeded_stream(model: Transformer, ck, prompts: list[Prompt], cfg, sampler: str,
@@ -319,6 +336,20 @@ def check_draft_threshold(cfg, sampler: str) -> None:
     check(T == 0 or (sampler == "self-spec-linear" and cfg.temperature == 0),
           f"--draft-threshold is the greedy draft of --sampler self-spec-linear (linear_spec_generate's threshold); "
           f"got --sampler {sampler} at --temperature {cfg.temperature}")
+    W = cfg.ar_mix_weight
+    check(W is None or 0 <= W <= 1, f"--ar-mix-weight must be in [0, 1], got {W}")
+    check(W is None or (sampler == "self-spec-quadratic" and cfg.temperature == 0),
+          f"--ar-mix-weight mixes the greedy verification of --sampler self-spec-quadratic (self_spec_generate's "
+          f"ar_mix_weight); got --sampler {sampler} at --temperature {cfg.temperature}")
+
+
+def check_seeded_options(ck, cfg, sampler: str) -> None:
+    """--bidirectional-context and --shift-logits belong to the --ar-seed layout (Nemotron-Labs-Diffusion's generate)."""
+    for on, flag in ((cfg.bidirectional_context, "--bidirectional-context"), (cfg.shift_logits, "--shift-logits")):
+        check(not on or (sampler in DIFFUSION and seeded(ck, cfg)),
+              f"{flag} applies to the diffusion mode in Nemotron-Labs-Diffusion's generate layout (--ar-seed, "
+              f"--sampler confidence or threshold); got --sampler {sampler}"
+              + (" --no-ar-seed" if sampler in DIFFUSION else ""))
 
 
 def block_of(ck, cfg) -> int:
@@ -334,6 +365,7 @@ def row_program(model: Transformer, ck, prompt: Prompt, cfg, row: int = 0, *, cl
     or diffusion, sampling with a generator seeded cfg.seed. Raises on bad options, before any work."""
     sampler = resolve_sampler(cfg)
     check_draft_threshold(cfg, sampler)
+    check_seeded_options(ck, cfg, sampler)
     if sampler == "ar":
         return ar.row_program(model, ck, prompt, cfg.replace(sampler="auto"), row, logprobs=logprobs)
     gen = make_generator(cfg.seed, model.device)
@@ -354,7 +386,7 @@ def row_program(model: Transformer, ck, prompt: Prompt, cfg, row: int = 0, *, cl
     if sampler == "self-spec-quadratic":
         program = quadratic_program(prompt.ids, block_size=B, max_new_tokens=cfg.max_new_tokens, mask_id=ck.mask_id,
                                     sampling=sampling, eos_id=ck.tokenizer.eos_set, row=row, stats=spec, clock=clock,
-                                    dev=model.device)
+                                    dev=model.device, ar_mix=cfg.ar_mix_weight)
         return RowProgram(program, spec)
     d = SelfDraft(model, ck.mask_id, B, sampling, ar_first=sampler == "self-spec-linear-ar",
                   threshold=cfg.draft_threshold)
@@ -371,6 +403,7 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg, step_events: bool
         raise DlmError(f"--check-lossless checks self-speculation (--sampler self-spec-linear, self-spec-quadratic) "
                        f"against the AR mode; --sampler {sampler} does not speculate: there is nothing to check")
     check_draft_threshold(cfg, sampler)
+    check_seeded_options(ck, cfg, sampler)
     if sampler in DIFFUSION and seeded(ck, cfg):
         return seeded_stream(model, ck, prompts, cfg, sampler, step_events)
     if sampler in DIFFUSION:
@@ -388,7 +421,7 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg, step_events: bool
     def row(b: int, p: list[int], sampling: Sampling, spec: SpecStats, clock: Clock) -> tuple:
         program = quadratic_program(p, block_size=B, max_new_tokens=cfg.max_new_tokens, mask_id=ck.mask_id,
                                     sampling=sampling, eos_id=ck.tokenizer.eos_set, row=b, stats=spec, clock=clock,
-                                    dev=model.device)
+                                    dev=model.device, ar_mix=cfg.ar_mix_weight)
         return program, None, quadratic_capacity(len(p), cfg.max_new_tokens, B)
 
     return run_rows(model, ck, [p.ids for p in prompts], cfg, row, "self-spec-quadratic", B)
