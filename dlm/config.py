@@ -654,6 +654,8 @@ class SampleConfig:
         draft_threshold: self-spec-linear, greedy: the draft is denoised in passes over the cache, each committing every slot whose confidence is at or above this (at least the most confident), until the block is full (Nemotron-Labs-Diffusion's linear_spec_generate threshold); 0: one pass fills every slot
         bidirectional_context: joint, --ar-seed: the prompt and every finished block are written to the cache by a bidirectional pass (each position seeing the whole prompt or block and the cache) and no block is seeded by the AR mode (every position starts <mask>): Nemotron-Labs-Diffusion's generate with causal_context=False; off: causal writes, AR seeds
         shift_logits: joint, --ar-seed: a denoising pass reads position j's proposal from the output at j - 1, a block's first position's from the last output of the pass that wrote the cache before it (generate_diffusion's shift_logits, Dream-style); off: each position from its own output
+        max_thinking_tokens: joint, --ar-seed: a thinking budget: a block that reaches past this many generated tokens while the answer before it holds no --end-think token gets that token at this position (the block's first when the budget ran out before it), a known token before the block's first pass (Nemotron-Labs-Diffusion's generate with max_thinking_tokens); default: none
+        end_think: the token --max-thinking-tokens injects, as its text (one token of the tokenizer)
         ar_mix_weight: joint, self-spec-quadratic, greedy: each row verifies (and takes its bonus token) with W x the AR mode's logit + (1 - W) x the logit of its first mask slot (the same position), as self_spec_generate's ar_mix_weight: not lossless; default: the AR mode's logit alone
         last_canvas: usdm, when --max-new-tokens ends inside a canvas: whole (denoise a whole canvas, as DiffusionGemma's generate does; what lies past --max-new-tokens is dropped) or fit (a canvas of only the positions left); default: whole for an imported DiffusionGemma, fit for dlm's own usdm checkpoints
         suffix: infilling: text after the hole (pinned, comes out byte-exact)
@@ -717,6 +719,8 @@ class SampleConfig:
     bidirectional_context: bool = False
     shift_logits: bool = False
     ar_mix_weight: float | None = None
+    max_thinking_tokens: int | None = None
+    end_think: str = "</think>"
     suffix: str | None = None
     fill_length: int = 16
     # speculative decoding

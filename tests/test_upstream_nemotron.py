@@ -29,6 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 FOLDER = Path(__file__).parent / "fixtures" / "upstream" / "nemotron"
 REC = json.loads((FOLDER / "recordings.json").read_text())
 CASES = REC["cases"]
+TOKENS = {i: t for t, i in json.loads((FOLDER / "tokenizer.json").read_text())["model"]["vocab"].items()}
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +43,15 @@ def options(a: dict, **over) -> SampleConfig:
     its confidence rule; the earlier folders' generate_diffusion (chat_utils' generate_with_prefix_cache_block_diff)
     the same with its steps; linear_spec_generate(block_length, threshold) is self-spec-linear with --draft-threshold;
     self_spec_generate(block_length) is self-spec-quadratic; causal_context=False is --bidirectional-context,
-    shift_logits --shift-logits, ar_mix_weight --ar-mix-weight."""
+    shift_logits --shift-logits, ar_mix_weight --ar-mix-weight, max_thinking_tokens with end_think_token_id
+    --max-thinking-tokens with --end-think (the token's text)."""
     o = {"max_new_tokens": a["max_new_tokens"], "block_size": a["block_length"]}
     if a["mode"] in ("generate", "generate_diffusion"):
         o |= {"temperature": a.get("temperature", 0.0), "seed": a.get("seed", 0), "threshold": a["threshold"] or 0.9,
               "sampler": "threshold" if a["threshold"] is not None else "confidence",
               "bidirectional_context": not a.get("causal_context", True), "shift_logits": a.get("shift_logits", False)}
+        if "max_thinking_tokens" in a:
+            o |= {"max_thinking_tokens": a["max_thinking_tokens"], "end_think": TOKENS[a["end_think_token_id"]]}
         if "steps" in a:  # (generate_diffusion's steps are for the whole generation, dlm's --steps per block)
             o["steps"] = a["steps"] // (a["max_new_tokens"] // a["block_length"])
     elif a["mode"] == "linear_spec_generate":
@@ -93,11 +97,17 @@ def test_every_recording_is_reproduced(index, imported):
     assert ids == until_eos(case["ids"][:a["max_new_tokens"]], [REC["eos_id"]])
     calls = case["calls"]
     if a["mode"] in ("generate", "generate_diffusion"):  # every forward after the prompt's: each block before each pass, then its write
-        want = []
+        want, made = [], []
         for i, st in enumerate(steps):
-            if st.step == 1:  # (the AR seed first, or, without causal_context, no seed)
-                want.append([st.canvas[0] if a.get("causal_context", True) else mask] + [mask] * (L - 1))
+            if st.step == 1:  # (the AR seed first, or, without causal_context, no seed; the thinking budget's token)
+                first = [st.canvas[0] if a.get("causal_context", True) else mask] + [mask] * (L - 1)
+                N, end = a.get("max_thinking_tokens"), a.get("end_think_token_id")
+                if N is not None and len(made) + L > N and end not in made:
+                    first[max(0, N - len(made))] = end
+                want.append(first)
             want.append(st.canvas)
+            if i + 1 == len(steps) or steps[i + 1].step == 1:
+                made += st.canvas
         assert calls[1:] == want
     elif a["mode"] == "linear_spec_generate":  # the verify passes (no <mask> left): the token before + the draft
         drafts = [c[1:] for c in calls[1:] if mask not in c]
@@ -127,7 +137,7 @@ def test_the_options_are_what_makes_them_equal(imported):
     differ; without --draft-threshold the threshold recordings' drafts do."""
     model, ck = imported
     gen = [c for c in CASES if c["args"]["mode"] in ("generate", "generate_diffusion") and c["args"].get(
-        "causal_context", True) and not c["args"].get("shift_logits")]
+        "causal_context", True) and not c["args"].get("shift_logits") and "max_thinking_tokens" not in c["args"]]
     differ = sum(run(model, ck, c, ar_seed=False)[0] != until_eos(c["ids"][:c["args"]["max_new_tokens"]],
                                                                    [REC["eos_id"]]) for c in gen[::3])
     assert differ >= len(gen[::3]) // 2
@@ -139,20 +149,22 @@ def test_the_options_are_what_makes_them_equal(imported):
     assert d2.stats.draft_forwards > d1.stats.draft_forwards
 
 
-@pytest.mark.parametrize("option,off", [("causal_context", {"bidirectional_context": False}),
-                                        ("shift_logits", {"shift_logits": False}),
-                                        ("ar_mix_weight", {"ar_mix_weight": None})])
-def test_each_option_is_needed(imported, option, off):
-    """Without --bidirectional-context (causal_context=False), --shift-logits or --ar-mix-weight, the recordings made
-    with the upstream option differ from what dlm then generates (every one of them, measured; asserted: most)."""
+@pytest.mark.parametrize("option,off,least", [("causal_context", {"bidirectional_context": False}, 48),
+                                              ("shift_logits", {"shift_logits": False}, 32),
+                                              ("ar_mix_weight", {"ar_mix_weight": None}, 12),
+                                              ("max_thinking_tokens", {"max_thinking_tokens": None}, 15)])
+def test_each_option_is_needed(imported, option, off, least):
+    """Without --bidirectional-context (causal_context=False), --shift-logits or --ar-mix-weight, every recording made
+    with the upstream option differs from what dlm then generates; without --max-thinking-tokens, 15 of the 28 made
+    with a thinking budget (in the rest the answer ends, or holds the token, before the budget runs out)."""
     model, ck = imported
     cases = [c for c in CASES if option in c["args"] and c["args"][option] not in (True, None)
              or option == "shift_logits" and c["args"].get("shift_logits")]
-    assert len(cases) >= 12
+    assert len(cases) >= least
     want = [until_eos(c["ids"][:c["args"]["max_new_tokens"]], [REC["eos_id"]]) for c in cases]
     assert all(run(model, ck, c)[0] == w for c, w in zip(cases[::4], want[::4]))
     differ = sum(run(model, ck, c, **off)[0] != w for c, w in zip(cases, want))
-    assert differ >= len(cases) // 2, (option, differ, len(cases))
+    assert differ >= least, (option, differ, len(cases))
 
 
 def test_export_is_the_folder_again(tmp_path, imported):
@@ -197,8 +209,8 @@ def test_rows_in_one_batch_reproduce_the_recordings(imported):
 
 def test_bad_options_are_refused(imported, tmp_path):
     """--draft-threshold or --ar-mix-weight outside [0, 1], or with a mode it does not belong to; --ar-seed with a rule
-    its generate does not have; --shift-logits or --bidirectional-context outside --ar-seed's layout: one line, exit
-    code 2."""
+    its generate does not have; --shift-logits, --bidirectional-context or --max-thinking-tokens outside --ar-seed's
+    layout; an --end-think that is not one token: one line, exit code 2."""
     from conftest import cli
 
     ck_dir = import_hf(FOLDER, tmp_path / "ck")
@@ -212,6 +224,9 @@ def test_bad_options_are_refused(imported, tmp_path):
                           (["--sampler", "self-spec-quadratic", "--ar-mix-weight", "1.5"], "must be in [0, 1]"),
                           (["--ar-mix-weight", "0.5"], "self-spec-quadratic"),
                           (["--sampler", "self-spec-quadratic", "--ar-mix-weight", "0.5", "--temperature", "0.5"],
-                           "greedy")):
+                           "greedy"),
+                          (["--sampler", "self-spec-linear", "--max-thinking-tokens", "4"], "--max-thinking-tokens"),
+                          (["--sampler", "confidence", "--max-thinking-tokens", "4"], "--end-think '</think>'"),
+                          (["--sampler", "confidence", "--max-thinking-tokens", "-1", "--end-think", "w3"], ">= 0")):
         code, _, err = cli("generate", "--model", str(ck_dir), "--prompt", "w1 w2", "--max-new-tokens", "4", *extra)
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err

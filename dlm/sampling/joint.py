@@ -52,8 +52,9 @@ DIFFUSION = mdlm.RULES
 SAMPLERS = ("auto", "ar", *SELF_SPEC, *DIFFUSION)
 # the SampleConfig fields this sampler reads (see dlm.sampling.OPTIONS): its AR mode's, its diffusion mode's and
 # self-speculation's
-OPTIONS = ar.OPTIONS | mdlm.OPTIONS | frozenset({"check_lossless", "ar_seed", "draft_threshold", "bidirectional_context",
-                                                  "shift_logits", "ar_mix_weight"})
+OPTIONS = ar.OPTIONS | mdlm.OPTIONS | frozenset({"check_lossless", "ar_seed", "draft_threshold", "ar_mix_weight",
+                                                  "bidirectional_context", "shift_logits", "max_thinking_tokens",
+                                                  "end_think"})
 
 
 class SelfDraft(Drafter):
@@ -207,7 +208,8 @@ def seeded_capacity(P: int, max_new_tokens: int, L: int) -> int:
 def seeded_program(prompt: Sequence[int], *, block_size: int, max_new_tokens: int, steps: int | None, rule: mdlm.Rule,
                    mask_id: int, temperature: float, gen: torch.Generator | None, eos_id: Eos, stats: Stats,
                    row: int = 0, clock: Clock | None = None, dev: torch.device | str = "cpu",
-                   step_events: bool = False, causal: bool = True, shift: bool = False) -> Iterator:
+                   step_events: bool = False, causal: bool = True, shift: bool = False,
+                   think: tuple[int, int] | None = None) -> Iterator:
     """Block diffusion seeded by the AR mode, as Nemotron-Labs-Diffusion's `generate` decodes (causal_context on).
 
     A causal pass writes the prompt to the cache; its last output is the AR mode's next token (argmax, or a draw at
@@ -226,7 +228,11 @@ def seeded_program(prompt: Sequence[int], *, block_size: int, max_new_tokens: in
     finished block to the cache attend bidirectionally (every position of the window seeing the whole window and the
     cache), and no AR seed: every block starts all <mask>. shift (--shift-logits; generate_diffusion's shift_logits,
     Dream-style): a pass reads position j's proposal from the output at j - 1, the block's first from the last output
-    of the pass that wrote the cache before it."""
+    of the pass that wrote the cache before it.
+
+    think (N, id) (--max-thinking-tokens N, --end-think; its generate's max_thinking_tokens and end_think_token_id): a
+    block that reaches past N generated tokens, when the blocks before it hold no `id`, gets `id` at position N of the
+    answer (the block's first when N lies before it, over the AR seed), a known token before the first pass."""
     L, P = block_size, len(prompt)
     stop = sorted(eos_set(eos_id))
 
@@ -238,11 +244,13 @@ def seeded_program(prompt: Sequence[int], *, block_size: int, max_new_tokens: in
     context = "causal" if causal else None  # (None: full attention over the window and the cache)
     last = (yield Window(tokens=torch.tensor(list(prompt), device=dev), mask=context, keep=P, out=(P - 1, P)))[0]
     stats.forwards += 1  # last: (1, V) the output at the position before the block
-    new, index = 0, 0
+    new, index, made = 0, 0, []
     while new < max_new_tokens:
         block = torch.full((L,), mask_id, dtype=torch.long, device=dev)
         if causal:
             block[0] = seed_of(last)
+        if think is not None and index * L + L > think[0] and think[1] not in made:
+            block[max(0, think[0] - index * L)] = think[1]
         holes = block == mask_id  # (L,)
         budget = mdlm.step_budget(int(holes.sum()), steps or L)
         for i in range(steps or L):
@@ -272,6 +280,7 @@ def seeded_program(prompt: Sequence[int], *, block_size: int, max_new_tokens: in
         last = (yield Window(tokens=block, mask=context, keep=L, out=(L - 1, L)))[0]
         stats.forwards += 1
         stats.canvases += 1
+        made += block.tolist()
         out = block.tolist()[:max_new_tokens - new]
         ends = [j for j, t in enumerate(out) if t in stop]
         out = out[:ends[0] + 1] if ends else out
@@ -304,7 +313,8 @@ def seeded_row(model: Transformer, ck, prompt: list[int], cfg, sampler: str, row
     return seeded_program(prompt, block_size=block_of(ck, cfg), max_new_tokens=cfg.max_new_tokens, steps=cfg.steps,
                           rule=rule, mask_id=ck.mask_id, temperature=cfg.temperature, gen=gen,
                           eos_id=ck.tokenizer.eos_set, stats=stats, row=row, clock=clock, dev=model.device,
-                          step_events=step_events, causal=not cfg.bidirectional_context, shift=cfg.shift_logits)
+                          step_events=step_events, causal=not cfg.bidirectional_context, shift=cfg.shift_logits,
+                          think=thinking(ck, cfg))
 
 
 def seeded_stream(model: Transformer, ck, prompts: list[Prompt], cfg, sampler: str,
@@ -343,9 +353,22 @@ def check_draft_threshold(cfg, sampler: str) -> None:
           f"ar_mix_weight); got --sampler {sampler} at --temperature {cfg.temperature}")
 
 
+def thinking(ck, cfg) -> tuple[int, int] | None:
+    """--max-thinking-tokens N with --end-think TEXT: (N, the token's id), or None."""
+    if cfg.max_thinking_tokens is None:
+        return None
+    check(cfg.max_thinking_tokens >= 0, f"--max-thinking-tokens must be >= 0, got {cfg.max_thinking_tokens}")
+    i = ck.tokenizer.tk.token_to_id(cfg.end_think)
+    check(i is not None, f"--end-think {cfg.end_think!r} is not a token of this tokenizer (--max-thinking-tokens "
+                         f"injects it as one token)")
+    return cfg.max_thinking_tokens, i
+
+
 def check_seeded_options(ck, cfg, sampler: str) -> None:
-    """--bidirectional-context and --shift-logits belong to the --ar-seed layout (Nemotron-Labs-Diffusion's generate)."""
-    for on, flag in ((cfg.bidirectional_context, "--bidirectional-context"), (cfg.shift_logits, "--shift-logits")):
+    """--bidirectional-context, --shift-logits and --max-thinking-tokens belong to the --ar-seed layout
+    (Nemotron-Labs-Diffusion's generate)."""
+    for on, flag in ((cfg.bidirectional_context, "--bidirectional-context"), (cfg.shift_logits, "--shift-logits"),
+                     (cfg.max_thinking_tokens is not None, "--max-thinking-tokens")):
         check(not on or (sampler in DIFFUSION and seeded(ck, cfg)),
               f"{flag} applies to the diffusion mode in Nemotron-Labs-Diffusion's generate layout (--ar-seed, "
               f"--sampler confidence or threshold); got --sampler {sampler}"
