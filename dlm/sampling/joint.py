@@ -6,7 +6,8 @@
                        the diffusion half: the mdlm samplers, block by block, the finished blocks
                        written causally as the AR half computes them (sampling/mdlm.py); with
                        --ar-seed (an imported Nemotron-Labs-Diffusion's default) its generate instead
-                       (`seeded_program`): blocks from the prompt's end, each seeded by the AR mode
+                       (`seeded_program`): blocks from the prompt's end, each seeded by the AR mode; its other
+                       settings --bidirectional-context, --shift-logits, --max-thinking-tokens
   self-spec-linear     (auto) two forwards per cycle: a draft pass [last token, <mask> x (B-1)],
                        bidirectional over the cached prefix without writing it (`SelfDraft`), then
                        the one verifier's causal pass over the filled block (sampling/speculative.py)
@@ -17,10 +18,11 @@
                        draft the next block as if d_0..d_i were accepted. The first mask slot of a row predicts the same position as the AR
                        logit of d_i, which is used instead; so every cycle yields >= 1 token and the
                        next draft is row n's slots 1..B-1 (n: the accepted drafts). Only the
-                       row-first tokens stay in the KV cache (cropped to the accepted ones).
+                       row-first tokens stay in the KV cache (cropped to the accepted ones). --ar-mix-weight W:
+                       verify with W x the AR logit + (1 - W) x the first mask slot's (greedy; not lossless)
 
 Both self-speculation modes verify with the one verifier (`verify_greedy`, `verify_sample`): greedy
-output equals the model's own AR greedy output token for token; at temperature > 0 it follows the AR
+output (without --ar-mix-weight) equals the model's own AR greedy output token for token; at temperature > 0 it follows the AR
 mode's distribution exactly. `--block-size` is B (default: the checkpoint's training block).
 Counting: `forwards` are the model's verify passes (quadratic: every pass), `draft_forwards` the
 linear mode's draft passes (the same weights: a linear cycle costs forwards + draft_forwards passes).
