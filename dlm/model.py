@@ -252,34 +252,47 @@ class Attention(nn.Module):
 
 
 class PackedLinear(nn.Module):
-    """A linear layer (inference only) whose weight also sits in oneDNN's blocked layout: a product of several rows
-    then reads each weight once at the machine's speed, where MKL's float32 product of 2-16 rows costs 2-4x one row
-    on an AVX2 CPU (docs/log/batching.md); one row (a matrix-vector product at the memory bandwidth) and a traced
-    forward (torch.compile) keep F.linear. The weight and bias are the layer's own (tied weights stay tied); the
-    packed copy is extra memory, the size of the weight."""
+    """A linear layer (inference only) whose weight also sits in a layout that a product of several rows reads at the
+    machine's speed, where MKL's float32 product of 2-16 rows of `F.linear` (the weight transposed) costs 2-4x one row
+    on an AVX2 CPU (docs/log/batching.md): a large weight in oneDNN's blocked layout (onednn=True), a small one
+    (oneDNN's ~20 us per call would lose) transposed and contiguous, for a plain `x @ W^T` product (1.3-1.5x F.linear
+    at 2-8 rows of ar-mid's 256-640 wide layers). One row (a matrix-vector product at the memory bandwidth) and a
+    traced forward (torch.compile) keep F.linear. The weight and bias are the layer's own (tied weights stay tied);
+    the copy is extra memory, the size of the weight."""
 
-    def __init__(self, lin: nn.Linear):
+    def __init__(self, lin: nn.Linear, onednn: bool = True):
         super().__init__()
         self.weight, self.bias = lin.weight, lin.bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), 16)  # (not a buffer: not saved)
+        w = lin.weight.detach()
+        # (neither is a buffer: not saved)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 16) if onednn else None
+        self.wt = None if onednn else w.t().contiguous()  # (in, out)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.numel() == x.shape[-1] or torch.compiler.is_compiling() or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
+        if self.packed is None:
+            y = x @ self.wt
+            return y if self.bias is None else y + self.bias
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module, min_elements: int = 1 << 20) -> int:
-    """Every linear layer of at least `min_elements` weights, float32 or bfloat16 on a CPU, as a PackedLinear (smaller
-    ones gain nothing: oneDNN's call costs ~20 us); the number packed."""
-    if not torch.backends.mkldnn.is_available():
-        return 0
+def pack_linears(model: nn.Module, min_elements: int = 1 << 20, min_transposed: int = 1 << 14) -> int:
+    """Every linear layer of a model for inference, float32 or bfloat16 on a CPU, as a PackedLinear: in oneDNN's layout
+    from `min_elements` weights on, transposed from `min_transposed` (0: none); the number packed."""
     todo = [(parent, name, m) for parent in model.modules() for name, m in parent.named_children()
-            if type(m) is nn.Linear and m.weight.numel() >= min_elements and m.weight.device.type == "cpu"
-            and m.weight.dtype in (torch.float32, torch.bfloat16)]
+            if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype in (torch.float32, torch.bfloat16)]
+    n = 0
     for parent, name, m in todo:
-        setattr(parent, name, PackedLinear(m))
-    return len(todo)
+        size = m.weight.numel()
+        if size >= min_elements and torch.backends.mkldnn.is_available():
+            setattr(parent, name, PackedLinear(m))
+        elif min_transposed and size >= min_transposed:
+            setattr(parent, name, PackedLinear(m, onednn=False))
+        else:
+            continue
+        n += 1
+    return n
 
 
 def column_major(model: nn.Module) -> int:

@@ -6,7 +6,8 @@
 
 `--dlm` is the dlm checkpoint folder `dlm serve` loads and `--hf` its export (`dlm export --format hf`), which
 `vllm serve` loads (same weights, float32 on both sides unless --vllm-dtype says otherwise). The servers run one at a
-time, in `--order` (vllm, dlm, vllm: drift of the machine between the runs shows in the two vLLM rows); each serves
+time, in `--order` (vllm, dlm, vllm: drift of the machine between the runs shows in the two vLLM rows; `dlm-noprefix`
+and `vllm-noprefix`: that server with its prefix cache off, so that every request computes its whole prompt); each serves
 the loadtest's rows (concurrency c: c clients, max(8, 2c) streamed greedy completions of --max-tokens, the held-out
 stdlib prompts, one warm-up). With `--draft D` dlm serves MODEL+D and with `--vllm-draft HF_DRAFTER` vLLM serves the
 export with its DFlash speculative config (num_speculative_tokens = the drafter's block size - 1).
@@ -47,12 +48,14 @@ def free_port() -> int:
 
 @contextmanager
 def vllm_server(vllm: str, folder: str, name: str, dtype: str, max_len: int, max_seqs: int, draft: str | None,
-                log: str, env: dict[str, str]) -> Iterator[str]:
+                log: str, env: dict[str, str], prefix: bool = True) -> Iterator[str]:
     """`vllm serve FOLDER` on a free port of 127.0.0.1 as model id NAME; yields its URL, stops it afterwards."""
     port = free_port()
     cmd = [vllm, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name,
            "--dtype", dtype, "--max-model-len", str(max_len), "--max-num-seqs", str(max_seqs),
            "--generation-config", "vllm", "--disable-log-stats", "--uvicorn-log-level", "warning"]
+    if not prefix:
+        cmd.append("--no-enable-prefix-caching")
     if draft:
         block = json.loads((Path(draft) / "config.json").read_text())["block_size"]
         cmd += ["--speculative-config", json.dumps({"method": "dflash", "model": draft,
@@ -105,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--order", nargs="+", choices=["dlm", "vllm"], default=["vllm", "dlm", "vllm"])
+    ap.add_argument("--order", nargs="+", choices=["dlm", "vllm", "dlm-noprefix", "vllm-noprefix"],
+                    default=["vllm", "dlm", "vllm"], help="the servers in turn; -noprefix: its prefix cache off")
     ap.add_argument("--threads", type=int, default=0, help="dlm serve --threads (0: torch's default)")
     ap.add_argument("--compile", action="store_true", help="dlm serve --compile (compiled decode steps)")
     ap.add_argument("--pack-weights", action="store_true", help="dlm serve --pack-weights (oneDNN-packed linears)")
@@ -118,11 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     model = f"{name}+{Path(a.draft).resolve().name if a.draft != 'lookup' else 'lookup'}" if a.draft else name
     rows = []
     for run, server in enumerate(a.order):
-        if server == "dlm":
-            ctx = started_server([a.dlm], a.draft, max(a.concurrency), a.threads, a.compile, a.pack_weights)
+        prefix = not server.endswith("-noprefix")
+        if server.startswith("dlm"):
+            ctx = started_server([a.dlm], a.draft, max(a.concurrency), a.threads, a.compile, a.pack_weights,
+                                 None if prefix else 0)
         else:
             ctx = vllm_server(a.vllm, a.hf, model, a.vllm_dtype, a.max_model_len, max(a.concurrency), a.vllm_draft,
-                              a.log, dict(kv.split("=", 1) for kv in a.vllm_env))
+                              a.log, dict(kv.split("=", 1) for kv in a.vllm_env), prefix)
         with ctx as url:
             for c in a.concurrency:
                 load = os.getloadavg()[0]

@@ -1,5 +1,5 @@
-"""model.pack_linears / PackedLinear: the large linear layers of a model for inference keep a oneDNN-packed copy of their
-weight for products of several rows; outputs stay those of F.linear up to float rounding, one row and training are
+"""model.pack_linears / PackedLinear: the linear layers of a model for inference keep a copy of their weight for products
+of several rows (oneDNN-packed for large weights, transposed for small ones); outputs stay those of F.linear up to float rounding, one row and training are
 F.linear itself, the weights (tied ones too) and the state dict are unchanged."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def model():
 def test_packed_linears_give_the_same_outputs_and_keep_the_weights():
     plain, packed = model(), model()
     keys = set(plain.state_dict())
-    assert pack_linears(packed, min_elements=64 * 64) == 2 * 5 + 1  # q, o, gate, up, down per layer, and the head
+    assert pack_linears(packed, min_elements=64 * 64, min_transposed=0) == 2 * 5 + 1  # q, o, gate, up, down, the head
     assert isinstance(packed.lm_head, PackedLinear) and packed.lm_head.weight is packed.embed_tokens.weight
     assert not isinstance(packed.layers[0].self_attn.k_proj, PackedLinear)  # 32 x 64: under the threshold
     assert set(packed.state_dict()) == keys
@@ -38,9 +38,24 @@ def test_packed_linears_give_the_same_outputs_and_keep_the_weights():
     assert torch.equal(y, torch.nn.functional.linear(h, lin.weight)) and y.requires_grad
 
 
-def test_bfloat16_and_small_models_left_alone():
+def test_small_weights_transposed_give_the_same_outputs():
+    plain, packed = model(), model()
+    assert pack_linears(packed, min_transposed=1) == 2 * 7 + 1  # every weight under a million entries: transposed
+    assert all(m.packed is None and m.wt.is_contiguous() for m in packed.modules() if isinstance(m, PackedLinear))
+    assert packed.lm_head.weight is packed.embed_tokens.weight
+    x = torch.randint(0, 300, (4, 9))
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x).logits, plain(x).logits, rtol=1e-5, atol=1e-5)
+        one = x[:1, :1]
+        assert torch.equal(packed(one).logits, plain(one).logits)
+        lin = torch.nn.Linear(48, 80)  # with a bias (Qwen2's q, k, v)
+        h = torch.randn(2, 5, 48)
+        torch.testing.assert_close(PackedLinear(lin, onednn=False)(h), lin(h), rtol=1e-5, atol=1e-6)
     m = model()
-    assert pack_linears(m) == 0  # every weight under a million entries
+    assert pack_linears(m, min_transposed=0) == 0  # nothing large enough for oneDNN, nothing transposed
+
+
+def test_bfloat16_packed():
     b = model().to(torch.bfloat16)
     assert pack_linears(b, min_elements=1) == 2 * 7 + 1
     with torch.inference_mode():

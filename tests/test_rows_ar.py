@@ -85,9 +85,9 @@ def test_the_row_batch_grows_unfilled_and_reads_no_unwritten_slot(model, rows):
     joined(Poisoned(model), rows, 4, alone_model=model)
 
 
-def joined(model, rows, capacity: int, alone_model=None, kind: str = "eager"):
+def joined(model, rows, capacity: int, alone_model=None, kind: str = "eager", prefix: int = 0) -> Programs:
     cfgs = [SampleConfig(max_new_tokens=n, temperature=t, top_k=k, top_p=p, seed=s) for _, n, (t, k, p), s, _ in rows]
-    batch = Programs(model, capacity, step=kind)
+    batch = Programs(model, capacity, step=kind, prefix=prefix)
     got: list[list[int]] = [[] for _ in rows]
     forwards, step = 0, 0
     with torch.inference_mode():
@@ -105,6 +105,7 @@ def joined(model, rows, capacity: int, alone_model=None, kind: str = "eager"):
     assert got == want
     assert batch.forwards <= sum(len(w) for w in want)  # rows shared forwards (or ended at once)
     assert (batch.rows.step is not None) == (kind != "eager")
+    return batch
 
 
 def test_rows_end_at_eos_or_their_budget_and_score_as_the_lone_model(model):
@@ -170,3 +171,35 @@ def test_ar_rows_on_the_static_step_equal_each_prompt_alone(model, rows, step):
     the same step through torch.compile) give each prompt's tokens alone, rows joining and leaving at any step, the
     buffers growing unfilled (NaN) from a capacity of 4."""
     joined(Poisoned(model), rows, 4, alone_model=model, kind=step)
+
+
+prefixed = st.tuples(st.lists(st.integers(3, V - 1), min_size=1, max_size=16),  # a prefix the prompts share
+                     st.lists(st.tuples(st.integers(0, 16),  # how much of it a prompt starts with
+                                        st.lists(st.integers(3, V - 1), max_size=5),  # then its own tokens
+                                        st.integers(1, 20),
+                                        st.sampled_from([(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 5, 0.9)]),
+                                        st.integers(0, 2 ** 20),
+                                        st.integers(0, 12)),
+                              min_size=2, max_size=6),
+                     st.sampled_from([700, 4096, 1 << 20]))  # bytes of the prefix cache (512 per token here)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, database=None)
+@given(case=prefixed)
+def test_prompts_that_reuse_a_kept_prefix_equal_each_prompt_alone(model, case):
+    """Rows whose prompts share prefixes (or repeat) join a running batch whose prefix cache holds the earlier prompts'
+    K/V (evicted past a small budget), over unfilled buffers growing from a capacity of 4: each prompt alone."""
+    base, spec, budget = case
+    rows = [(base[:k] + own or base[:1], n, s, seed, j) for k, own, n, s, seed, j in spec]
+    joined(Poisoned(model), rows, 4, alone_model=model, prefix=budget)
+
+
+@pytest.mark.parametrize("kind", ["eager", "static"])
+def test_a_repeated_prompt_computes_only_its_last_token(model, kind):
+    """The same prompt joining three times (greedy and sampled) and a longer one that starts with it: each as alone;
+    the repeats copy all but the prompt's last token from the prefix cache, the longer one the whole first prompt."""
+    p = [5, 9, 3, 11, 4, 8, 6]
+    rows = [(p, 12, (0.0, 0, 1.0), 0, 0), (p, 12, (0.0, 0, 1.0), 0, 2), (p, 12, (1.0, 0, 1.0), 7, 3),
+            (p + [13, 5], 12, (0.8, 5, 0.9), 3, 5), (p, 12, (1.0, 0, 1.0), 7, 9)]
+    batch = joined(model, rows, 64, prefix=1 << 20, kind=kind)
+    assert (batch.rows.prefix.hits, batch.rows.prefix.tokens) == (4, 3 * (len(p) - 1) + len(p))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -213,6 +214,54 @@ def finish(program: Iterator, answer):
         msg = answer(req)
 
 
+class PrefixCache:
+    """Prompts' K/V kept after their prefill, so that a later prompt sharing a prefix with one of them copies that
+    prefix's K/V into its row instead of computing it (the prefix caching of vLLM and SGLang; a row batch's rows over
+    one model: K/V of a causal window at slots == positions depend on the tokens up to theirs alone).
+
+    Entries are keyed by their tokens and evicted least recently used past `budget` bytes. `longest(ids)` finds the
+    longest common prefix of `ids` with any entry; each entry holds one tensor per cache buffer: (..., Hkv, P, hd)."""
+
+    def __init__(self, budget: int):
+        self.budget = budget  # bytes
+        self.entries: OrderedDict[tuple[int, ...], list[Tensor]] = OrderedDict()
+        self.bytes = 0
+        self.hits = 0  # prompts that reused a prefix
+        self.tokens = 0  # prompt tokens not computed
+
+    def longest(self, ids: tuple[int, ...]) -> tuple[int, list[Tensor] | None]:
+        """The longest prefix of ids some entry holds: (its length, that entry's buffers), or (0, None)."""
+        best, got, key = 0, None, None
+        for k, kv in self.entries.items():
+            n = min(len(k), len(ids))
+            if n <= best or k[0] != ids[0]:
+                continue
+            m = n if k[:n] == ids[:n] else next(i for i in range(n) if k[i] != ids[i])
+            if m > best:
+                best, got, key = m, kv, k
+        if key is not None:
+            self.entries.move_to_end(key)
+        return best, got
+
+    def put(self, ids: tuple[int, ...], kv: list[Tensor]) -> None:
+        size = sum(t.numel() * t.element_size() for t in kv)
+        if size > self.budget or ids in self.entries:
+            return
+        self.entries[ids] = kv
+        self.bytes += size
+        while self.bytes > self.budget:
+            _, old = self.entries.popitem(last=False)
+            self.bytes -= sum(t.numel() * t.element_size() for t in old)
+
+
+def _prompt(w: Window) -> bool:
+    """A causal prompt whose K/V all stay and whose last position's logits are wanted (an AR row's first request)."""
+    T = w.length
+    return (w.tokens is not None and isinstance(w.mask, str) and w.mask == "causal" and w.keep == T and w.out == (T - 1, T) and not w.hidden
+            and not w.canvas and w.embeds is None and w.pos is None and not w.taps and w.ctx is None
+            and w.on == "target" and T > 1)
+
+
 STEPS = ("eager", "static", "compiled")
 
 
@@ -223,8 +272,10 @@ class RowBatch:
     may serve a subset of the rows (the others wait: a speculating row asks its drafter and its target in turn);
     `crop` cuts a row's cache back (a rejected draft); the slots per row grow when a window would not fit."""
 
-    def __init__(self, model, capacity: int, step: str = "eager"):
+    def __init__(self, model, capacity: int, step: str = "eager", prefix: int = 0):
+        """prefix: bytes of prompts' K/V kept for later prompts that share a prefix with them (PrefixCache; 0: none)."""
         self.model = model
+        self.prefix = PrefixCache(prefix) if prefix > 0 else None
         # step "compiled": the rows' one-token steps as one compiled static step (dlm.sampling.graphs.RowsStep) on
         # per-layer buffers; "static": the same step run eagerly (its check); "eager": the ordinary forward
         if step not in STEPS:
@@ -321,6 +372,9 @@ class RowBatch:
         rows = list(range(len(self.length))) if rows is None else rows
         assert n == len(rows) and n > 0
         t0 = time.perf_counter()
+        kept = []
+        if self.prefix is not None:
+            windows, kept = self._reuse(windows, rows)
         Ts = [w.length + (0 if w.ctx is None else w.ctx.shape[0]) for w in windows]
         order = sorted(range(n), key=lambda j: Ts[j])
         best, cut = n * Ts[order[-1]], n  # padded tokens of one forward
@@ -337,11 +391,39 @@ class RowBatch:
             for grp in (sorted(order[:cut]), sorted(order[cut:])):
                 for j, r in zip(grp, self._forward([rows[j] for j in grp], [windows[j] for j in grp])):
                     res[j] = r
+        for b, ids in kept:  # prompts computed past what the prefix cache held: their K/V kept for the next ones
+            self.prefix.put(ids, [t[..., b, :, :len(ids), :].clone() for t in self.cache.buffers()])
         dev = self.cache.k[0].device
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         self.seconds += time.perf_counter() - t0
         return res
+
+    def _reuse(self, windows: list[Window], rows: list[int]) -> tuple[list[Window], list[tuple[int, tuple]]]:
+        """Prompts of empty rows that share a prefix with a kept one: that prefix's K/V copied into the row's first
+        slots, the window cut to the rest (at least the last token, whose logits are wanted). Returns the windows and
+        the (row, prompt) pairs to keep after the forward (those the cache did not hold whole)."""
+        out, kept = list(windows), []
+        for j, (w, b) in enumerate(zip(windows, rows)):
+            if self.length[b] or not _prompt(w):
+                continue
+            ids = tuple(w.tokens.tolist())
+            T = len(ids)
+            held, kv = self.prefix.longest(ids)
+            if held < T:
+                kept.append((b, ids))
+            m = min(held, T - 1)
+            if m == 0:
+                continue
+            self._reserve(len(self.length), T)
+            for t, e in zip(self.cache.buffers(), kv):
+                t[..., b, :, :m, :] = e[..., :m, :]
+            self.length[b] = m
+            self.clean[b] = max(self.clean[b], m)
+            self.prefix.hits += 1
+            self.prefix.tokens += m
+            out[j] = Window(tokens=w.tokens[m:], mask="causal", keep=T - m, out=(T - m - 1, T - m))
+        return out, kept
 
     def _band(self, windows: list[Window], lengths: Tensor, pos: Tensor, Lc: int) -> Tensor:
         """(n, 1, T, Lc + T): a sliding-window layer's band per row, from its positions (cache slot s holds position s,
@@ -538,9 +620,10 @@ class Programs:
     """
 
     def __init__(self, model: Transformer, capacity: int, models: dict | None = None, isolate: bool = False,
-                 step: str = "eager"):
+                 step: str = "eager", prefix: int = 0):
         self.isolate = isolate  # a row whose program raises ends with a Raised event (else the exception propagates)
-        self.batches = {"target": RowBatch(model, capacity, step)}  # step: how the target's one-token steps run
+        # step: how the target's one-token steps run; prefix: bytes of prompts' K/V the target keeps (PrefixCache)
+        self.batches = {"target": RowBatch(model, capacity, step, prefix)}
         for name, m in (models or {}).items():
             self.batches[name] = RowBatch(m, capacity)
         self.rows = self.batches["target"]

@@ -178,10 +178,12 @@ class Engine:
     """The models of one server, loaded once; starts jobs on them."""
 
     def __init__(self, models: list[str], draft: str | None = None, device: str | torch.device = "cpu",
-                 max_batch: int = 64, compile: bool = False, pack_weights: bool = False):
+                 max_batch: int = 64, compile: bool = False, pack_weights: bool = False, prefix_cache: int = 256 << 20):
         """compile: each model's one-token decoding steps run compiled (torch.compile, dlm.sampling.graphs.RowsStep),
         compiled while the server starts; where compiling fails, eagerly, with a warning. pack_weights: the models'
-        large linear layers keep a copy in oneDNN's layout for products of several rows (model.PackedLinear)."""
+        large linear layers keep a copy in oneDNN's layout for products of several rows (model.PackedLinear).
+        prefix_cache: bytes of prompts' K/V each batcher keeps for later prompts that share a prefix (rows.PrefixCache;
+        0: none)."""
         if not models:
             raise DlmError("--model: give at least one checkpoint folder")
         self.models: dict[str, Served] = {}
@@ -201,7 +203,7 @@ class Engine:
             served = Served(name, ck.objective, model, ck, str(path))
             if ck.objective == "ar" or (ck.objective in ("mdlm", "usdm", "joint") and batchable(model)
                                         and mdlm.rows_fit(ck)):
-                served.rows = RowsBatcher(model, ck, max_batch, name, compile=compile)  # (full attention, shifted: alone)
+                served.rows = RowsBatcher(model, ck, max_batch, name, compile=compile, prefix=prefix_cache)  # (full attention, shifted: alone)
             if ck.objective == "ar":
                 ar_models.append(served)
             self.models[name] = served
@@ -215,7 +217,8 @@ class Engine:
                 served = Served(sid, "speculative", target.model, target.ck, target.path, base, draft_id,
                                 plain=target.rows)
                 if rows_batchable(target.model, base):
-                    served.rows = RowsBatcher(target.model, target.ck, max_batch, sid, drafter=base, compile=compile)
+                    served.rows = RowsBatcher(target.model, target.ck, max_batch, sid, drafter=base, compile=compile,
+                                              prefix=prefix_cache)
                 self.models[sid] = served
 
     def get(self, model_id: str) -> Served | None:
@@ -369,8 +372,9 @@ class RowsBatcher(_BatchThread):
     """
 
     def __init__(self, model: Transformer, ck, max_rows: int = 64, name: str = "rows", drafter: Drafter | None = None,
-                 compile: bool = False):
+                 compile: bool = False, prefix: int = 0):
         self.model, self.ck, self.drafter = model, ck, drafter
+        self.prefix = prefix  # bytes of the prompts' K/V kept (rows.PrefixCache)
         self.step = "compiled" if compile else "eager"  # the target's one-token steps (rows.RowBatch)
         self.paradigm = "speculative" if drafter is not None else ck.objective
         self.max_rows = max_rows
@@ -382,7 +386,8 @@ class RowsBatcher(_BatchThread):
     def _new_batch(self) -> Programs:
         C = 2 * self.model.cfg.max_seq_len  # the longest row plus its longest window
         draft = self.drafter.row_model if self.drafter is not None else None
-        return Programs(self.model, C, {"draft": draft} if draft is not None else None, isolate=True, step=self.step)
+        return Programs(self.model, C, {"draft": draft} if draft is not None else None, isolate=True, step=self.step,
+                        prefix=self.prefix)
 
     def takes(self, rows: list[Row]) -> bool:
         """Whether a request's rows run here (else on a thread of their own: --naive; infilling by an AR model or by
@@ -396,6 +401,13 @@ class RowsBatcher(_BatchThread):
         return True
 
     label = "row batcher"
+
+    def stats(self) -> dict:
+        c = super().stats()
+        cache = self.batch.rows.prefix
+        if cache is not None:  # prompts that reused a kept prefix, and the prompt tokens they did not compute
+            c["prefix_hits"], c["prefix_tokens"] = cache.hits, cache.tokens
+        return c
 
     def _active(self) -> int:
         return len(self.batch)

@@ -153,11 +153,13 @@ def table(rows: list[dict]) -> str:
 
 @contextmanager
 def started_server(checkpoints: list[str], draft: str | None, max_concurrency: int, threads: int = 0,
-                   compile: bool = False, pack_weights: bool = False) -> Iterator[str]:
-    """`dlm serve` in a subprocess on a free port of 127.0.0.1 (with its --compile, --pack-weights); yields its URL,
-    stops it afterwards."""
+                   compile: bool = False, pack_weights: bool = False, prefix_cache_mb: int | None = None) -> Iterator[str]:
+    """`dlm serve` in a subprocess on a free port of 127.0.0.1 (with its --compile, --pack-weights, --prefix-cache-mb:
+    None its default); yields its URL, stops it afterwards."""
     cmd = [sys.executable, "-m", "dlm.cli", "serve", "--model", *checkpoints, "--port", "0", "--max-concurrency",
            str(max_concurrency), "--max-queue", "1024", "--log-level", "warning", "--threads", str(threads)]
+    if prefix_cache_mb is not None:
+        cmd += ["--prefix-cache-mb", str(prefix_cache_mb)]
     if compile:
         cmd.append("--compile")
     if pack_weights:
@@ -201,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="with --serve: torch threads of the server (0: default)")
     ap.add_argument("--compile", action="store_true", help="with --serve: dlm serve --compile")
     ap.add_argument("--pack-weights", action="store_true", help="with --serve: dlm serve --pack-weights")
+    ap.add_argument("--prefix-cache-mb", type=int, help="with --serve: dlm serve --prefix-cache-mb (default: its own)")
     ap.add_argument("--repeat", type=int, default=1, help="run the sweep this many times; medians per row")
     ap.add_argument("--api-key", default=os.environ.get("DLM_API_KEY"))
     ap.add_argument("--json", help="write the rows as JSON lines to this file")
@@ -226,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.url:
         rows = run(a.url.rstrip("/"))
     else:
-        with started_server(a.serve, a.draft, max(a.concurrency), a.threads, a.compile, a.pack_weights) as url:
+        with started_server(a.serve, a.draft, max(a.concurrency), a.threads, a.compile, a.pack_weights,
+                            a.prefix_cache_mb) as url:
             rows = run(url)
     print()
     print(table(rows))
