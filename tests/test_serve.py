@@ -229,6 +229,8 @@ def test_16_concurrent_streams_are_batched_and_uncorrupted(engine, url, client):
     rows = after["decode_rows"] - before["decode_rows"]
     assert rows / steps > 2, (rows, steps)  # requests shared forwards
     assert after["max_rows"] >= 4
+    # every prompt came before: its K/V from the prefix cache (all but its last token), the same text
+    assert after["prefix_hits"] - before["prefix_hits"] == len(PROMPTS)
 
 
 @pytest.mark.parametrize("model,extra", [("mdlm-small", {}), ("usdm-small", {"steps": 8})])
@@ -500,6 +502,8 @@ def test_dlm_serve_command_starts_and_stops(capsys):
     err = capsys.readouterr().err
     assert "drafter" in err and "--draft" in err
     assert main(["serve", "--model", str(CK / "ar-small"), "--max-queue", "-1"]) == 2
+    assert main(["serve", "--model", str(CK / "ar-small"), "--prefix-cache-mb", "-1"]) == 2
+    assert "--prefix-cache-mb must be >= 0" in capsys.readouterr().err
     proc, base = start_server(["--model", str(CK / "ar-small"), "--model", str(CK / "mdlm-small")])
     try:
         assert base.startswith("http://127.0.0.1:")
