@@ -281,7 +281,8 @@ def pack_linears(model: nn.Module, min_elements: int = 1 << 20, min_transposed: 
     """Every linear layer of a model for inference, float32 or bfloat16 on a CPU, as a PackedLinear: in oneDNN's layout
     from `min_elements` weights on, transposed from `min_transposed` (0: none); the number packed."""
     todo = [(parent, name, m) for parent in model.modules() for name, m in parent.named_children()
-            if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype in (torch.float32, torch.bfloat16)]
+            if type(m) is nn.Linear and m.weight.device.type == "cpu"
+            and m.weight.dtype in (torch.float32, torch.bfloat16)]
     n = 0
     for parent, name, m in todo:
         size = m.weight.numel()

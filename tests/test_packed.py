@@ -1,6 +1,7 @@
 """model.pack_linears / PackedLinear: the linear layers of a model for inference keep a copy of their weight for products
-of several rows (oneDNN-packed for large weights, transposed for small ones); outputs stay those of F.linear up to float rounding, one row and training are
-F.linear itself, the weights (tied ones too) and the state dict are unchanged."""
+of several rows (oneDNN-packed for large weights, transposed for small ones); outputs stay those of F.linear up to
+float rounding, one row and training are F.linear itself, the weights (tied
+ones too) and the state dict are unchanged."""
 
 from __future__ import annotations
 

@@ -257,9 +257,9 @@ class PrefixCache:
 def _prompt(w: Window) -> bool:
     """A causal prompt whose K/V all stay and whose last position's logits are wanted (an AR row's first request)."""
     T = w.length
-    return (w.tokens is not None and isinstance(w.mask, str) and w.mask == "causal" and w.keep == T and w.out == (T - 1, T) and not w.hidden
-            and not w.canvas and w.embeds is None and w.pos is None and not w.taps and w.ctx is None
-            and w.on == "target" and T > 1)
+    return (w.tokens is not None and isinstance(w.mask, str) and w.mask == "causal" and w.keep == T
+            and w.out == (T - 1, T) and not w.hidden and not w.canvas and w.embeds is None and w.pos is None
+            and not w.taps and w.ctx is None and w.at is None and w.on == "target" and T > 1)
 
 
 STEPS = ("eager", "static", "compiled")

@@ -203,7 +203,8 @@ class Engine:
             served = Served(name, ck.objective, model, ck, str(path))
             if ck.objective == "ar" or (ck.objective in ("mdlm", "usdm", "joint") and batchable(model)
                                         and mdlm.rows_fit(ck)):
-                served.rows = RowsBatcher(model, ck, max_batch, name, compile=compile, prefix=prefix_cache)  # (full attention, shifted: alone)
+                # (full attention, shifted: alone)
+                served.rows = RowsBatcher(model, ck, max_batch, name, compile=compile, prefix=prefix_cache)
             if ck.objective == "ar":
                 ar_models.append(served)
             self.models[name] = served

@@ -153,7 +153,8 @@ def table(rows: list[dict]) -> str:
 
 @contextmanager
 def started_server(checkpoints: list[str], draft: str | None, max_concurrency: int, threads: int = 0,
-                   compile: bool = False, pack_weights: bool = False, prefix_cache_mb: int | None = None) -> Iterator[str]:
+                   compile: bool = False, pack_weights: bool = False,
+                   prefix_cache_mb: int | None = None) -> Iterator[str]:
     """`dlm serve` in a subprocess on a free port of 127.0.0.1 (with its --compile, --pack-weights, --prefix-cache-mb:
     None its default); yields its URL, stops it afterwards."""
     cmd = [sys.executable, "-m", "dlm.cli", "serve", "--model", *checkpoints, "--port", "0", "--max-concurrency",
