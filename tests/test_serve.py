@@ -568,5 +568,6 @@ def test_batching_raises_ar_throughput_at_16_over_1(url):
     one = measure(url, "ar-small", 1, 8, 48, prompts)
     many = measure(url, "ar-small", 16, 48, 48, prompts)
     assert one["errors"] == many["errors"] == 0
-    assert many["rows_per_step"] > 4, many
+    # (the warm-up's steps, one row each, not counted: 14.9 of 16 here)
+    assert one["rows_per_step"] == 1.0 and many["rows_per_step"] > 12.5, many
     assert many["tokens_per_second"] > 1.5 * one["tokens_per_second"], (one, many)

@@ -71,7 +71,8 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -
 
 
 async def _level(url: str, model: str, concurrency: int, requests: int, max_tokens: int, prompts: list[str],
-                 headers: dict, extra: dict) -> list[dict]:
+                 headers: dict, extra: dict) -> tuple[list[dict], dict | None]:
+    """The row's results, and the server's batching counters after the warm-up (None: not a dlm server)."""
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         def body(i: int) -> dict:
@@ -79,6 +80,7 @@ async def _level(url: str, model: str, concurrency: int, requests: int, max_toke
                     "stream_options": {"include_usage": True}, "temperature": 0, **extra}
 
         await _one(client, url, body(0), headers)  # warm-up
+        before = await asyncio.to_thread(batching, url, model)  # (its steps, one row each, are not the row's)
         counter = iter(range(requests))
         results: list[dict] = []
 
@@ -91,7 +93,7 @@ async def _level(url: str, model: str, concurrency: int, requests: int, max_toke
         wall = time.perf_counter() - t0
     for r in results:
         r["wall"] = wall
-    return results
+    return results, before
 
 
 def batching(url: str, model: str) -> dict | None:
@@ -107,8 +109,7 @@ def measure(url: str, model: str, concurrency: int, requests: int, max_tokens: i
     """One row: `requests` streamed completions of `model` by `concurrency` clients."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     prompts = prompts or default_prompts()
-    before = batching(url, model)
-    results = asyncio.run(_level(url, model, concurrency, requests, max_tokens, prompts, headers, {}))
+    results, before = asyncio.run(_level(url, model, concurrency, requests, max_tokens, prompts, headers, {}))
     after = batching(url, model)
     ok = [r for r in results if r["status"] == 200]
     wall = results[0]["wall"] if results else 0.0
