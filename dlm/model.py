@@ -303,7 +303,9 @@ def column_major(model: nn.Module) -> int:
     is what a speculative verify pays; docs/log/dflash.md), one token about the same. Decoding only: the values are
     the same, the products' rounding is not bit-identical to the row-major ones, and a checkpoint is written from
     row-major weights. A weight shared with an embedding (a tied LM head) stays as it is; a PackedLinear is left
-    alone. The number relaid."""
+    alone. (`pack_linears`' transposed copy, the server's --pack-weights, is the same product kept beside the weight:
+    one row stays F.linear's, at the cost of the copy's memory; this replaces the weight for every row count.) The
+    number relaid."""
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     n = 0
     for m in model.modules():
