@@ -1,7 +1,10 @@
 """The ceiling of one-pass block drafting for a target at temperature 1: what an ideal drafter would get.
 
     OMP_NUM_THREADS=1 python scripts/spec_ceiling.py --model checkpoints/ar-mid --draft checkpoints/dflash2-mid \\
-        --prompts 8 --max-new-tokens 128 --block-size 8 --samples 64 --every 3
+        --prompts 8 --max-new-tokens 128 --block-size 8
+
+(~5 min of one thread at the defaults, 32 continuations at every 8th cycle's context; the figures in docs/log/dflash.md
+used --samples 64 --every 4: 154 contexts, 17 min.)
 
 A DFlash drafter drafts a block in one pass: slot i cannot see the tokens sampled at slots < i. At temperature 1 the
 verifier is speculative sampling (slot i's token x, drawn from the draft's q_i, is accepted with min(1, p(x) / q_i(x)),
@@ -12,31 +15,37 @@ so slot i is accepted, given the slots before it were, with probability sum_x mi
    tokens, T = 1, --block-size): every cycle's number of accepted slots is recorded (the verifier is wrapped), and the
    tokens it commits are a sample of the target at T = 1 (the loop is lossless). The target's entropy is measured
    over those tokens (one forward over each case's prompt and generation).
-2. At the contexts where its cycles started (every --every-th cycle), two ideal one-pass drafters are evaluated:
+2. At the contexts where its cycles started (every --every-th cycle), ideal one-pass drafters are evaluated:
    - factorized: slot 1 is the target's own conditional p(. | context) (the drafter knows the context and the bonus
-     token), slot i > 1 the target's marginal over the slots before it, sum over x_<i of p(x_<i) p(. | x_<i), which
-     no slot-by-slot independent draft can beat on average by much (it is what a drafter trained on the target's
-     samples with cross-entropy converges to). Estimated by Monte Carlo: --samples continuations drawn from the
-     target at T = 1 from the context, the marginal of slot i the mean of their conditionals p(. | context, s_<i).
+     token), slot i > 1 the target's marginal over the slots before it, sum over x_<i of p(x_<i) p(. | x_<i): what a
+     drafter whose slots are drawn independently converges to when trained with cross-entropy on the target's own
+     samples (a DFlash 1 drafter at its best; not in every context the best independent draft, but close to it).
+     Estimated by Monte Carlo: --samples continuations drawn from the target at T = 1 from the context, the marginal
+     of slot i the mean of their conditionals p(. | context, s_<i).
    - first-order (a DFlash 2 selector's shape, unbounded): slot i's draft may depend on the token chosen at slot
      i - 1 (slot 2 is then the target's own conditional), q_i(. | x) = E[p(. | s_<i-1, x) | x], estimated from the
      same continuations weighted by p(x | s_<i-1) (self-normalised importance weights).
+   - top-k: the first-order draft restricted to the --top-k tokens of each slot's marginal, renormalised: a DFlash 2
+     selector chooses among candidates fixed in the pass (the top-k of each slot's logits), only the walk through
+     them depends on the slot before.
    Each is run through the verifier exactly, one path per context: the accepted token of slot i is drawn from
    min(p, q_i) / beta_i (its distribution given acceptance), beta_i = sum min(p, q_i), and P(at least i accepted) is
    the mean over contexts of beta_1 ... beta_i (an unbiased estimate with no rejected draws wasted). Tau at block B
    (B - 1 slots and the bonus token) is 1 + sum_{i < B} P(at least i accepted), for every B up to --slots + 1 at once.
    With few samples the Monte-Carlo marginal is noisier than the true one, and acceptance is concave in q: the
-   estimate errs low (compare --samples 32 and 128).
+   factorized estimate errs low; the first-order one's importance weights make it err as well (either way). Both
+   are small at 32-64 samples (docs/log/dflash.md has the check against slot 1 enumerated).
 
 The speedup a tau gives is tau / (a cycle's cost in target steps): --cycle-steps, measured with scripts/spec_cycle.py
-at one thread (a verify forward of B tokens and a one-layer draft pass; docs/log/dflash.md). At temperature 0 the
-ideal one-pass drafter is not bounded this way: the greedy path is a function of the context, so a drafter that
-predicts it gets tau = B; there the limit is the drafter's capacity.
+at one thread (a verify forward of B tokens and a one-layer draft pass; docs/log/dflash.md: blocks 8 and 16 measured
+as cycles, 1.90 and 2.28; block 4 a verify of 4 tokens, 1.29, plus the draft pass and the loop, ~0.4). At temperature
+0 the ideal one-pass drafter is not bounded this way: the greedy path is a function of the context, so a drafter
+that predicts it gets tau = B; there the limit is the drafter's capacity.
 
 Figures: the shipped drafter's P(at least i accepted) and its conditional acceptance by slot, the ideal drafters'
-the same, tau at each block and the speedups; the target's mean entropy (nats) per generated token, the entropy of
-the ideal slot marginals. --json writes them. Acceptance rates, not timings: noise on a busy machine does not move
-them (one thread).
+the same (and the factorized one's slot 2 by slot 1's entropy), tau at each block and the speedups; the target's
+mean entropy (nats) per generated token, the entropy of the ideal slot marginals. --json writes them. Acceptance
+rates, not timings: noise on a busy machine does not move them (one thread).
 """
 
 from __future__ import annotations
@@ -119,32 +128,52 @@ class Rows:
         return torch.softmax(out.logits[:, -1].float(), -1)
 
 
-def ideal_betas(model: Transformer, root: KVCache, p1: torch.Tensor, slots: int, samples: int,
+def on_top(q: torch.Tensor, cands: torch.Tensor) -> torch.Tensor:
+    """q restricted to the candidates and renormalised (a DFlash 2 selector's draft: zero outside them). (V,)"""
+    out = torch.zeros_like(q)
+    out[cands] = q[cands]
+    return out / out.sum() if out.sum() > 0 else out
+
+
+def ideal_betas(model: Transformer, root: KVCache, p1: torch.Tensor, slots: int, samples: int, top_k: int,
                 gen: torch.Generator) -> dict[str, list[float]]:
-    """The two ideal drafters at one context (root: the target's cache over it, p1 (V,): its next-token
-    distribution): beta_1..beta_slots of each along one accepted path, and the entropies of the slot marginals."""
+    """The ideal drafters at one context (root: the target's cache over it, p1 (V,): its next-token distribution):
+    beta_1..beta_slots of each along one accepted path of its own, and the entropies of the slot marginals.
+
+    factorized   slot i: the target's marginal of slot i (slot 1: p1)
+    first_order  slot i after slot i - 1's token x: E[p(. | s_<i-1, x) | x] over the target's continuations
+    top_k        first_order restricted to the top_k tokens of slot i's marginal (a DFlash 2 selector's candidates:
+                 chosen in the pass, before the walk), renormalised"""
     mc = Rows(model, root, samples, slots + 1)  # the Monte-Carlo continuations
-    paths = Rows(model, root, 2, slots + 1)  # the factorized drafter's accepted path, the first-order one's
+    paths = Rows(model, root, 3, slots + 1)  # each drafter's accepted path
     prev = p1.expand(samples, -1)  # p(. | context, s_<i) of each continuation
     s = torch.multinomial(prev, 1, generator=gen)[:, 0]  # (N,) slot 1 of each continuation
-    pf = pm = p1
-    xf, xm = int(torch.multinomial(p1, 1, generator=gen)), int(torch.multinomial(p1, 1, generator=gen))
-    out = {"factorized": [1.0], "first_order": [1.0], "marginal_entropy": [float(entropy(p1))]}
-    for _ in range(1, slots):
-        # first-order: continuations before slot i - 1, then the path's own token there, weighted by its probability
-        branch = mc.probs(torch.full((samples,), xm), write=False)  # (N, V)
-        w = prev[:, xm].double()
-        w = w / w.sum() if w.sum() > 0 else torch.full_like(w, 1.0 / samples)
-        qm = (w[:, None].float() * branch).sum(0)
+    names = ("factorized", "first_order", "top_k")
+    top = on_top(p1, torch.topk(p1, top_k).indices)
+    qs = (p1, p1, top)
+    out = {n: [] for n in names} | {"marginal_entropy": [float(entropy(p1))]}
+    p, x = p1.expand(3, -1), [0, 0, 0]
+    for i in range(slots):
+        for j, n in enumerate(names):  # slot i through the verifier on each drafter's path
+            b, x[j] = accepted_draw(p[j], qs[j], gen)
+            out[n].append(b)
+        if i == slots - 1:
+            break
+
+        def after(tok: int) -> torch.Tensor:
+            """E[p(. | s_<i, tok) | tok]: the continuations with the path's own token at slot i, weighted by its
+            probability after them (self-normalised importance weights)."""
+            branch = mc.probs(torch.full((samples,), tok), write=False)  # (N, V)
+            w = prev[:, tok].double()
+            w = w / w.sum() if w.sum() > 0 else torch.full_like(w, 1.0 / samples)
+            return (w[:, None].float() * branch).sum(0)
+
+        q_first, q_top = after(x[1]), after(x[2])
         prev = mc.probs(s)  # (N, V): the continuations one slot on
-        qf = prev.mean(0)  # the marginal of slot i
-        p = paths.probs(torch.tensor([xf, xm]))
-        pf, pm = p[0], p[1]
-        bf, xf = accepted_draw(pf, qf, gen)
-        bm, xm = accepted_draw(pm, qm, gen)
-        out["factorized"].append(bf)
-        out["first_order"].append(bm)
-        out["marginal_entropy"].append(float(entropy(qf)))
+        marginal = prev.mean(0)  # of slot i + 1
+        qs = (marginal, q_first, on_top(q_top, torch.topk(marginal, top_k).indices))
+        out["marginal_entropy"].append(float(entropy(marginal)))
+        p = paths.probs(torch.tensor(x))  # each path's target distribution at slot i + 1
         s = torch.multinomial(prev, 1, generator=gen)[:, 0]
     return out
 
@@ -185,8 +214,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=8, help="the shipped drafter's block")
     ap.add_argument("--slots", type=int, default=15, help="slots of the ideal drafters (blocks up to slots + 1)")
-    ap.add_argument("--samples", type=int, default=64, help="Monte-Carlo continuations per context")
-    ap.add_argument("--every", type=int, default=3, help="the ideal drafters at every n-th cycle's context")
+    ap.add_argument("--samples", type=int, default=32, help="Monte-Carlo continuations per context")
+    ap.add_argument("--top-k", type=int, default=16, help="candidates per slot of the top-k drafter (dflash2-mid's "
+                    "selector: 16)")
+    ap.add_argument("--every", type=int, default=8, help="the ideal drafters at every n-th cycle's context")
     ap.add_argument("--cycle-steps", default="4=1.70,8=1.90,16=2.28",
                     help="a cycle's cost in target steps by block (BLOCK=STEPS,...)")
     ap.add_argument("--seed", type=int, default=0)
@@ -200,7 +231,7 @@ def main() -> None:
     with torch.inference_mode():
         runs = run_shipped(model, ck, args.draft, items, args.max_new_tokens, args.block_size)
         gen = torch.Generator().manual_seed(args.seed)
-        ents, ideal, starts = [], {"factorized": [], "first_order": [], "marginal_entropy": []}, 0
+        ents, ideal, starts = [], {"factorized": [], "first_order": [], "top_k": [], "marginal_entropy": []}, 0
         for prompt, toks, cycles in runs:
             seq = torch.tensor(prompt + toks)
             root = model.new_cache(1, len(seq) + 1)
@@ -211,7 +242,7 @@ def main() -> None:
             for c, (k, n) in enumerate(cycles):
                 if c % args.every == 0:
                     root.length = pos  # the forward over the whole sequence wrote every slot: any prefix holds
-                    b = ideal_betas(model, root, p_all[pos - 1], args.slots, args.samples, gen)
+                    b = ideal_betas(model, root, p_all[pos - 1], args.slots, args.samples, args.top_k, gen)
                     for key in ideal:
                         ideal[key].append(b[key])
                     starts += 1
@@ -236,16 +267,27 @@ def main() -> None:
           f"slot acceptance given the slots before (whole blocks, {len(full)} cycles):")
     print("  P(>= i)   " + " ".join(f"{a:.3f}" for a in shipped))
     print("  a_i       " + " ".join(f"{a:.3f}" for a in conditional(shipped)))
-    for key in ("factorized", "first_order"):
+    for key in ("factorized", "first_order", "top_k"):
         al = at_least(ideal[key])
         taus = {b: tau(al, b) for b in sorted(costs) if b - 1 <= args.slots}
         res[key] = {"at_least": al, "conditional": conditional(al), "tau": taus,
                     "speedup": {b: taus[b] / costs[b] for b in taus}}
-        print(f"ideal {key}:")
+        print(f"ideal {key}" + (f" (top {args.top_k})" if key == "top_k" else "") + ":")
         print("  P(>= i)   " + " ".join(f"{a:.3f}" for a in al))
         print("  a_i       " + " ".join(f"{a:.3f}" for a in conditional(al)))
         print("  " + ", ".join(f"block {b}: tau {t:.2f}, {t / costs[b]:.2f}x at {costs[b]} steps a cycle"
                                for b, t in taus.items()))
+    # what limits slot 2: the factorized drafter's acceptance there by how uncertain slot 1 was
+    h1 = [e[0] for e in ideal["marginal_entropy"]]
+    res["slot2_by_slot1_entropy"] = {}
+    for lo, hi in ((0.0, 0.5), (0.5, 1.5), (1.5, 3.0), (3.0, 99.0)):
+        sel = [b[1] for b, h in zip(ideal["factorized"], h1) if lo <= h < hi]
+        if sel:
+            res["slot2_by_slot1_entropy"][f"{lo}-{hi}"] = {"contexts": len(sel), "beta2": statistics.fmean(sel)}
+    print("factorized slot 2 by slot 1's entropy (nats): " + ", ".join(
+        f"{k}: {v['beta2']:.2f} ({v['contexts']})" for k, v in res["slot2_by_slot1_entropy"].items()))
+    res["contexts_detail"] = [{"slot1_entropy": h, "factorized": f, "first_order": m, "top_k": t}
+                              for h, f, m, t in zip(h1, ideal["factorized"], ideal["first_order"], ideal["top_k"])]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
