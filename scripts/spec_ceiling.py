@@ -37,8 +37,8 @@ so slot i is accepted, given the slots before it were, with probability sum_x mi
    are small at 32-64 samples (docs/log/dflash.md has the check against slot 1 enumerated).
 
 The speedup a tau gives is tau / (a cycle's cost in target steps): --cycle-steps, measured with scripts/spec_cycle.py
-at one thread (a verify forward of B tokens and a one-layer draft pass; docs/log/dflash.md: blocks 8 and 16 measured
-as cycles, 1.90 and 2.28; block 4 a verify of 4 tokens, 1.29, plus the draft pass and the loop, ~0.4). At temperature
+at one thread (a verify forward of B tokens and dflash2-mid's one-layer draft pass, measured as cycles: 1.80, 1.90
+and 2.28 steps at blocks 4, 8 and 16; docs/log/dflash.md). At temperature
 0 the ideal one-pass drafter is not bounded this way: the greedy path is a function of the context, so a drafter
 that predicts it gets tau = B; there the limit is the drafter's capacity.
 
@@ -218,7 +218,7 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=16, help="candidates per slot of the top-k drafter (dflash2-mid's "
                     "selector: 16)")
     ap.add_argument("--every", type=int, default=8, help="the ideal drafters at every n-th cycle's context")
-    ap.add_argument("--cycle-steps", default="4=1.70,8=1.90,16=2.28",
+    ap.add_argument("--cycle-steps", default="4=1.80,8=1.90,16=2.28",
                     help="a cycle's cost in target steps by block (BLOCK=STEPS,...)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
