@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dlm.sampling.speculative import verify_sample
-from tests.conftest import tiny_model
+from conftest import tiny_model
 
 SCRIPT = Path(__file__).parent.parent / "scripts" / "spec_ceiling.py"
 spec = importlib.util.spec_from_file_location("spec_ceiling", SCRIPT)
