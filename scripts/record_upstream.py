@@ -234,37 +234,7 @@ def record_dream(code: list[Path], out: Path) -> None:
     for temp, top_p in ((0.2, 0.95), (1.0, None)):
         settings.append({"alg": "origin", "max_new_tokens": 16, "steps": 8, "temperature": temp, "top_p": top_p,
                          "seed": 5})
-    # the options of generate / generate_diffusion / self_spec_generate recorded later (after the first 116 cases,
-    # which stay as they were): causal_context=False, shift_logits, ar_mix_weight
-    more = [{"mode": "generate_diffusion", "code": "ministral_dlm", "max_new_tokens": n, "block_length": b,
-             "steps": st, "threshold": t, "causal_context": cc, "shift_logits": sh}
-            for cc, sh in ((True, True), (False, False), (False, True))
-            for n, b, st, t in ((16, 8, 16, None), (16, 8, 8, 0.9), (24, 4, 12, None))]
-    more += [{"mode": "generate_diffusion", "code": "ministral_dlm", "max_new_tokens": 16, "block_length": 8,
-              "steps": 16, "threshold": 0.5, "temperature": 0.7, "seed": 3, "causal_context": cc, "shift_logits": sh}
-             for cc, sh in ((True, True), (False, False), (False, True))]
-    more += [{"mode": "generate", "max_new_tokens": n, "block_length": b, "threshold": t, "causal_context": False}
-             for n, b, t in ((16, 4, None), (16, 8, 0.9), (24, 8, 0.5))]
-    more += [{"mode": "generate", "max_new_tokens": 16, "block_length": 8, "threshold": 0.9, "temperature": 0.8,
-              "seed": 5, "causal_context": False}]
-    more += [{"mode": "self_spec_generate", "code": "ministral_dlm", "max_new_tokens": n, "block_length": b,
-              "steps": n, "ar_mix_weight": w} for n, b, w in ((16, 4, 0.5), (24, 8, 0.3), (16, 8, 0.0))]
-    # then the thinking budgets of generate / generate_diffusion (end_think_token_id: w28, a token these prompts
-    # generate unasked, so that some runs hold it before their budget runs out; max_thinking_tokens a multiple of the
-    # block too, where the injection overwrites the AR seed)
-    think = [{"mode": "generate", "max_new_tokens": n, "block_length": b, "threshold": t, "max_thinking_tokens": m,
-              "end_think_token_id": len(NEMO_SPECIALS) + 28}
-             for n, b, t, m in ((16, 4, None, 6), (16, 8, 0.9, 8), (24, 8, None, 5))]
-    think += [{"mode": "generate", "max_new_tokens": 16, "block_length": 8, "threshold": 0.9, "temperature": 0.8,
-               "seed": 5, "max_thinking_tokens": 3, "end_think_token_id": len(NEMO_SPECIALS) + 28},
-              {"mode": "generate", "max_new_tokens": 16, "block_length": 8, "threshold": None, "causal_context": False,
-               "max_thinking_tokens": 4, "end_think_token_id": len(NEMO_SPECIALS) + 28}]
-    think += [{"mode": "generate_diffusion", "code": "ministral_dlm", "max_new_tokens": n, "block_length": b,
-               "steps": st, "threshold": None, "shift_logits": sh, "max_thinking_tokens": m,
-               "end_think_token_id": len(NEMO_SPECIALS) + 28} for n, b, st, sh, m in ((16, 8, 16, False, 10),
-                                                                                    (24, 4, 12, True, 9))]
-    for case, p, kw in itertools.chain(each_case(head, eos, settings, prompts), each_case(head, eos, more, prompts),
-                                       each_case(head, eos, think, prompts)):
+    for case, p, kw in each_case(head, eos, settings, prompts):
         # (an explicit generation config: transformers 5.x cannot derive Dream's from the model's)
         gc = Gen(output_history=True, return_dict_in_generate=True, mask_token_id=mask, eos_token_id=eos,
                  pad_token_id=eos, bos_token_id=bos, **kw)
@@ -310,37 +280,7 @@ def record_dream_threshold(code: list[Path], out: Path) -> None:
         settings.append({"alg": "confidence_threshold", "threshold": threshold, "max_new_tokens": n, "steps": steps,
                          "temperature": temp, "top_p": top_p, "seed": seed})
     cases = []
-    # the options of generate / generate_diffusion / self_spec_generate recorded later (after the first 116 cases,
-    # which stay as they were): causal_context=False, shift_logits, ar_mix_weight
-    more = [{"mode": "generate_diffusion", "code": "ministral_dlm", "max_new_tokens": n, "block_length": b,
-             "steps": st, "threshold": t, "causal_context": cc, "shift_logits": sh}
-            for cc, sh in ((True, True), (False, False), (False, True))
-            for n, b, st, t in ((16, 8, 16, None), (16, 8, 8, 0.9), (24, 4, 12, None))]
-    more += [{"mode": "generate_diffusion", "code": "ministral_dlm", "max_new_tokens": 16, "block_length": 8,
-              "steps": 16, "threshold": 0.5, "temperature": 0.7, "seed": 3, "causal_context": cc, "shift_logits": sh}
-             for cc, sh in ((True, True), (False, False), (False, True))]
-    more += [{"mode": "generate", "max_new_tokens": n, "block_length": b, "threshold": t, "causal_context": False}
-             for n, b, t in ((16, 4, None), (16, 8, 0.9), (24, 8, 0.5))]
-    more += [{"mode": "generate", "max_new_tokens": 16, "block_length": 8, "threshold": 0.9, "temperature": 0.8,
-              "seed": 5, "causal_context": False}]
-    more += [{"mode": "self_spec_generate", "code": "ministral_dlm", "max_new_tokens": n, "block_length": b,
-              "steps": n, "ar_mix_weight": w} for n, b, w in ((16, 4, 0.5), (24, 8, 0.3), (16, 8, 0.0))]
-    # then the thinking budgets of generate / generate_diffusion (end_think_token_id: w28, a token these prompts
-    # generate unasked, so that some runs hold it before their budget runs out; max_thinking_tokens a multiple of the
-    # block too, where the injection overwrites the AR seed)
-    think = [{"mode": "generate", "max_new_tokens": n, "block_length": b, "threshold": t, "max_thinking_tokens": m,
-              "end_think_token_id": len(NEMO_SPECIALS) + 28}
-             for n, b, t, m in ((16, 4, None, 6), (16, 8, 0.9, 8), (24, 8, None, 5))]
-    think += [{"mode": "generate", "max_new_tokens": 16, "block_length": 8, "threshold": 0.9, "temperature": 0.8,
-               "seed": 5, "max_thinking_tokens": 3, "end_think_token_id": len(NEMO_SPECIALS) + 28},
-              {"mode": "generate", "max_new_tokens": 16, "block_length": 8, "threshold": None, "causal_context": False,
-               "max_thinking_tokens": 4, "end_think_token_id": len(NEMO_SPECIALS) + 28}]
-    think += [{"mode": "generate_diffusion", "code": "ministral_dlm", "max_new_tokens": n, "block_length": b,
-               "steps": st, "threshold": None, "shift_logits": sh, "max_thinking_tokens": m,
-               "end_think_token_id": len(NEMO_SPECIALS) + 28} for n, b, st, sh, m in ((16, 8, 16, False, 10),
-                                                                                    (24, 4, 12, True, 9))]
-    for case, p, kw in itertools.chain(each_case(head, eos, settings, prompts), each_case(head, eos, more, prompts),
-                                       each_case(head, eos, think, prompts)):
+    for case, p, kw in each_case(head, eos, settings, prompts):
         threshold = kw.pop("threshold")
         gc = Gen(output_history=True, return_dict_in_generate=True, mask_token_id=mask, eos_token_id=eos,
                  pad_token_id=eos, bos_token_id=bos, **kw)
@@ -549,37 +489,7 @@ def record_llada(code: list[Path], out: Path) -> None:
     settings.append({"gen_length": 16, "block_length": 8, "steps": 8, "remasking": "random", "seed": 7,
                      "cfg_scale": 1.0})
     cases = []
-    # the options of generate / generate_diffusion / self_spec_generate recorded later (after the first 116 cases,
-    # which stay as they were): causal_context=False, shift_logits, ar_mix_weight
-    more = [{"mode": "generate_diffusion", "code": "ministral_dlm", "max_new_tokens": n, "block_length": b,
-             "steps": st, "threshold": t, "causal_context": cc, "shift_logits": sh}
-            for cc, sh in ((True, True), (False, False), (False, True))
-            for n, b, st, t in ((16, 8, 16, None), (16, 8, 8, 0.9), (24, 4, 12, None))]
-    more += [{"mode": "generate_diffusion", "code": "ministral_dlm", "max_new_tokens": 16, "block_length": 8,
-              "steps": 16, "threshold": 0.5, "temperature": 0.7, "seed": 3, "causal_context": cc, "shift_logits": sh}
-             for cc, sh in ((True, True), (False, False), (False, True))]
-    more += [{"mode": "generate", "max_new_tokens": n, "block_length": b, "threshold": t, "causal_context": False}
-             for n, b, t in ((16, 4, None), (16, 8, 0.9), (24, 8, 0.5))]
-    more += [{"mode": "generate", "max_new_tokens": 16, "block_length": 8, "threshold": 0.9, "temperature": 0.8,
-              "seed": 5, "causal_context": False}]
-    more += [{"mode": "self_spec_generate", "code": "ministral_dlm", "max_new_tokens": n, "block_length": b,
-              "steps": n, "ar_mix_weight": w} for n, b, w in ((16, 4, 0.5), (24, 8, 0.3), (16, 8, 0.0))]
-    # then the thinking budgets of generate / generate_diffusion (end_think_token_id: w28, a token these prompts
-    # generate unasked, so that some runs hold it before their budget runs out; max_thinking_tokens a multiple of the
-    # block too, where the injection overwrites the AR seed)
-    think = [{"mode": "generate", "max_new_tokens": n, "block_length": b, "threshold": t, "max_thinking_tokens": m,
-              "end_think_token_id": len(NEMO_SPECIALS) + 28}
-             for n, b, t, m in ((16, 4, None, 6), (16, 8, 0.9, 8), (24, 8, None, 5))]
-    think += [{"mode": "generate", "max_new_tokens": 16, "block_length": 8, "threshold": 0.9, "temperature": 0.8,
-               "seed": 5, "max_thinking_tokens": 3, "end_think_token_id": len(NEMO_SPECIALS) + 28},
-              {"mode": "generate", "max_new_tokens": 16, "block_length": 8, "threshold": None, "causal_context": False,
-               "max_thinking_tokens": 4, "end_think_token_id": len(NEMO_SPECIALS) + 28}]
-    think += [{"mode": "generate_diffusion", "code": "ministral_dlm", "max_new_tokens": n, "block_length": b,
-               "steps": st, "threshold": None, "shift_logits": sh, "max_thinking_tokens": m,
-               "end_think_token_id": len(NEMO_SPECIALS) + 28} for n, b, st, sh, m in ((16, 8, 16, False, 10),
-                                                                                    (24, 4, 12, True, 9))]
-    for case, p, kw in itertools.chain(each_case(head, eos, settings, prompts), each_case(head, eos, more, prompts),
-                                       each_case(head, eos, think, prompts)):
+    for case, p, kw in each_case(head, eos, settings, prompts):
         # (with cfg_scale > 0 its generate reads an attention mask: all ones, the same attention as none)
         ones = torch.ones(1, len(p), dtype=torch.long) if kw.get("cfg_scale") else None
         x = gen.generate(Called(model), torch.tensor([p]), attention_mask=ones, mask_id=mask,
@@ -653,37 +563,7 @@ def record_fast_dllm_llada(code: list[Path], out: Path) -> None:
         settings.append({"function": fn, "gen_length": 16, "block_length": 8, "steps": 8, "remasking": "random",
                          "threshold": None, "temperature": 0.8, "seed": 5})
     cases = []
-    # the options of generate / generate_diffusion / self_spec_generate recorded later (after the first 116 cases,
-    # which stay as they were): causal_context=False, shift_logits, ar_mix_weight
-    more = [{"mode": "generate_diffusion", "code": "ministral_dlm", "max_new_tokens": n, "block_length": b,
-             "steps": st, "threshold": t, "causal_context": cc, "shift_logits": sh}
-            for cc, sh in ((True, True), (False, False), (False, True))
-            for n, b, st, t in ((16, 8, 16, None), (16, 8, 8, 0.9), (24, 4, 12, None))]
-    more += [{"mode": "generate_diffusion", "code": "ministral_dlm", "max_new_tokens": 16, "block_length": 8,
-              "steps": 16, "threshold": 0.5, "temperature": 0.7, "seed": 3, "causal_context": cc, "shift_logits": sh}
-             for cc, sh in ((True, True), (False, False), (False, True))]
-    more += [{"mode": "generate", "max_new_tokens": n, "block_length": b, "threshold": t, "causal_context": False}
-             for n, b, t in ((16, 4, None), (16, 8, 0.9), (24, 8, 0.5))]
-    more += [{"mode": "generate", "max_new_tokens": 16, "block_length": 8, "threshold": 0.9, "temperature": 0.8,
-              "seed": 5, "causal_context": False}]
-    more += [{"mode": "self_spec_generate", "code": "ministral_dlm", "max_new_tokens": n, "block_length": b,
-              "steps": n, "ar_mix_weight": w} for n, b, w in ((16, 4, 0.5), (24, 8, 0.3), (16, 8, 0.0))]
-    # then the thinking budgets of generate / generate_diffusion (end_think_token_id: w28, a token these prompts
-    # generate unasked, so that some runs hold it before their budget runs out; max_thinking_tokens a multiple of the
-    # block too, where the injection overwrites the AR seed)
-    think = [{"mode": "generate", "max_new_tokens": n, "block_length": b, "threshold": t, "max_thinking_tokens": m,
-              "end_think_token_id": len(NEMO_SPECIALS) + 28}
-             for n, b, t, m in ((16, 4, None, 6), (16, 8, 0.9, 8), (24, 8, None, 5))]
-    think += [{"mode": "generate", "max_new_tokens": 16, "block_length": 8, "threshold": 0.9, "temperature": 0.8,
-               "seed": 5, "max_thinking_tokens": 3, "end_think_token_id": len(NEMO_SPECIALS) + 28},
-              {"mode": "generate", "max_new_tokens": 16, "block_length": 8, "threshold": None, "causal_context": False,
-               "max_thinking_tokens": 4, "end_think_token_id": len(NEMO_SPECIALS) + 28}]
-    think += [{"mode": "generate_diffusion", "code": "ministral_dlm", "max_new_tokens": n, "block_length": b,
-               "steps": st, "threshold": None, "shift_logits": sh, "max_thinking_tokens": m,
-               "end_think_token_id": len(NEMO_SPECIALS) + 28} for n, b, st, sh, m in ((16, 8, 16, False, 10),
-                                                                                    (24, 4, 12, True, 9))]
-    for case, p, kw in itertools.chain(each_case(head, eos, settings, prompts), each_case(head, eos, more, prompts),
-                                       each_case(head, eos, think, prompts)):
+    for case, p, kw in each_case(head, eos, settings, prompts):
         f = getattr(gen, kw.pop("function"))
         x, nfe = f(CalledWithCache(model), torch.tensor([p]), mask_id=mask, **{"temperature": 0.0, **kw})
         cases.append({**case, "ids": x[0, len(p):].tolist(), "nfe": nfe})
