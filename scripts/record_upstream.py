@@ -147,6 +147,13 @@ def write_fixture(out: Path, model, tok: Tokenizer, config: dict, tok_config: di
     print(f"wrote {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1024:.0f} KiB)")
 
 
+def write_recordings(out: Path, recordings: dict) -> None:
+    """A fixture of recordings only (on another fixture's model: its "model" key names the folder)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "recordings.json").write_text(json.dumps(recordings, separators=(",", ":")) + "\n")
+    print(f"wrote {out / 'recordings.json'} ({(out / 'recordings.json').stat().st_size / 1024:.0f} KiB)")
+
+
 def logits_summary(logits: torch.Tensor) -> dict:
     """logits (T, V) of one forward -> what the test compares: every value, rounded to 1e-5."""
     return {"shape": list(logits.shape), "values": [[round(float(v), 5) for v in row] for row in logits]}
@@ -293,9 +300,7 @@ def record_dream_threshold(code: list[Path], out: Path) -> None:
                         "commit": commit_of(fast)},
            "eos_id": eos, "mask_id": mask, "prompts": prompts, "cases": cases}
     print(f"dream-threshold: {len(cases)} cases, <eos> generated in {live_eos} of the live ones")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "recordings.json").write_text(json.dumps(rec, separators=(",", ":")) + "\n")
-    print(f"wrote {out / 'recordings.json'} ({(out / 'recordings.json').stat().st_size / 1024:.0f} KiB)")
+    write_recordings(out, rec)
 
 
 # Fast-dLLM v1's block decoding for Dream (dream/model/generation_utils_block.py: diffusion_generate with
@@ -374,9 +379,7 @@ def record_dream_block(code: list[Path], out: Path, settings: list[dict] | None 
                         "commit": commit_of(fast)},
            "eos_id": eos, "mask_id": mask, "prompts": prompts, "cases": cases}
     print(f"{family}: {len(cases)} cases, <eos> generated in {live_eos} of the live ones")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "recordings.json").write_text(json.dumps(rec, separators=(",", ":")) + "\n")
-    print(f"wrote {out / 'recordings.json'} ({(out / 'recordings.json').stat().st_size / 1024:.0f} KiB)")
+    write_recordings(out, rec)
 
 
 class Called:
@@ -788,9 +791,7 @@ def record_sdar_redraw(code: list[Path], out: Path) -> None:
            "eos_id": im_end, "eos_ids": [im_end, eos], "mask_id": mask, "prompts": prompts, "cases": cases}
     print(f"sdar-redraw: {len(cases)} cases ({sum('error' in c for c in cases)} the upstream code fails), <|im_end|> "
           f"generated in {live_eos} of the live ones, a prompt token re-drawn in {moved}")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "recordings.json").write_text(json.dumps(rec, separators=(",", ":")) + "\n")
-    print(f"wrote {out / 'recordings.json'} ({(out / 'recordings.json').stat().st_size / 1024:.0f} KiB)")
+    write_recordings(out, rec)
 
 
 # Fast-dLLM v2 (its remote code: configuration.py, modeling.py with Fast_dLLM_QwenForCausalLM.generate) ----------
