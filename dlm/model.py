@@ -608,9 +608,9 @@ class Transformer(nn.Module):
         return {"full": self.inv_freq}
 
     def new_cache(self, batch: int, capacity: int | None = None, dtype: torch.dtype | None = None,
-                  fill: bool = True) -> KVCache:
+                  fill: bool = True, per_layer: bool = False) -> KVCache:
         p = self.embed_tokens.weight
-        return KVCache(self.cfg, batch, capacity or self.cfg.max_seq_len, p.device, dtype or p.dtype, fill)
+        return KVCache(self.cfg, batch, capacity or self.cfg.max_seq_len, p.device, dtype or p.dtype, fill, per_layer)
 
     # what the row batch (dlm.sampling.rows) asks of a model it serves: rows_batchable, rows_cache, rows_band,
     # rows_forward (a DFlash drafter answers the same four)
@@ -618,8 +618,7 @@ class Transformer(nn.Module):
     rows_static = True  # its rows' one-token steps can run as one static step (dlm.sampling.graphs.RowsStep)
 
     def rows_cache(self, rows: int, capacity: int, fill: bool = True, per_layer: bool = False) -> KVCache:
-        p = self.embed_tokens.weight
-        return KVCache(self.cfg, rows, capacity, p.device, p.dtype, fill, per_layer)
+        return self.new_cache(rows, capacity, fill=fill, per_layer=per_layer)
 
     @property
     def rows_band(self) -> int:

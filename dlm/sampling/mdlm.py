@@ -1018,6 +1018,12 @@ def make_job(prompt: Prompt, cfg, train_block: int, context: int, causal_context
                greedy_first=bool(getattr(cfg, "greedy_first", False)))
 
 
+def full_only(option: str) -> DlmError:
+    """The refusal of one of Fast-dLLM's approximate caches on a checkpoint that is not full-attention."""
+    return DlmError(f"{option} applies to a full-attention checkpoint (LLaDA, Dream); this one decodes over an exact "
+                    "KV cache already")
+
+
 def stream(model, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> Iterator[Event]:
     """The mdlm sampler (cfg: SampleConfig). Several prompts run as rows of one batch (one forward per step for all
     of them; `--naive`, and a full-attention or shifted checkpoint, run them one after another), row r sampling with
@@ -1037,11 +1043,9 @@ def stream(model, ck, prompts: list[Prompt], cfg, step_events: bool = False) -> 
     full = context == "full"
     shift = bool(ck.config.get("shift"))
     if asked_cache and not full:
-        raise DlmError("--prefix-cache applies to a full-attention checkpoint (LLaDA, Dream); this one decodes over "
-                       "an exact KV cache already")
+        raise full_only("--prefix-cache")
     if cfg.dual_cache and not full:
-        raise DlmError("--dual-cache applies to a full-attention checkpoint (LLaDA, Dream); this one decodes over "
-                       "an exact KV cache already")
+        raise full_only("--dual-cache")
     if cfg.dual_cache and cfg.naive:
         raise DlmError("--dual-cache and --naive contradict each other (--naive recomputes the whole sequence every "
                        "step): give one")
@@ -1130,8 +1134,7 @@ def row_job(model, ck, prompt: Prompt, cfg) -> tuple[Job, Rule, Any]:
         raise DlmError(f"{ck.path}: the tokenizer has no <mask> token")
     cfg = apply_preset(cfg, ck.config.get("preset")).replace(prefix_cache=False)
     if cfg.dual_cache:
-        raise DlmError("--dual-cache applies to a full-attention checkpoint (LLaDA, Dream); this one decodes over an "
-                       "exact KV cache already")
+        raise full_only("--dual-cache")
     rule = with_end_ids(check_options(cfg), cfg, ck.tokenizer)
     if cfg.block_cache:
         raise DlmError("--block-cache runs its rows one after another (dlm generate), not in a batch")
