@@ -429,6 +429,7 @@ class TrainConfig:
         selector_top_k: dflash: candidates per slot of the selector (the top-k of the slot's draft logits; default: the --init-from drafter's, else 16; a continued drafter may train with another number, it has no weights of its own)
         selector_weight: dflash, with --selector-rank: weight w of the selector's loss (cross-entropy of the gold token among the top-k candidates, the gold token before it as predecessor, slots whose gold is not a candidate dropped, the slot decay)
         selector_ramp: dflash, with --selector-rank: share of --max-steps over which the selector's weight rises linearly from 0 to --selector-weight (0 = the full weight from step 0)
+        selector_soft: dflash, with --selector-rank and --distill-logits: the selector's loss is the soft cross-entropy against the target's softmax at the slot, restricted to the candidates and renormalised (what acceptance at temperature 1 rewards: q close to p over the candidates), not the gold token's; every slot counts
         distill_logits: dflash: the draft loss is the soft cross-entropy against the target's softmax at each slot (self logit distillation), not the hard next token
         block_noise: dflash: what the block's slots hold in training and at the first draft pass: mask (the <mask> token, DFlash) or uniform (random tokens, a fraction t ~ U(0, 1] of the slots per block with the rest the true tokens, as uniform-state diffusion trains: later passes may revise any slot, --draft-passes 2-3)
         ar_weight: joint: weight of the AR (clean half) loss
@@ -496,6 +497,7 @@ class TrainConfig:
     selector_top_k: int | None = None
     selector_weight: float = 1.0
     selector_ramp: float = 0.2
+    selector_soft: bool = False
     distill_logits: bool = False
     block_noise: str = "mask"
     # joint AR + diffusion (joint)

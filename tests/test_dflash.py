@@ -559,6 +559,72 @@ def test_dflash2_grown_from_a_dflash1_drafter_starts_as_it(tiny_ar, tiny_dflash,
     assert float(m2.layers[0].attention_conv.base_kernel.grad.abs().sum()) > 0
 
 
+def test_a_drafter_grown_by_depth_starts_as_it_and_trains_its_new_layer(tiny_ar, tiny_dflash, tiny_draft_data,
+                                                                        corpus_dir, tokenizer_path):
+    """--draft-layers above the --init-from drafter's: the same loss and training acceptance at step 0 (the new layer
+    adds nothing to the residual stream), every weight of the new layer gets a gradient after one step's worth of
+    movement of its output projections, and fewer layers than the drafter's is refused."""
+    base, _ = load_model(tiny_dflash)
+    n = base.cfg.n_layers
+    o1 = _objective(tiny_ar, tiny_draft_data, corpus_dir, tokenizer_path, init_from=str(tiny_dflash))
+    o2 = _objective(tiny_ar, tiny_draft_data, corpus_dir, tokenizer_path, init_from=str(tiny_dflash),
+                    draft_layers=n + 1)
+    m1, m2 = o1.build_model(), o2.build_model()
+    assert len(m2.layers) == n + 1
+    for k, v in m1.state_dict().items():  # the old layers as trained
+        torch.testing.assert_close(m2.state_dict()[k], v)
+    batch = torch.tensor([[t] + target_greedy(o1.target, [t], 96, None) for t in (5, 9)])
+    l1, x1 = o1.loss(m1, batch, torch.Generator().manual_seed(1))
+    l2, x2 = o2.loss(m2, batch, torch.Generator().manual_seed(1))
+    torch.testing.assert_close(l2, l1)
+    assert x1["tau_train"] == x2["tau_train"] and x1["acc_slot1"] == x2["acc_slot1"]
+    new = m2.layers[n]
+    l2.backward()
+    assert float(new.self_attn.o_proj.weight.grad.abs().sum()) > 0 and float(new.mlp.down_proj.weight.grad.abs().sum()) > 0
+    with torch.no_grad():  # once its outputs move, the layer's inside learns too
+        new.self_attn.o_proj.weight.normal_(0, 0.02)
+    m2.zero_grad()
+    l3, _ = o2.loss(m2, batch, torch.Generator().manual_seed(1))
+    l3.backward()
+    assert float(new.self_attn.q_proj.weight.grad.abs().sum()) > 0
+    assert n > 1
+    with pytest.raises(DlmError, match="grow"):
+        _objective(tiny_ar, tiny_draft_data, corpus_dir, tokenizer_path, init_from=str(tiny_dflash),
+                   draft_layers=n - 1).build_model()
+
+
+def test_selector_soft_matches_the_targets_distribution_over_the_candidates():
+    """--selector-soft: the selector's term is the soft cross-entropy against the teacher's softmax over the
+    candidates, renormalised: minimal (its entropy) where the scores equal the teacher's logits there, counted at
+    every slot, and equal to the hard term when the teacher puts all its mass on the gold token."""
+    from dlm.drafter import CandidateSelector
+    from dlm.objectives.dflash import selector_terms
+
+    torch.manual_seed(0)
+    V, D, S, k = 12, 8, 5, 4
+    sel = CandidateSelector(V, D, rank=4, top_k=k)
+    with torch.no_grad():
+        sel.successor_codebook.weight.zero_()  # scores = the draft logits of the candidates
+    h, logits, anchor = torch.randn(1, S, D), torch.randn(1, S, V), torch.tensor([3])
+    gold = torch.randint(0, V, (1, S))
+    cands = torch.topk(logits, k).indices
+    teacher = torch.randn(1, S, V)
+    teacher.scatter_(-1, cands, logits.gather(-1, cands))  # the teacher agrees with the draft over the candidates
+    ce, is_cand, _ = selector_terms(sel, h, logits, anchor, gold, teacher)
+    p = torch.softmax(logits.gather(-1, cands), -1)
+    torch.testing.assert_close(ce, -(p * p.log()).sum(-1))  # the entropy: nothing left to learn
+    with torch.no_grad():  # other scores of the same candidates (the codebooks move them) cost more (Gibbs)
+        sel.successor_codebook.weight.normal_(0, 1.0)
+    ce_other, _, _ = selector_terms(sel, h, logits, anchor, gold, teacher)
+    assert (ce_other > ce).all()
+    with torch.no_grad():
+        sel.successor_codebook.weight.zero_()
+    gold = cands[..., 1]  # every gold a candidate; a one-hot teacher on it is the hard term
+    onehot = torch.full((1, S, V), -1e4).scatter_(-1, gold[..., None], 0.0)
+    hard, _, _ = selector_terms(sel, h, logits, anchor, gold)
+    torch.testing.assert_close(selector_terms(sel, h, logits, anchor, gold, onehot)[0], hard)
+
+
 def test_distill_logits_reads_the_targets_next_token_distribution(tiny_ar, tiny_dflash, tiny_draft_data, corpus_dir,
                                                                   tokenizer_path, monkeypatch):
     """The soft label of a slot is the target's softmax at the position before it: on the target's own greedy text

@@ -13,7 +13,9 @@ DFlash 2 (--conv-kernel-size, --selector-rank): the drafter's convolutions start
 selector's successor codebook at zero, so `--init-from` a DFlash 1 drafter starts as exactly that drafter.
 The selector adds w x the cross-entropy of the gold token among each slot's top-k candidates, scored
 after the gold token before it (teacher forcing), slots whose gold token is not a candidate dropped,
-with the same slot weights; w rises linearly over --selector-ramp of the run.
+with the same slot weights; w rises linearly over --selector-ramp of the run. --selector-soft: the selector's
+target is the target's softmax over the candidates instead (acceptance at temperature 1 is sum min(p, q)).
+--draft-layers above an --init-from drafter's grows it by depth: the new layers start adding nothing.
 """
 
 from __future__ import annotations
@@ -52,11 +54,13 @@ def slot_weights(block_size: int, device: torch.device | str = "cpu") -> Tensor:
 
 
 def selector_terms(selector: CandidateSelector, h: Tensor, logits: Tensor, anchor: Tensor,
-                   labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                   labels: Tensor, teacher: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The selector's training term, teacher-forced: slots' hidden states h (..., S, D), draft logits (..., S, V),
     the anchor tokens (...,) and the gold tokens (..., S) -> the cross-entropy of the gold token among the slot's
     top-k candidates, scored after the gold token before it (0 where the gold is not a candidate), whether it is a
-    candidate, and whether the selector picks it (the greedy path, as long as it follows the gold). Each (..., S)."""
+    candidate, and whether the selector picks it (the greedy path, as long as it follows the gold). Each (..., S).
+    teacher (..., S, V): the target's logits at each slot; the cross-entropy is then against its softmax over the
+    candidates, renormalised (--selector-soft), at every slot."""
     unary, cands = torch.topk(logits, min(selector.top_k, logits.shape[-1]), dim=-1)
     prev = torch.cat((anchor[..., None], labels[..., :-1]), dim=-1)
     k = cands.shape[-1]
@@ -65,7 +69,11 @@ def selector_terms(selector: CandidateSelector, h: Tensor, logits: Tensor, ancho
     gold = cands.reshape(-1, k) == labels.reshape(-1, 1)
     is_cand = gold.any(-1)
     idx = gold.int().argmax(-1)
-    ce = F.cross_entropy(score, idx, reduction="none") * is_cand
+    if teacher is None:
+        ce = F.cross_entropy(score, idx, reduction="none") * is_cand
+    else:  # p over the candidates: log-softmax of the teacher's logits gathered there
+        soft = torch.log_softmax(teacher.float().gather(-1, cands).reshape(-1, k), -1).exp()
+        ce = -(soft * torch.log_softmax(score, -1)).sum(-1)
     picked = (score.argmax(-1) == idx) & is_cand
     return ce.view(labels.shape), is_cand.view(labels.shape), picked.view(labels.shape)
 
@@ -98,6 +106,8 @@ class DFlash(Objective):
         check(k is None or k >= 1, f"--selector-top-k must be >= 1, got {k}")
         check(getattr(cfg, "selector_weight", 1.0) >= 0, f"--selector-weight must be >= 0, got {cfg.selector_weight}")
         check(0 <= getattr(cfg, "selector_ramp", 0.0) <= 1, f"--selector-ramp must be in [0, 1], got {cfg.selector_ramp}")
+        check(not getattr(cfg, "selector_soft", False) or getattr(cfg, "distill_logits", False),
+              "--selector-soft needs --distill-logits (its targets are the target's softmax at each slot)")
         tck = open_checkpoint(cfg.target, "--target")
         if tck.objective != "ar":
             raise DlmError(f"--target {cfg.target}: a DFlash target must be an AR checkpoint, "
@@ -160,9 +170,13 @@ class DFlash(Objective):
             # the drafter's own shape and numerics (an imported public drafter keeps its scales and soft-cap)
             mc = ModelConfig.from_dict({**ck.config["model"], "max_seq_len": max(ck.config["model"].get(
                 "max_seq_len", 0), self.cfg.seq_len)})
-            if self.cfg.draft_layers and self.cfg.draft_layers != mc.n_layers:
+            had_layers = mc.n_layers
+            if self.cfg.draft_layers and self.cfg.draft_layers < mc.n_layers:
                 raise DlmError(f"--init-from {ck.path}: a drafter of {mc.n_layers} layers; this run has "
-                               f"--draft-layers {self.cfg.draft_layers}")
+                               f"--draft-layers {self.cfg.draft_layers} (give its own to continue it, or more to "
+                               "grow it)")
+            if self.cfg.draft_layers > mc.n_layers:  # grown by depth: see the loading below
+                mc = ModelConfig.from_dict({**mc.to_dict(), "n_layers": self.cfg.draft_layers})
             kw = dict(last_layer=d.get("last_layer", "prenorm"),
                       input_embedding_scale=d.get("input_embedding_scale", 1.0),
                       output_multiplier=d.get("output_multiplier", 1.0),
@@ -182,6 +196,12 @@ class DFlash(Objective):
             fresh = model.state_dict()
             tensors.update({k: v for k, v in fresh.items()
                             if k not in tensors and ("_conv." in k or k.startswith("candidate_selector."))})
+            # grown by depth: the layers after the checkpoint's start with their output projections at zero, each
+            # adding nothing to the residual stream, so the grown drafter computes what the checkpoint's did
+            for k, v in fresh.items():
+                if k.startswith("layers.") and int(k.split(".")[1]) >= had_layers and k not in tensors:
+                    zero = k.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight"))
+                    tensors[k] = torch.zeros_like(v) if zero else v
             # a selector widened from rank r to R: the new predecessor codes and projection rows keep their random
             # start, the new successor codes their zeros, so the extra terms add nothing until trained
             for k, v in fresh.items():
@@ -260,10 +280,12 @@ class DFlash(Objective):
         extra: dict[str, float] = {}
         sel = model.candidate_selector
         if sel is not None:
-            sce, is_cand, picked = selector_terms(sel, h, logits, block[:, :, 0], labels)
+            soft = getattr(self.cfg, "selector_soft", False)
+            sce, is_cand, picked = selector_terms(sel, h, logits, block[:, :, 0], labels, teacher if soft else None)
             loss = loss + self.selector_weight() * (sce * w * keep).sum() / n_blocks
             kept = keep.sum().clamp(min=1)
-            extra = {"selector_ce": float((sce.detach() * keep).sum() / (is_cand & keep).sum().clamp(min=1)),
+            counted = keep if soft else is_cand & keep
+            extra = {"selector_ce": float((sce.detach() * keep).sum() / counted.sum().clamp(min=1)),
                      "gold_in_top_k": float((is_cand & keep).sum() / kept)}
         with torch.no_grad():
             hit = (picked if sel is not None else logits.argmax(-1) == labels) & keep  # (B, A, g-1)
