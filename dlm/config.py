@@ -418,7 +418,7 @@ class TrainConfig:
         canvas_shift: usdm: shifted prediction: the denoiser's output at canvas position j predicts the token at j + 1 and the encoder's next-token logits predict the canvas's first token (Dream and DiffuLLaMA's alignment for a model adapted from AR; recorded in the checkpoint, the sampler and the likelihood bound follow it)
         canvas_scale: usdm: RMS of the denoiser's canvas input: unit (1.0, DiffusionGemma's) or encoder (the RMS of the token embeddings of the --init-from checkpoint, else of a fresh model: the clean text's scale)
         target: dflash: the AR checkpoint to speed up
-        draft_layers: dflash: decoder layers of the drafter (0 = default)
+        draft_layers: dflash: decoder layers of the drafter (0 = default; with --init-from, more than its drafter's grows it by depth: the new layers start with their output projections at zero, adding nothing)
         anchors: dflash: blocks per training window (0 = default)
         target_layers: dflash: target layer ids read by the drafter (default: spread over the target)
         injection: dflash ablation: kv (context K/V in every layer) or input (context as input tokens)
