@@ -662,10 +662,10 @@ class SampleConfig:
         last_canvas: usdm, when --max-new-tokens ends inside a canvas: whole (denoise a whole canvas, as DiffusionGemma's generate does; what lies past --max-new-tokens is dropped) or fit (a canvas of only the positions left); default: whole for an imported DiffusionGemma, fit for dlm's own usdm checkpoints
         suffix: infilling: text after the hole (pinned, comes out byte-exact)
         fill_length: template markers: positions per <fill> (<fill:N> asks for N)
-        draft: speculative decoding: a drafter checkpoint folder, or 'lookup' (prompt lookup)
+        draft: speculative decoding: a drafter checkpoint folder, or 'lookup' (prompt lookup), or FOLDER+lookup (that drafter, giving way to prompt lookup in cycles whose context ends in an n-gram of --lookup-ngram tokens seen before: those drafts cost nothing)
         draft_passes: DFlash: denoising passes per draft (1-3; later passes re-predict the slots below 0.9 confidence)
         draft_top_k: DFlash 2: candidates per slot the selector chooses among (default: the drafter's selector_top_k, what it was trained with); at T > 0 more candidates give its proposal distribution more of the target's support
-        lookup_ngram: prompt lookup: longest n-gram to match in the context
+        lookup_ngram: prompt lookup: longest n-gram to match in the context (FOLDER+lookup: the n-gram that must match for lookup to draft)
         check_lossless: speculative: also run the target alone and report whether the outputs agree
     """
 

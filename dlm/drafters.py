@@ -2,7 +2,8 @@
 
     load_drafter(spec, target, ck, sampling, passes, lookup_ngram, top_k) -> Drafter
 
-'lookup' is prompt lookup; a folder is a drafter checkpoint: a DFlash drafter (objective dflash, trained by dlm or
+'lookup' is prompt lookup; FOLDER+lookup that folder's drafter giving way to prompt lookup where the context's last
+n-gram occurred before (speculative.WithLookup); a folder is a drafter checkpoint: a DFlash drafter (objective dflash, trained by dlm or
 imported from z-lab's layout), a small AR model with the target's tokenizer, or a masked-diffusion model (mdlm, or
 a joint model's diffusion mode) with the target's tokenizer. The samplers
 (dlm.sampling.speculative) are pure computation over the drafter this returns; a server loads each drafter once
@@ -21,15 +22,20 @@ from dlm.drafter import check_target
 from dlm.errors import DlmError
 from dlm.model import Transformer
 from dlm.sampling.speculative import (ARDraft, DFlashDraft, DiffusionDraft, Drafter, PromptLookup, Sampling,
-                                      drafter_capacity)
+                                      WithLookup, drafter_capacity)
 
 DIFFUSION = ("mdlm", "joint")  # checkpoint objectives that draft by masked diffusion
+WITH_LOOKUP = "+lookup"  # FOLDER+lookup: that drafter, giving way to prompt lookup where the context repeats
 
 
 def drafter_kind(spec: str) -> str | None:
-    """The kind of drafter `--draft SPEC` names (lookup, ar, dflash, diffusion), None for a spec that is no drafter."""
+    """The kind of drafter `--draft SPEC` names (lookup, ar, dflash, diffusion, KIND+lookup), None for a spec that is
+    no drafter."""
     if spec == "lookup":
         return "lookup"
+    if spec.endswith(WITH_LOOKUP):
+        main = drafter_kind(spec[:-len(WITH_LOOKUP)])
+        return f"{main}+lookup" if main in ("dflash", "ar", "diffusion") else None
     try:
         objective = open_checkpoint(spec, "--draft").objective
     except DlmError:
@@ -43,6 +49,11 @@ def load_drafter(spec: str, target: Transformer, ck, sampling: Sampling | None =
     sampling = sampling or Sampling()
     if spec == "lookup":
         return PromptLookup(lookup_ngram)
+    if spec.endswith(WITH_LOOKUP):
+        main = load_drafter(spec[:-len(WITH_LOOKUP)], target, ck, sampling, passes, lookup_ngram, top_k)
+        if main.kind not in ("dflash", "ar", "diffusion"):
+            raise DlmError(f"--draft {spec}: '+lookup' follows a drafter checkpoint folder")
+        return WithLookup(main, PromptLookup(lookup_ngram))
     if not Path(spec).is_dir():
         raise DlmError(f"--draft must be 'lookup' or a drafter checkpoint folder, got {spec!r} (no such folder)")
     dck = open_checkpoint(spec, "--draft")

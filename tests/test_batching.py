@@ -24,7 +24,7 @@ from dlm.drafter import DFlashDrafter
 from dlm.sampling import SampleConfig, generate, joint, mdlm, speculative, usdm
 from dlm.sampling.common import Commit, Done, Prompt, Stats, Step, Verified
 from dlm.sampling.joint import SelfDraft
-from dlm.sampling.speculative import ARDraft, DFlashDraft, DiffusionDraft, PromptLookup, Sampling
+from dlm.sampling.speculative import ARDraft, DFlashDraft, DiffusionDraft, PromptLookup, Sampling, WithLookup
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -301,10 +301,13 @@ DRAFTERS = {
     "dflash2": lambda t: DFlashDraft(_dflash(2), t, Sampling(), 256),
     "diffusion": lambda t: DiffusionDraft(_perturbed(t, 2, 0.05), MASK, 4, Sampling(), 256, passes=2),
     "lookup": lambda t: PromptLookup(2),  # (rows fork the drafter with their options: KIND_OPTIONS)
+    "dflash2+lookup": lambda t: WithLookup(DFlashDraft(_dflash(2), t, Sampling(), 256), PromptLookup(2)),
+    "ar+lookup": lambda t: WithLookup(ARDraft(_perturbed(t, 1, 0.05), Sampling(), 256), PromptLookup(2)),
     "self-spec-linear": lambda t: SelfDraft(t, MASK, 4, Sampling()),
     "self-spec-linear-ar": lambda t: SelfDraft(t, MASK, 4, Sampling(), ar_first=True),
 }
-KIND_OPTIONS = {"dflash-2-passes": dict(draft_passes=2), "diffusion": dict(draft_passes=2), "lookup": dict(lookup_ngram=2)}
+KIND_OPTIONS = {"dflash-2-passes": dict(draft_passes=2), "diffusion": dict(draft_passes=2), "lookup": dict(lookup_ngram=2),
+                "dflash2+lookup": dict(lookup_ngram=2), "ar+lookup": dict(lookup_ngram=2)}
 SPEC = [dict(), dict(temperature=1.0, seed=6), dict(temperature=0.8, top_k=8, seed=5)]
 
 

@@ -373,6 +373,8 @@ def test_bad_input_is_one_clear_error(tiny_ar, tiny_dflash, tmp_path, corpus_dir
     assert "too shallow" in err("train", "--objective", "dflash", "--data", str(corpus_dir), "--target", str(tiny_ar),
                                 "--target-layers", "0", "1", "5", "--out", str(tmp_path / "a"))
     assert not (tmp_path / "a").exists()  # refused before anything was written
+    assert "follows a drafter checkpoint folder" in err(*gen, "--draft", "lookup+lookup")
+    assert "no such folder" in err(*gen, "--draft", str(tmp_path / "nope") + "+lookup")
 
     target, ck = load_model(tiny_ar)
 

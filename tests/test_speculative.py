@@ -12,8 +12,8 @@ from dlm.config import ModelConfig
 from dlm.model import Transformer
 from dlm.sampling.common import Commit
 from dlm.sampling.speculative import (
-    ARDraft, DFlashDraft, DiffusionDraft, PromptLookup, Sampling, SpecStats, Verified, speculate, spec_stats,
-    target_greedy, verify_sample,
+    ARDraft, DFlashDraft, DiffusionDraft, PromptLookup, Sampling, SpecStats, Verified, WithLookup, speculate,
+    spec_stats, target_greedy, verify_sample,
 )
 
 
@@ -79,6 +79,41 @@ def test_greedy_equals_target_over_random_models(seed):
             assert 1 <= stats.committed / stats.cycles <= gamma
             if name == "ar-self":
                 assert stats.committed / stats.cycles > gamma - 1  # all accepted (but the end)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_drafter_with_lookup_is_lossless_and_drafts_with_both(seed):
+    """FOLDER+lookup: greedy output is the target's; cycles whose context ends in a trigram seen before propose
+    lookup's continuation (no drafter pass), the others the drafter's own draft; with an n-gram longer than any
+    repeat, every cycle is the drafter's, draft for draft."""
+    target = random_model(seed, std=0.15)  # peaked enough to repeat itself: lookup finds trigrams
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(4, 48, (int(n),), generator=g).tolist() for n in torch.randint(2, 20, (3,), generator=g)]
+    for main in (DFlashDraft(random_dflash(target, seed), target, Sampling(), 512),
+                 ARDraft(random_model(seed + 100, std=0.2), Sampling(), 512)):
+        both = WithLookup(main, PromptLookup(3))
+        lookups = forwards = 0
+        for prompt in prompts:
+            ref = target_greedy(target, prompt, 40, eos_id=None)
+            f0 = main.forwards
+            out, _, events = run(target, both, prompt, 6, 40)
+            assert out == ref, prompt
+            forwards += main.forwards - f0
+            seq = list(prompt)
+            for e in events:  # each cycle's proposal: lookup's wherever its trigram matched
+                if isinstance(e, Verified):
+                    lk, n = PromptLookup(3).match(torch.tensor(seq), len(e.proposed))
+                    if n == 3:
+                        assert e.proposed == lk.tolist()
+                        lookups += 1
+                if isinstance(e, Commit):
+                    seq += e.tokens
+        assert lookups > 0 and forwards > 0 and both.lookups == lookups
+        alone = WithLookup(main, PromptLookup(100))  # an n-gram longer than the text: the drafter alone
+        for prompt in prompts:
+            a = [e for e in run(target, alone, prompt, 6, 40)[2] if isinstance(e, Verified)]
+            b = [e for e in run(target, main, prompt, 6, 40)[2] if isinstance(e, Verified)]
+            assert [(e.proposed, e.accepted) for e in a] == [(e.proposed, e.accepted) for e in b]
 
 
 def test_eos_and_budget_cut_like_the_target():

@@ -29,7 +29,7 @@ from dlm.config import ModelConfig
 from dlm.model import Transformer
 from dlm.sampling.common import Commit
 from dlm.sampling.speculative import (
-    ARDraft, DFlashDraft, PromptLookup, Sampling, speculate, verify_greedy, verify_sample,
+    ARDraft, DFlashDraft, PromptLookup, Sampling, WithLookup, speculate, verify_greedy, verify_sample,
 )
 from dlm.drafter import DFlashDrafter
 
@@ -283,6 +283,9 @@ def exact(target):
     return {name: exact_marginals(target, PROMPT, NEW, *proc) for name, proc in PROCESSING.items()}
 
 
+KINDS = ["lookup", "ar-draft", "dflash", "dflash+lookup"]
+
+
 def make_drafter(kind: str, target: Transformer, sampling: Sampling):
     if kind == "lookup":
         return PromptLookup(2)
@@ -294,18 +297,20 @@ def make_drafter(kind: str, target: Transformer, sampling: Sampling):
                 if p.dim() >= 2:
                     p.add_(torch.randn_like(p) * 0.2)
         return ARDraft(draft, sampling, 32)
+    if kind == "dflash+lookup":  # bigrams seen before: lookup's proposal (one-hot q), else the drafter's (its q)
+        return WithLookup(make_drafter("dflash", target, sampling), PromptLookup(2))
     return DFlashDraft(tiny_dflash(target, 2, GAMMA), target, sampling, 32)
 
 
 @pytest.mark.parametrize("proc", list(PROCESSING))
-@pytest.mark.parametrize("kind", ["lookup", "ar-draft", "dflash"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_speculate_emits_the_target_distribution(kind, proc, target, exact):
     """The first four emitted tokens of `speculate`, each against its exact marginal under the target.
 
     Token 1 is the prefill's draw; tokens 2 and 3 come from the first cycle's two slots (an accepted
     proposal or the residual draw), token 4 from the bonus or the next cycle. Seeded per case."""
     temperature, top_k, top_p = PROCESSING[proc]
-    seed = 1000 + 17 * list(PROCESSING).index(proc) + ["lookup", "ar-draft", "dflash"].index(kind)
+    seed = 1000 + 17 * list(PROCESSING).index(proc) + KINDS.index(kind)
     sampling = Sampling(temperature, top_k, top_p, torch.Generator().manual_seed(seed))
     drafter = make_drafter(kind, target, sampling)
     counts = torch.zeros(NEW, V, dtype=torch.long)
@@ -320,6 +325,8 @@ def test_speculate_emits_the_target_distribution(kind, proc, target, exact):
         assert len(toks) == NEW
         counts[torch.arange(NEW), torch.tensor(toks)] += 1
     assert accepted > RUNS // 10, "the drafts were hardly ever accepted: the test would not exercise acceptance"
+    if kind == "dflash+lookup":  # both proposers took part
+        assert drafter.lookups > RUNS // 10 and drafter.forwards > RUNS // 10, (drafter.lookups, drafter.forwards)
     for j in range(NEW):
         assert_follows(counts[j], exact[proc][j], f"{kind} {proc} token {j + 1}")
 

@@ -44,7 +44,8 @@ def options_read(paradigm: str, drafter_kind: str | None = None) -> frozenset[st
     """The options a paradigm's sampler reads (speculative decoding: less those another kind of drafter reads)."""
     reads = OPTIONS[paradigm] | EVERY
     if paradigm == "speculative" and drafter_kind is not None:
-        reads -= {o for o, (kinds, _) in speculative.DRAFTER_OPTIONS.items() if drafter_kind not in kinds}
+        reads -= {o for o, (kinds, _) in speculative.DRAFTER_OPTIONS.items()
+                  if not speculative.kind_reads(drafter_kind, kinds)}
     return reads
 
 

@@ -67,6 +67,14 @@ OPTIONS = frozenset({"temperature", "top_k", "top_p", "block_size", "draft", "dr
 DRAFTER_OPTIONS = {"draft_passes": (("dflash", "diffusion"), "a DFlash or diffusion drafter"),
                    "draft_top_k": (("dflash",), "a DFlash 2 drafter"),
                    "lookup_ngram": (("lookup",), "prompt lookup")}
+
+
+def kind_reads(kind: str, kinds: tuple[str, ...]) -> bool:
+    """Whether a drafter of this kind (a combined one's: 'dflash+lookup') reads an option of DRAFTER_OPTIONS that
+    drafters of `kinds` read."""
+    return any(part in kinds for part in kind.split("+"))
+
+
 DIFFUSION_DRAFT_PASSES = 3  # refinement passes of a diffusion drafter at most (--draft-passes)
 
 
@@ -79,7 +87,7 @@ class Drafter:
     with its generator (a row's Sampling comes from there)."""
 
     taps: tuple[int, ...] = ()  # target layers whose outputs it reads (() for none)
-    kind = ""  # lookup | ar | dflash | diffusion | self: which of DRAFTER_OPTIONS it reads
+    kind = ""  # lookup | ar | dflash | diffusion | self, or KIND+lookup: which of DRAFTER_OPTIONS it reads
     name = ""
     default_block_size = LOOKUP_BLOCK
     max_block_size: int | None = None  # the largest block it can draft (None: MAX_BLOCK)
@@ -143,6 +151,10 @@ class PromptLookup(Drafter):
         yield  # (a program that asks for no forward)
 
     def propose(self, seq: Tensor, k: int) -> tuple[Tensor, None]:
+        return self.match(seq, k)[0], None
+
+    def match(self, seq: Tensor, k: int) -> tuple[Tensor, int]:
+        """Committed ids (S,) -> up to k proposals (k',) and the length n of the n-gram they follow (0: none)."""
         S = seq.shape[0]
         for n in range(min(self.max_ngram, S - 1), self.min_ngram - 1, -1):
             windows = seq.unfold(0, n, 1)[:-1]  # (S-n, n): every earlier n-gram (the suffix itself excluded)
@@ -150,8 +162,65 @@ class PromptLookup(Drafter):
             if starts.numel():
                 full = starts[starts <= S - k]
                 start = int(full[-1]) if full.numel() else int(starts[0])
-                return seq[start:start + k], None
-        return seq[:0], None
+                return seq[start:start + k], n
+        return seq[:0], 0
+
+
+class WithLookup(Drafter):
+    """A model's drafter that gives way to prompt lookup: a cycle whose context ends in an n-gram of the lookup's
+    longest length (--lookup-ngram) seen before proposes what followed it there, at no cost; every other cycle drafts
+    with the model. The model still reads every committed position (a DFlash drafter's context waits in its pending
+    features, an AR draft's cache catches up at its next draft)."""
+
+    def __init__(self, main: Drafter, lookup: PromptLookup):
+        self.main, self.lookup = main, lookup
+        self.kind = f"{main.kind}+lookup"
+        self.taps = main.taps
+        self.name = f"{main.name} + lookup"
+        self.default_block_size, self.max_block_size = main.default_block_size, main.max_block_size
+        self.lookups = 0  # cycles drafted by lookup
+
+    def fork(self, cfg, gen: torch.Generator | None = None) -> WithLookup:
+        return WithLookup(self.main.fork(cfg, gen), self.lookup.fork(cfg, gen))
+
+    @property
+    def row_model(self):
+        return self.main.row_model
+
+    @property
+    def sampling(self) -> Sampling:
+        return self.main.sampling
+
+    @sampling.setter
+    def sampling(self, sampling: Sampling) -> None:
+        self.main.sampling = sampling
+
+    @property
+    def forwards(self) -> int:
+        return self.main.forwards
+
+    @forwards.setter
+    def forwards(self, n: int) -> None:
+        self.main.forwards = n
+
+    def bind(self, cache: KVCache) -> None:
+        self.main.bind(cache)
+
+    def reset(self, prompt: Tensor, feats: Tensor | None) -> None:
+        self.main.reset(prompt, feats)
+
+    def accept(self, ids: Tensor, feats: Tensor | None) -> None:
+        self.main.accept(ids, feats)
+
+    def answer(self, request):
+        return self.main.answer(request)
+
+    def draft(self, seq: Tensor, k: int) -> Iterator:
+        tokens, n = self.lookup.match(seq, k)
+        if k and n >= self.lookup.max_ngram and tokens.numel():
+            self.lookups += 1
+            return tokens, None
+        return (yield from self.main.draft(seq, k))
 
 
 class _OwnModel(Drafter):

@@ -30,7 +30,7 @@ from dlm.errors import DlmError
 from dlm.sampling import SampleConfig, encode, options_read, with_model_defaults
 from dlm.sampling.common import Commit, Done, Event, Prompt, Scored, Step, Verified, before_eos, eos_index
 from dlm.sampling.infill import FILL_RE
-from dlm.sampling.speculative import DRAFTER_OPTIONS
+from dlm.sampling.speculative import DRAFTER_OPTIONS, kind_reads
 from dlm.serve.engine import Engine, Row, Served
 
 MAX_N = 16  # choices per prompt
@@ -301,7 +301,7 @@ def _sample_config(served: Served, req: _Common, max_tokens: int) -> SampleConfi
                                 f"{', '.join(sorted(allowed))})", name, "unsupported_parameter")
     kind = served.drafter.kind if served.drafter is not None else ""
     for name, (needs, words) in DRAFTER_OPTIONS.items():
-        if name in given and kind not in needs:
+        if name in given and not kind_reads(kind, needs):
             raise ApiError(400, f"{name} applies to {words}; {served.id} drafts with {served.draft}", name,
                            "unsupported_parameter")
     for name in ("t_min", "t_max"):  # a temperature the logits are divided by in float32
