@@ -683,8 +683,7 @@ def serve_cmd(model: list[str], draft: str | None = None, host: str = "127.0.0.1
         compile: compile the AR decoding step (torch.compile) while the server starts: faster steps after seconds
             to minutes of compiling; falls back to eager decoding with a warning when compiling fails
         pack_weights: keep a copy of each large linear weight (>= 1M entries, float32 or bfloat16, CPU) in oneDNN's
-            layout: products of 2-16 rows 1.5-3.7x faster on an AVX2 CPU, at the memory of those weights once more;
-            each layer's q, k, v products and its gate, up products run as one (the same values up to float rounding)
+            layout: products of 2-16 rows 1.5-3.7x faster on an AVX2 CPU, at the memory of those weights once more
         prefix_cache_mb: MB of prompts' K/V kept per model so that a prompt sharing a prefix with an earlier one (a
             system prompt, a repeated request) computes only the rest; least recently used out first (0: off)
     """

@@ -102,7 +102,7 @@ def rope_inv_freq(cfg: ModelConfig, kind: str = "full") -> Tensor:
 def write_slots(ck: Tensor, cv: Tensor, slot: Tensor, k: Tensor, v: Tensor) -> None:
     """k, v (B, Hkv, T, hd) written into the buffers ck, cv (B, Hkv, S, hd) at each row's slots slot (B, T). An
     operator of its own so that a compiled step (dlm.sampling.graphs.RowsStep) writes into the buffers in place: the
-    same two writes traced into the graph copy each row's S slots in and out, every layer, every step."""
+    same writes traced into the graph copied each row's S slots out and back, every layer, every step."""
     b = torch.arange(ck.shape[0], device=ck.device)[:, None]  # (B, 1)
     ck[b, :, slot] = k.transpose(1, 2)  # (B, T, Hkv, hd) at [b, :, slot[b, t]]
     cv[b, :, slot] = v.transpose(1, 2)
@@ -224,24 +224,11 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.v_norm = norm(cfg, self.hd, scale=False) if cfg.v_norm else None
-        self.qkv: tuple[nn.Module] | None = None  # fuse_projections: q, k and v as one linear layer
-
-    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """The raw q, k, v projections of x (B, T, D) (v None where K = V): one product where fuse_projections joined
-        the three weights (inference; the same values as three), else three."""
-        if self.qkv is not None and not torch.is_grad_enabled():
-            q, k, v = self.qkv[0](x).split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], -1)
-            return q, k, v
-        return self.q_proj(x), self.k_proj(x), None if self.v_proj is None else self.v_proj(x)
 
     def project_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        return self.rope_kv(self.k_proj(x), None if self.v_proj is None else self.v_proj(x), cos, sin)
-
-    def rope_kv(self, k: Tensor, v: Tensor | None, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """Raw k, v projections (B, T, Hkv * hd) (v None: K = V) -> (B, Hkv, T, hd) each, normed, k turned by RoPE."""
-        B, T, _ = k.shape
-        k = k.view(B, T, self.n_kv, self.hd)
-        v = k if v is None else v.view(B, T, self.n_kv, self.hd)
+        B, T, _ = x.shape
+        k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
+        v = k if self.v_proj is None else self.v_proj(x).view(B, T, self.n_kv, self.hd)
         if self.k_norm is not None:
             k = self.k_norm(k)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, T, hd)
@@ -257,14 +244,13 @@ class Attention(nn.Module):
         """lo: the cache slots before it are seen by no query (a sliding layer's window) and are left out of the keys;
         mask covers the keys from slot lo on."""
         B, T, _ = x.shape
-        q, k, v = self.project(x)
-        q = q.view(B, T, self.n_heads, self.hd)
+        q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
         if self.q_norm is not None:
             q = self.q_norm(q)
         q = apply_rope(q.transpose(1, 2), rope[0], rope[1])  # (B, H, T, hd)
         if len(rope) > 2:  # the queries' attention temperature by position (rope_scaling llama_4_scaling_beta)
             q = q * rope[2].to(q.dtype)
-        k, v = self.rope_kv(k, v, rope[0], rope[1])  # (B, Hkv, T, hd)
+        k, v = self.project_kv(x, rope[0], rope[1])  # (B, Hkv, T, hd)
         kc = vc = None
         if ctx is not None:
             kc, vc = self.project_kv(ctx, ctx_rope[0], ctx_rope[1])  # (B, Hkv, C, hd)
@@ -344,59 +330,6 @@ def column_major(model: nn.Module) -> int:
     return n
 
 
-def fuse_projections(model: nn.Module) -> int:
-    """Each attention's q, k and v projections joined into one linear layer, and each gated MLP's gate and up, so that
-    an inference forward makes one product where it made three and one where it made two (the values are the same:
-    each output is the same dot product). ar-mid at one row and one thread: its 80 q, k, v, gate and up products in
-    3.5 ms instead of 4.0 (docs/log/batching.md). The layers' own weights become views of the joined one (no extra
-    memory, the state dict unchanged); training (grad enabled) keeps the separate products. Joined: plain float linear
-    layers, or pack_linears' transposed ones (the joined layer is transposed likewise); not oneDNN-packed or LoRA
-    layers. Inference only: call it once the model is on its device. The number of joined groups."""
-    n = 0
-
-    def join(lins: list[nn.Module]) -> nn.Module | None:
-        packed = all(type(m) is PackedLinear and m.packed is None for m in lins)
-        ws = [m.weight for m in lins]
-        bias = [m.bias is not None for m in lins]
-        if (not (packed or all(type(m) is nn.Linear for m in lins)) or len(set(bias)) != 1
-                or len({(w.device, w.dtype, w.shape[1]) for w in ws}) != 1 or not ws[0].is_floating_point()
-                or not all(w.is_contiguous() for w in ws)):
-            return None
-        with torch.no_grad():
-            w = torch.cat([w.detach() for w in ws])  # (sum of outs, in)
-            b = torch.cat([m.bias.detach() for m in lins]) if bias[0] else None
-        with torch.device("meta"):
-            lin = nn.Linear(w.shape[1], w.shape[0], bias=bias[0])
-        lin.weight = nn.Parameter(w, requires_grad=False)
-        lin.bias = None if b is None else nn.Parameter(b, requires_grad=False)
-        out = PackedLinear(lin, onednn=False) if packed else lin
-        i = 0
-        for m in lins:  # each layer's weight a view of the joined one (no second copy kept)
-            o = m.weight.shape[0]
-            m.weight = nn.Parameter(w[i:i + o], requires_grad=m.weight.requires_grad)
-            if b is not None:
-                m.bias = nn.Parameter(b[i:i + o], requires_grad=m.bias.requires_grad)
-            if packed:
-                m.wt = out.wt[:, i:i + o]
-            i += o
-        return out
-
-    for m in model.modules():
-        if isinstance(m, Attention) and m.v_proj is not None and m.qkv is None:
-            joined = join([m.q_proj, m.k_proj, m.v_proj])
-        elif isinstance(m, MLP) and m.gate_up is None:
-            joined = join([m.gate_proj, m.up_proj])
-        else:
-            continue
-        if joined is not None:  # (in a tuple: not a submodule, so not in the state dict nor seen by pack_linears)
-            if isinstance(m, Attention):
-                m.qkv = (joined,)
-            else:
-                m.gate_up = (joined,)
-            n += 1
-    return n
-
-
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
@@ -409,12 +342,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
         self.act = ACTIVATIONS[act]
-        self.gate_up: tuple[nn.Module] | None = None  # fuse_projections: gate and up as one linear layer
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.gate_up is not None and not torch.is_grad_enabled():
-            g, u = self.gate_up[0](x).chunk(2, -1)
-            return self.down_proj(self.act(g) * u)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="rounds of the ceiling's forward timing")
     ap.add_argument("--canvas", type=int, default=0, help="usdm: the canvas a request of --max-tokens runs (0: max-tokens)")
     ap.add_argument("--block", type=int, default=0, help="speculative: the verify block (0: the drafter's, else 8)")
+    ap.add_argument("--compile", action="store_true", help="dlm serve --compile")
+    ap.add_argument("--pack-weights", action="store_true", help="dlm serve --pack-weights")
     ap.add_argument("--pause", type=int)
     ap.add_argument("--json")
     a = ap.parse_args(argv)
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     prompts = default_prompts()
     rows = []
-    with started_server(a.model, a.draft, a.concurrency, a.threads) as url:
+    with started_server(a.model, a.draft, a.concurrency, a.threads, a.compile, a.pack_weights) as url:
         pid = server_pid()
         served = {m["id"]: m for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]}
         for mid in a.models or served:
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             out = {"model": mid, "paradigm": info["paradigm"], "width": W, "context": context, "k": k,
                    "tokens_per_second": row["tokens_per_second"], "rows_per_step": row.get("rows_per_step"),
                    "ceiling_wall": 16 * k / t_wall, "ratio_wall": row["tokens_per_second"] / (16 * k / t_wall),
-                   "load": load, "threads": a.threads, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+                   "load": load, "threads": a.threads, "compile": a.compile, "pack_weights": a.pack_weights, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
             if c0 is not None:
                 per_cpu = row["tokens"] * n / row["requests"] / (c1 - c0)
                 out.update(server_cpu_s=c1 - c0, tokens_per_cpu_second=per_cpu, ceiling_cpu=16 * k / t_cpu,

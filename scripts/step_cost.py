@@ -23,7 +23,7 @@ import time
 import torch
 
 from dlm.checkpoint import load_model
-from dlm.model import fuse_projections, pack_linears
+from dlm.model import pack_linears
 from dlm.sampling.rows import RowBatch, Window
 
 clock = time.thread_time
@@ -80,15 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--pack-weights", action="store_true")
     ap.add_argument("--pack-min", type=int, default=1 << 20, help="--pack-weights: oneDNN's layout from this many weights")
-    ap.add_argument("--fuse", action="store_true", help="q, k, v and gate, up joined (model.fuse_projections)")
     ap.add_argument("--no-bare", action="store_true", help="skip the bare forward")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     model, _ = load_model(a.model)
     model.eval()
-    if a.fuse:
-        fuse_projections(model)
     if a.pack_weights:
         pack_linears(model, a.pack_min)
     rows = []

@@ -7,6 +7,7 @@ draw there) whose <eos> is likely after some contexts, so rows end at different 
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -203,3 +204,20 @@ def test_a_repeated_prompt_computes_only_its_last_token(model, kind):
             (p + [13, 5], 12, (0.8, 5, 0.9), 3, 5), (p, 12, (1.0, 0, 1.0), 7, 9)]
     batch = joined(model, rows, 64, prefix=1 << 20, kind=kind)
     assert (batch.rows.prefix.hits, batch.rows.prefix.tokens) == (4, 3 * (len(p) - 1) + len(p))
+
+
+AR_MID = Path(__file__).resolve().parents[1] / "checkpoints" / "ar-mid"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (AR_MID / "config.json").exists(), reason="needs the shipped ar-mid")
+def test_ar_mid_rows_on_the_compiled_step_decode_their_greedy_tokens_alone():
+    """The shipped ar-mid in float32 (what `dlm serve --compile` runs): rows through the compiled whole-stack step
+    (frozen weights, in-place K/V writes) joining at different steps decode the greedy tokens of each prompt alone."""
+    from dlm.checkpoint import load_model
+
+    model, _ = load_model(AR_MID)
+    greedy = (0.0, 0, 1.0)
+    rows = [([5, 90, 311, 47, 1200, 8], 24, greedy, 0, 0), ([700, 12, 13, 14], 20, greedy, 0, 0),
+            (list(range(100, 160)), 16, greedy, 0, 3), ([3000, 41], 12, greedy, 0, 5)]
+    joined(model.eval(), rows, 2 * model.cfg.max_seq_len, kind="compiled")

@@ -92,9 +92,10 @@ class RowsStep:
     depends on a Python number but the shapes, so torch.compile (inductor: C++ on a CPU, Triton on a GPU) can trace
     it for every R and S at once (dynamic shapes) and fuse the elementwise work between the matrix products.
 
-    What is compiled is one decoder layer (every layer runs the same code on its own weights and buffers: one
-    compilation serves them all, a sixteenth of compiling the whole stack), the embedding, RoPE tables and final
-    norm stay eager.
+    What is compiled is the decoder stack, every layer in one graph (one call into compiled code a step), with the
+    weights frozen (inductor's `freezing`: constants of the compiled code, which may keep them prepacked for its
+    products: their memory once more); the embedding, RoPE tables and final norm stay eager. The K/V write is an
+    operator of its own (model.write_slots): traced, it copied every row's S slots in and out, every layer.
 
     `step(tokens (R,), pos (R,), slot (R,), valid (R, S), ks, vs)` -> final hidden states (R, D), ks / vs each
     layer's (R, Hkv, S, hd) view of the rows' buffers (per-layer buffers: KVCache(per_layer=True): a compiled write
@@ -102,8 +103,8 @@ class RowsStep:
     compiled one is checked against)."""
 
     def __init__(self, model: Transformer, compile: bool = True):
-        self.model = model
-        self.layer = torch.compile(self._layer, dynamic=True) if compile else self._layer
+        self.model, self.compile = model, compile
+        self.stack = torch.compile(self._stack, dynamic=True) if compile else self._stack
 
     def warm(self, capacity: int) -> None:
         """Compile now, for buffers of `capacity` slots per row (their strides are part of the compiled code: buffers
@@ -119,11 +120,13 @@ class RowsStep:
                 self(torch.zeros(R, dtype=torch.long, device=dev), length, length, valid,
                      [k[:R, :, :S] for k in cache.k], [v[:R, :, :S] for v in cache.v])
 
-    @staticmethod
-    def _layer(block, x: Tensor, rope: tuple[Tensor, ...], mask: Tensor, slot: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        cache = KVCache.over([k], [v], 0)
-        cache.slot = slot
-        return block(x, rope, mask, False, cache, 0, True)
+    def _stack(self, x: Tensor, rope: tuple[Tensor, ...], mask: Tensor, slot: Tensor, ks: list[Tensor],
+               vs: list[Tensor]) -> Tensor:
+        for block, k, v in zip(self.model.layers, ks, vs):
+            cache = KVCache.over([k], [v], 0)
+            cache.slot = slot
+            x = block(x, rope, mask, False, cache, 0, True)
+        return x
 
     def __call__(self, tokens: Tensor, pos: Tensor, slot: Tensor, valid: Tensor, ks: list[Tensor],
                  vs: list[Tensor]) -> Tensor:
@@ -134,7 +137,12 @@ class RowsStep:
         qs = query_scale(rs, p)
         rope = rope if qs is None else (*rope, qs)
         mask, slot = valid[:, None, None, :], slot[:, None]  # (R, 1, 1, S), (R, 1)
-        with torch.fx.experimental._config.patch(use_duck_shape=False):  # (R == n_kv_heads is no reason to retrace)
-            for block, k, v in zip(model.layers, ks, vs):
-                x = self.layer(block, x, rope, mask, slot, k, v)
+        if self.compile:  # (freezing is read when a call compiles; duck sizing off: R == n_kv_heads is no reason to
+            # retrace)
+            import torch._inductor.config as inductor
+
+            with inductor.patch(freezing=True), torch.fx.experimental._config.patch(use_duck_shape=False):
+                x = self.stack(x, rope, mask, slot, ks, vs)
+        else:
+            x = self.stack(x, rope, mask, slot, ks, vs)
         return model.norm(x)[:, 0]

@@ -42,7 +42,7 @@ import torch
 
 from dlm.checkpoint import load_model, open_checkpoint
 from dlm.errors import DlmError
-from dlm.model import Transformer, fuse_projections, pack_linears
+from dlm.model import Transformer, pack_linears
 from dlm.sampling import SampleConfig, mdlm, row_program, stream
 from dlm.sampling.common import Commit, Done, Event, Prompt, Stats
 from dlm.drafters import load_drafter
@@ -181,8 +181,7 @@ class Engine:
                  max_batch: int = 64, compile: bool = False, pack_weights: bool = False, prefix_cache: int = 256 << 20):
         """compile: each model's one-token decoding steps run compiled (torch.compile, dlm.sampling.graphs.RowsStep),
         compiled while the server starts; where compiling fails, eagerly, with a warning. pack_weights: the models'
-        large linear layers keep a copy in oneDNN's layout for products of several rows (model.PackedLinear), and
-        each layer's q, k, v and gate, up products run as one (model.fuse_projections).
+        large linear layers keep a copy in oneDNN's layout for products of several rows (model.PackedLinear).
         prefix_cache: bytes of prompts' K/V each batcher keeps for later prompts that share a prefix (rows.PrefixCache;
         0: none)."""
         if not models:
@@ -201,7 +200,6 @@ class Engine:
             model.register_forward_hook(_count_forward)
             if pack_weights:
                 pack_linears(model)
-                fuse_projections(model)
             served = Served(name, ck.objective, model, ck, str(path))
             if ck.objective == "ar" or (ck.objective in ("mdlm", "usdm", "joint") and batchable(model)
                                         and mdlm.rows_fit(ck)):
