@@ -680,8 +680,9 @@ def serve_cmd(model: list[str], draft: str | None = None, host: str = "127.0.0.1
         device: auto (a CUDA GPU when there is one, else the CPU), cpu, cuda or cuda:N
         threads: torch CPU threads (0: torch's default less one, at least one: a core for the HTTP loop)
         log_level: uvicorn's log level (debug logs every request)
-        compile: compile the AR decoding step (torch.compile) while the server starts: faster steps after seconds
-            to minutes of compiling; falls back to eager decoding with a warning when compiling fails
+        compile: compile the AR decoding step (torch.compile, the layers as one graph, weights frozen) while the
+            server starts: faster steps of several rows after a minute or more of compiling; falls back to eager
+            decoding with a warning when compiling fails
         pack_weights: keep a copy of each large linear weight (>= 1M entries, float32 or bfloat16, CPU) in oneDNN's
             layout: products of 2-16 rows 1.5-3.7x faster on an AVX2 CPU, at the memory of those weights once more
         prefix_cache_mb: MB of prompts' K/V kept per model so that a prompt sharing a prefix with an earlier one (a
