@@ -98,21 +98,6 @@ def rope_inv_freq(cfg: ModelConfig, kind: str = "full") -> Tensor:
     return inv_freq
 
 
-@torch.library.custom_op("dlm::write_slots", mutates_args=("ck", "cv"))
-def write_slots(ck: Tensor, cv: Tensor, slot: Tensor, k: Tensor, v: Tensor) -> None:
-    """k, v (B, Hkv, T, hd) written into the buffers ck, cv (B, Hkv, S, hd) at each row's slots slot (B, T). An
-    operator of its own so that a compiled step (dlm.sampling.graphs.RowsStep) writes into the buffers in place: the
-    same writes traced into the graph copied each row's S slots out and back, every layer, every step."""
-    b = torch.arange(ck.shape[0], device=ck.device)[:, None]  # (B, 1)
-    ck[b, :, slot] = k.transpose(1, 2)  # (B, T, Hkv, hd) at [b, :, slot[b, t]]
-    cv[b, :, slot] = v.transpose(1, 2)
-
-
-@write_slots.register_fake
-def _(ck: Tensor, cv: Tensor, slot: Tensor, k: Tensor, v: Tensor) -> None:
-    return None
-
-
 class KVCache:
     """Static K/V buffers of every layer, rows at dim -4 and slots at dim -2: one (n_layers, B, n_kv_heads, capacity,
     head_dim) tensor each for K and V when the layers' shapes agree, else one (B, n_kv_heads_i, capacity, head_dim_i)
@@ -186,7 +171,9 @@ class KVCache:
         ck, cv = self.k[layer], self.v[layer]  # (B, Hkv, capacity, hd)
         if self.slot is not None:  # a step at the slot tensor, over every slot (the class docstring)
             if self.slot.dim() == 2:  # (B, T): each row's own slots (the row batch's step, dlm.sampling.graphs)
-                write_slots(ck, cv, self.slot, k, v)
+                b = torch.arange(ck.shape[0], device=ck.device)[:, None]  # (B, 1)
+                ck[b, :, self.slot] = k.transpose(1, 2)  # (B, T, Hkv, hd) at [b, :, slot[b, t]]
+                cv[b, :, self.slot] = v.transpose(1, 2)
             else:
                 ck[:, :, self.slot] = k  # (index_put_: a compiled step writes it in place, gpt-fast's habit)
                 cv[:, :, self.slot] = v

@@ -94,13 +94,13 @@ class RowsStep:
 
     What is compiled is the decoder stack, every layer in one graph (one call into compiled code a step), with the
     weights frozen (inductor's `freezing`: constants of the compiled code, which may keep them prepacked for its
-    products: their memory once more); the embedding, RoPE tables and final norm stay eager. The K/V write is an
-    operator of its own (model.write_slots): traced, it copied every row's S slots in and out, every layer.
+    products: their memory once more); the embedding, RoPE tables and final norm stay eager. The step takes each
+    layer's whole buffer and writes into it at [row, :, slot] (a write into a view made outside the graph, or inside
+    it, is traced as a copy of the view's rows and slots out and back, every layer: docs/log/batching.md).
 
     `step(tokens (R,), pos (R,), slot (R,), valid (R, S), ks, vs)` -> final hidden states (R, D), ks / vs each
-    layer's (R, Hkv, S, hd) view of the rows' buffers (per-layer buffers: KVCache(per_layer=True): a compiled write
-    into a view of the stacked buffer copies the whole stack). compile=False runs the same step eagerly (what the
-    compiled one is checked against)."""
+    layer's whole buffer (>= R rows, >= S slots; per-layer buffers: KVCache(per_layer=True)), of which rows 0..R-1
+    and slots 0..S-1 are read. compile=False runs the same step eagerly (what the compiled one is checked against)."""
 
     def __init__(self, model: Transformer, compile: bool = True):
         self.model, self.compile = model, compile
@@ -112,19 +112,18 @@ class RowsStep:
         inference mode as the row batch runs; raises what the compiler raises."""
         model, dev = self.model, self.model.device
         with torch.inference_mode():  # (inference tensors, as the row batch's buffers: their dispatch keys are guarded)
-            cache = model.rows_cache(3, capacity, per_layer=True)
+            cache = model.rows_cache(3, capacity, per_layer=True)  # (a buffer of 1 row would be traced apart)
             S = min(5, capacity)
             for R in (3, 1):
                 length = torch.arange(R, device=dev).clamp(max=S - 1)
                 valid = torch.arange(S, device=dev)[None] <= length[:, None]  # (R, S)
-                self(torch.zeros(R, dtype=torch.long, device=dev), length, length, valid,
-                     [k[:R, :, :S] for k in cache.k], [v[:R, :, :S] for v in cache.v])
+                self(torch.zeros(R, dtype=torch.long, device=dev), length, length, valid, cache.k, cache.v)
 
     def _stack(self, x: Tensor, rope: tuple[Tensor, ...], mask: Tensor, slot: Tensor, ks: list[Tensor],
                vs: list[Tensor]) -> Tensor:
         for block, k, v in zip(self.model.layers, ks, vs):
-            cache = KVCache.over([k], [v], 0)
-            cache.slot = slot
+            cache = RowsCache.over([k], [v], 0)
+            cache.slot, cache.span = slot, mask.shape[-1]
             x = block(x, rope, mask, False, cache, 0, True)
         return x
 
@@ -146,3 +145,19 @@ class RowsStep:
         else:
             x = self.stack(x, rope, mask, slot, ks, vs)
         return model.norm(x)[:, 0]
+
+
+class RowsCache(KVCache):
+    """RowsStep's view of one layer's whole buffers: row b of the step's R rows writes its K/V at slot[b], and the
+    attention reads rows 0..R-1, slots 0..span-1."""
+
+    span: int = 0
+
+    def update(self, layer: int, k: Tensor, v: Tensor, write: bool, kc: Tensor | None = None,
+               vc: Tensor | None = None, lo: int = 0) -> tuple[Tensor, Tensor]:
+        ck, cv = self.k[layer], self.v[layer]  # (rows, Hkv, capacity, hd)
+        R = k.shape[0]
+        b = torch.arange(R, device=ck.device)[:, None]  # (R, 1)
+        ck[b, :, self.slot] = k.transpose(1, 2)  # (R, T, Hkv, hd) at [b, :, slot[b, t]]
+        cv[b, :, self.slot] = v.transpose(1, 2)
+        return ck[:R, :, :self.span], cv[:R, :, :self.span]

@@ -309,7 +309,8 @@ class RowBatch:
         C = max(C or self.C, self.C)
         if n <= have and C == self.C and self.cache is not None:
             return
-        rows = max(n, 2 * have, 1) if n > have else have
+        rows = max(n, 2 * have, 1 if self.step is None else 2) if n > have else have  # (the step: a buffer of one row
+        # would be compiled apart)
         old = self.cache
         if self.step is not None:
             with torch.inference_mode():  # (what the compiled step was warmed up on)
@@ -461,9 +462,7 @@ class RowBatch:
         tokens[at] = torch.cat([w.tokens for w in windows])
         keys = torch.arange(S, device=dev)[None]  # (1, S)
         valid = torch.where(live[:, None], keys <= length[:, None], keys == S - 1)  # (R, S)
-        ks = [k[:R, :, :S] for k in self.cache.k]
-        vs = [v[:R, :, :S] for v in self.cache.v]
-        last = self.step(tokens, slot, slot, valid, ks, vs)  # (R, D); a row's position is its slot
+        last = self.step(tokens, slot, slot, valid, self.cache.k, self.cache.v)  # (R, D); a row's position is its slot
         for b in idx:
             self.length[b] += 1
         logits = self.model.head(last[at])  # (n, V)
