@@ -108,7 +108,7 @@ class RowsStep:
 
     def warm(self, capacity: int) -> None:
         """Compile now, for buffers of `capacity` slots per row (their strides are part of the compiled code: buffers
-        of another capacity compile again), for one row and for several (a row count of 1 is traced apart), under
+        of another capacity may compile again), for one row and for several (a row count of 1 is traced apart), under
         inference mode as the row batch runs; raises what the compiler raises."""
         model, dev = self.model, self.model.device
         with torch.inference_mode():  # (inference tensors, as the row batch's buffers: their dispatch keys are guarded)
