@@ -69,10 +69,10 @@ DRAFTER_OPTIONS = {"draft_passes": (("dflash", "diffusion"), "a DFlash or diffus
                    "lookup_ngram": (("lookup",), "prompt lookup")}
 
 
-def kind_reads(kind: str, kinds: tuple[str, ...]) -> bool:
-    """Whether a drafter of this kind (a combined one's: 'dflash+lookup') reads an option of DRAFTER_OPTIONS that
-    drafters of `kinds` read."""
-    return any(part in kinds for part in kind.split("+"))
+def kind_reads(kind: str | None, kinds: tuple[str, ...]) -> bool:
+    """Whether a drafter of this kind (a combined one's: 'dflash+lookup'; None or '': no drafter) reads an option of
+    DRAFTER_OPTIONS that drafters of `kinds` read."""
+    return any(part in kinds for part in (kind or "").split("+"))
 
 
 DIFFUSION_DRAFT_PASSES = 3  # refinement passes of a diffusion drafter at most (--draft-passes)
