@@ -3,9 +3,9 @@
     load_drafter(spec, target, ck, sampling, passes, lookup_ngram, top_k) -> Drafter
 
 'lookup' is prompt lookup; FOLDER+lookup that folder's drafter giving way to prompt lookup where the context's last
-n-gram occurred before (speculative.WithLookup); a folder is a drafter checkpoint: a DFlash drafter (objective dflash, trained by dlm or
-imported from z-lab's layout), a small AR model with the target's tokenizer, or a masked-diffusion model (mdlm, or
-a joint model's diffusion mode) with the target's tokenizer. The samplers
+n-gram occurred before (speculative.WithLookup); a folder is a drafter checkpoint: a DFlash drafter (objective
+dflash, trained by dlm or imported from z-lab's layout), a small AR model with the target's tokenizer, or a
+masked-diffusion model (mdlm, or a joint model's diffusion mode) with the target's tokenizer. The samplers
 (dlm.sampling.speculative) are pure computation over the drafter this returns; a server loads each drafter once
 and `fork`s it per request. Adding a kind of drafter is a class (a `speculative.Drafter`) and a row of KINDS here.
 """

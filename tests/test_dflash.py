@@ -418,6 +418,7 @@ def test_bad_input_is_one_clear_error(tiny_ar, tiny_dflash, tmp_path, corpus_dir
     bad_train("too shallow", target=str(tiny_ar), target_layers=[0, 1, 1])
     bad_train("distinct", target=str(tiny_ar), target_layers=[1, 1])
     bad_train("AR checkpoint", target=str(tiny_dflash))
+    bad_train("--selector-soft needs --distill-logits", target=str(tiny_ar), selector_rank=4, selector_soft=True)
 
 
 def test_bench_puts_drafters_beside_the_target_alone(tiny_ar, tiny_dflash, corpus_dir, tmp_path):
