@@ -26,6 +26,7 @@ from dlm.sampling.speculative import (ARDraft, DFlashDraft, DiffusionDraft, Draf
 
 DIFFUSION = ("mdlm", "joint")  # checkpoint objectives that draft by masked diffusion
 WITH_LOOKUP = "+lookup"  # FOLDER+lookup: that drafter, giving way to prompt lookup where the context repeats
+BESIDE_LOOKUP = ("dflash", "ar", "diffusion")  # the kinds of drafter FOLDER+lookup takes
 
 
 def drafter_kind(spec: str) -> str | None:
@@ -35,7 +36,7 @@ def drafter_kind(spec: str) -> str | None:
         return "lookup"
     if spec.endswith(WITH_LOOKUP):
         main = drafter_kind(spec[:-len(WITH_LOOKUP)])
-        return f"{main}+lookup" if main in ("dflash", "ar", "diffusion") else None
+        return f"{main}+lookup" if main in BESIDE_LOOKUP else None
     try:
         objective = open_checkpoint(spec, "--draft").objective
     except DlmError:
@@ -51,7 +52,7 @@ def load_drafter(spec: str, target: Transformer, ck, sampling: Sampling | None =
         return PromptLookup(lookup_ngram)
     if spec.endswith(WITH_LOOKUP):
         main = load_drafter(spec[:-len(WITH_LOOKUP)], target, ck, sampling, passes, lookup_ngram, top_k)
-        if main.kind not in ("dflash", "ar", "diffusion"):
+        if main.kind not in BESIDE_LOOKUP:
             raise DlmError(f"--draft {spec}: '+lookup' follows a drafter checkpoint folder")
         return WithLookup(main, PromptLookup(lookup_ngram))
     if not Path(spec).is_dir():

@@ -71,8 +71,8 @@ def selector_terms(selector: CandidateSelector, h: Tensor, logits: Tensor, ancho
     idx = gold.int().argmax(-1)
     if teacher is None:
         ce = F.cross_entropy(score, idx, reduction="none") * is_cand
-    else:  # p over the candidates: log-softmax of the teacher's logits gathered there
-        soft = torch.log_softmax(teacher.float().gather(-1, cands).reshape(-1, k), -1).exp()
+    else:  # p over the candidates: the softmax of the teacher's logits gathered there
+        soft = torch.softmax(teacher.float().gather(-1, cands).reshape(-1, k), -1)
         ce = -(soft * torch.log_softmax(score, -1)).sum(-1)
     picked = (score.argmax(-1) == idx) & is_cand
     return ce.view(labels.shape), is_cand.view(labels.shape), picked.view(labels.shape)

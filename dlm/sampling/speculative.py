@@ -153,10 +153,11 @@ class PromptLookup(Drafter):
     def propose(self, seq: Tensor, k: int) -> tuple[Tensor, None]:
         return self.match(seq, k)[0], None
 
-    def match(self, seq: Tensor, k: int) -> tuple[Tensor, int]:
-        """Committed ids (S,) -> up to k proposals (k',) and the length n of the n-gram they follow (0: none)."""
+    def match(self, seq: Tensor, k: int, shortest: int | None = None) -> tuple[Tensor, int]:
+        """Committed ids (S,) -> up to k proposals (k',) and the length n of the n-gram they follow (0: none), n at
+        least `shortest` (default: its min_ngram)."""
         S = seq.shape[0]
-        for n in range(min(self.max_ngram, S - 1), self.min_ngram - 1, -1):
+        for n in range(min(self.max_ngram, S - 1), (shortest or self.min_ngram) - 1, -1):
             windows = seq.unfold(0, n, 1)[:-1]  # (S-n, n): every earlier n-gram (the suffix itself excluded)
             starts = (windows == seq[S - n:]).all(-1).nonzero()[:, 0] + n
             if starts.numel():
@@ -216,8 +217,8 @@ class WithLookup(Drafter):
         return self.main.answer(request)
 
     def draft(self, seq: Tensor, k: int) -> Iterator:
-        tokens, n = self.lookup.match(seq, k)
-        if k and n >= self.lookup.max_ngram and tokens.numel():
+        tokens, n = self.lookup.match(seq, k, self.lookup.max_ngram)  # (only its longest n-gram counts)
+        if k and n and tokens.numel():
             self.lookups += 1
             return tokens, None
         return (yield from self.main.draft(seq, k))
