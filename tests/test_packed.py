@@ -62,3 +62,32 @@ def test_bfloat16_packed():
     with torch.inference_mode():
         out = b(torch.randint(0, 300, (3, 5))).logits
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+def test_row_linears_keep_eager_bits_and_compile_one_row_as_a_reduction():
+    """graphs.row_linears: every linear (plain or packed) wrapped; eager outputs bit for bit, weights, ties and the
+    state dict unchanged; compiled, one row is the multiply-and-sum (no matrix product left in the generated code)
+    and several rows the layer's product, both equal to F.linear up to float rounding."""
+    from torch._inductor.utils import run_and_get_code
+
+    from dlm.sampling.graphs import RowLinear, row_linears
+
+    plain, wrapped = model(), model()
+    pack_linears(wrapped, min_elements=64 * 64, min_transposed=1)
+    keys = set(plain.state_dict())
+    assert row_linears(wrapped) == 2 * 7 + 1
+    assert isinstance(wrapped.lm_head, RowLinear) and wrapped.lm_head.weight is wrapped.embed_tokens.weight
+    assert set(wrapped.state_dict()) == keys
+    x = torch.randint(0, 300, (4, 9))
+    with torch.inference_mode():
+        for t in (x, x[:1, :1]):
+            assert torch.equal(wrapped(t).logits, plain(t).logits)
+        lin = wrapped.layers[1].mlp.down_proj
+        f = torch.compile(lambda h: lin(h), dynamic=True)
+        for rows in (1, 3):
+            h = torch.randn(rows, 1, 160)
+            y, code = run_and_get_code(f, h)
+            torch.testing.assert_close(y, torch.nn.functional.linear(h, lin.weight), rtol=1e-5, atol=1e-5)
+            products = sum(c.count("extern_kernels.mm") + c.count("_mkl_linear") + c.count("mkldnn._linear")
+                           for c in code)
+            assert (products == 0) == (rows == 1), code

@@ -462,10 +462,10 @@ class RowBatch:
         tokens[at] = torch.cat([w.tokens for w in windows])
         keys = torch.arange(S, device=dev)[None]  # (1, S)
         valid = torch.where(live[:, None], keys <= length[:, None], keys == S - 1)  # (R, S)
-        last = self.step(tokens, slot, slot, valid, self.cache.k, self.cache.v)  # (R, D); a row's position is its slot
+        logits = self.step(tokens, slot, slot, valid, self.cache.k, self.cache.v)[at]  # (n, V); a row's position is
+        # its slot
         for b in idx:
             self.length[b] += 1
-        logits = self.model.head(last[at])  # (n, V)
         return [logits[j:j + 1, None] for j in range(len(idx))]
 
     def _forward(self, idx: list[int], windows: list[Window]) -> list:
