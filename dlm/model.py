@@ -245,9 +245,18 @@ class Attention(nn.Module):
             k, v = cache.update(layer, k, v, write, kc, vc, lo)
         elif ctx is not None:
             k, v = torch.cat((kc, k), 2), torch.cat((vc, v), 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=self.n_kv != self.n_heads
-        )  # (B, H, T, hd)
+        if (T == 1 and self.n_kv != self.n_heads and not is_causal and (mask is None or mask.shape[1] == 1)
+                and torch.compiler.is_compiling()):
+            # one query per row in a compiled step: the query heads that share a K/V head as that head's G queries, so
+            # the attention kernel reads each K/V head once rather than once per query head (the same sums; ar-mid's
+            # compiled one-row step 4.1 -> 3.5 ms, docs/log/batching.md)
+            G = self.n_heads // self.n_kv
+            y = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, G, self.hd), k, v, attn_mask=mask,
+                                               scale=self.scale).reshape(B, self.n_heads, 1, self.hd)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=self.n_kv != self.n_heads
+            )  # (B, H, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
 
 
