@@ -249,7 +249,7 @@ class Attention(nn.Module):
                 and torch.compiler.is_compiling()):
             # one query per row in a compiled step: the query heads that share a K/V head as that head's G queries, so
             # the attention kernel reads each K/V head once rather than once per query head (the same sums; ar-mid's
-            # compiled one-row step 4.1 -> 3.5 ms, docs/log/batching.md)
+            # compiled step 2-5% faster at 4-16 rows, docs/log/batching.md)
             G = self.n_heads // self.n_kv
             y = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, G, self.hd), k, v, attn_mask=mask,
                                                scale=self.scale).reshape(B, self.n_heads, 1, self.hd)
