@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dlm.model import KVCache, Transformer
+from dlm.model import KVCache, PackedLinear, Transformer
 from dlm.rope import query_scale, rope_attention_factor, rope_cos_sin
 
 
@@ -176,8 +176,6 @@ class RowLinear(nn.Module):
 
 def row_linears(model: nn.Module) -> int:
     """Every linear layer of the model (nn.Linear, dlm.model.PackedLinear) as a RowLinear; the number wrapped."""
-    from dlm.model import PackedLinear
-
     todo = [(parent, name, m) for parent in model.modules() for name, m in parent.named_children()
             if type(m) in (nn.Linear, PackedLinear)]
     for parent, name, m in todo:

@@ -462,8 +462,8 @@ class RowBatch:
         tokens[at] = torch.cat([w.tokens for w in windows])
         keys = torch.arange(S, device=dev)[None]  # (1, S)
         valid = torch.where(live[:, None], keys <= length[:, None], keys == S - 1)  # (R, S)
-        logits = self.step(tokens, slot, slot, valid, self.cache.k, self.cache.v)[at]  # (n, V); a row's position is
-        # its slot
+        # (a row's position is its slot)
+        logits = self.step(tokens, slot, slot, valid, self.cache.k, self.cache.v)[at]  # (n, V)
         for b in idx:
             self.length[b] += 1
         return [logits[j:j + 1, None] for j in range(len(idx))]
