@@ -193,7 +193,10 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention of layer i (ModelConfig.layer: its head dim, KV heads, K = V)."""
+    """Grouped-query attention of layer i (ModelConfig.layer: its head dim, KV heads, K = V). row_kernel: a compiled
+    one-token step calls dlm's row attention kernel (graphs.row_attention sets it where the kernel is built)."""
+
+    row_kernel = False
 
     def __init__(self, cfg: ModelConfig, i: int = 0):
         super().__init__()
@@ -245,14 +248,22 @@ class Attention(nn.Module):
             k, v = cache.update(layer, k, v, write, kc, vc, lo)
         elif ctx is not None:
             k, v = torch.cat((kc, k), 2), torch.cat((vc, v), 2)
-        if (T == 1 and self.n_kv != self.n_heads and not is_causal and (mask is None or mask.shape[1] == 1)
-                and torch.compiler.is_compiling()):
+        if (T == 1 and (self.n_kv != self.n_heads or self.row_kernel) and not is_causal
+                and (mask is None or mask.shape[1] == 1) and torch.compiler.is_compiling()):
             # one query per row in a compiled step: the query heads that share a K/V head as that head's G queries, so
             # the attention kernel reads each K/V head once rather than once per query head (the same sums; ar-mid's
             # compiled step 2-5% faster at 4-16 rows, docs/log/batching.md)
             G = self.n_heads // self.n_kv
-            y = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, G, self.hd), k, v, attn_mask=mask,
-                                               scale=self.scale).reshape(B, self.n_heads, 1, self.hd)
+            qg = q.reshape(B, self.n_kv, G, self.hd)
+            if (self.row_kernel and mask is not None and mask.dtype == torch.bool and mask.dim() == 4
+                    and mask.shape[0] == B == k.shape[0] and mask.shape[-1] == k.shape[2]
+                    and q.dtype in (torch.float32, torch.float64)):
+                # dlm's CPU kernel for it (dlm/kernels/row_attention.cpp): each row's allowed K, then V slots
+                # streamed once; SDPA reads them at half that speed here (ar-mid's 16-row step, docs/log/batching.md)
+                y = torch.ops.dlm.row_attention(qg, k, v, mask, self.scale)
+            else:
+                y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)
+            y = y.reshape(B, self.n_heads, 1, self.hd)
         else:
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=self.n_kv != self.n_heads

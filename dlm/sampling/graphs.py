@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dlm.model import KVCache, PackedLinear, Transformer
+from dlm import kernels
+from dlm.model import Attention, KVCache, PackedLinear, Transformer
 from dlm.rope import query_scale, rope_attention_factor, rope_cos_sin
 
 
@@ -110,6 +111,7 @@ class RowsStep:
         self.model, self.compile = model, compile
         if compile and model.device.type == "cpu":
             row_linears(model)
+            row_attention(model)
         self.stack = (torch.compile(self._stack, dynamic=True,
                                     options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
                       if compile else self._stack)
@@ -181,6 +183,19 @@ def row_linears(model: nn.Module) -> int:
     for parent, name, m in todo:
         setattr(parent, name, RowLinear(m))
     return len(todo)
+
+
+def row_attention(model: nn.Module) -> int:
+    """Every attention layer of the model on dlm's row attention kernel in compiled one-token steps, where the kernel
+    builds (dlm.kernels; else PyTorch's attention stays); the number of layers set."""
+    if not kernels.row_attention():
+        return 0
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.row_kernel = True
+            n += 1
+    return n
 
 
 class RowsCache(KVCache):

@@ -1,0 +1,43 @@
+"""dlm's own CPU kernels, built on first use with the machine's C++ compiler (torch.utils.cpp_extension; the build is
+cached under torch's extensions folder). A kernel that cannot be built leaves its caller on PyTorch's own operator."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+_built: dict[str, bool] = {}
+
+
+def _flags() -> list[str]:
+    """The vector width ATen's Vectorized<T> is compiled for: the one PyTorch itself runs at on this CPU."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap.startswith("AVX512"):
+        return ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl",
+                "-mavx512bw", "-mfma"]
+    if cap == "AVX2":
+        return ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma"]
+    return []
+
+
+def row_attention() -> bool:
+    """Whether torch.ops.dlm.row_attention (row_attention.cpp) is loaded; builds it the first time."""
+    if "row_attention" not in _built:
+        try:
+            from torch.utils.cpp_extension import load
+
+            load(name="dlm_row_attention", sources=[os.path.join(os.path.dirname(__file__), "row_attention.cpp")],
+                 extra_cflags=["-O3", *_flags()], is_python_module=False, verbose=False)
+
+            @torch.library.register_fake("dlm::row_attention")
+            def _(q, k, v, mask, scale):
+                return q.new_empty(q.shape)
+
+            _built["row_attention"] = True
+        except Exception as e:  # (no compiler, no ninja, a build error: SDPA does the same sums)
+            warnings.warn(f"dlm: the row attention kernel was not built ({type(e).__name__}: {str(e)[:200]}); "
+                          "the compiled step uses PyTorch's attention")
+            _built["row_attention"] = False
+    return _built["row_attention"]
