@@ -100,15 +100,23 @@ class RowsStep:
     inside it, is traced as a copy of the view's rows and slots out and back, every layer: docs/log/batching.md).
     On a CPU, the one-row step's products are written as the multiply-and-sum they are (RowLinear): inductor
     generates them as reductions over the frozen row-major weights, fused with the work around them, which read the
-    weights ~2x as fast as MKL's matrix-vector product of a transposed weight does here. Dynamo's guards skip the
-    model's modules (the step's model is fixed; its weights are frozen constants anyway).
+    weights ~2x as fast as MKL's matrix-vector product of a transposed weight does here. The attention of those
+    steps is dlm's own kernel (dlm/kernels/row_attention.cpp, `row_attention`). Several rows' products are
+    inductor's generated C++ matrix products where its autotuning finds them faster than the library's (max_autotune,
+    CPU only), and each is blocked for the row count it was tuned at: so the step is compiled for three spans of row
+    counts, one row, FEW - 1 rows at most, more (`mark_dynamic` ranges; ar-mid's 4-row step ~9 -> ~5 ms,
+    docs/log/batching.md). Dynamo's guards skip the model's modules (the step's model is fixed; its weights are
+    frozen constants anyway).
 
     `step(tokens (R,), pos (R,), slot (R,), valid (R, S), ks, vs)` -> logits (R, V), ks / vs each layer's whole
     buffer (>= R rows, >= S slots; per-layer buffers: KVCache(per_layer=True)), of which rows 0..R-1 and slots
     0..S-1 are read. compile=False runs the same step eagerly (what the compiled one is checked against)."""
 
+    FEW = 8  # (the row counts below it share one compiled step, tuned at 4 rows; from it on, one tuned at 16)
+
     def __init__(self, model: Transformer, compile: bool = True):
         self.model, self.compile = model, compile
+        self.cpu = model.device.type == "cpu"
         if compile and model.device.type == "cpu":
             row_linears(model)
             row_attention(model)
@@ -118,13 +126,13 @@ class RowsStep:
 
     def warm(self, capacity: int) -> None:
         """Compile now, for buffers of `capacity` slots per row (their strides are part of the compiled code: buffers
-        of another capacity may compile again), for one row and for several (a row count of 1 is traced apart), under
+        of another capacity may compile again), for each span of row counts (one row; 2..FEW-1; FEW and more), under
         inference mode as the row batch runs; raises what the compiler raises."""
         model, dev = self.model, self.model.device
         with torch.inference_mode():  # (inference tensors, as the row batch's buffers: their dispatch keys are guarded)
-            cache = model.rows_cache(3, capacity, per_layer=True)  # (a buffer of 1 row would be traced apart)
+            cache = model.rows_cache(16, capacity, per_layer=True)  # (a buffer of 1 row would be traced apart)
             S = min(5, capacity)
-            for R in (3, 1):
+            for R in (4, 16, 1):  # (the row counts each span is tuned at)
                 length = torch.arange(R, device=dev).clamp(max=S - 1)
                 valid = torch.arange(S, device=dev)[None] <= length[:, None]  # (R, S)
                 self(torch.zeros(R, dtype=torch.long, device=dev), length, length, valid, cache.k, cache.v)
@@ -150,7 +158,13 @@ class RowsStep:
             # retrace)
             import torch._inductor.config as inductor
 
-            with inductor.patch(freezing=True), torch.fx.experimental._config.patch(use_duck_shape=False):
+            R = x.shape[0]
+            if R > 1:  # (the span of row counts this step is compiled for)
+                lo, hi = (2, self.FEW - 1) if R < self.FEW else (self.FEW, 1 << 16)
+                torch._dynamo.mark_dynamic(x, 0, min=lo, max=hi)
+            tune = dict(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN") if self.cpu else {}
+            with (inductor.patch(freezing=True, **tune),
+                  torch.fx.experimental._config.patch(use_duck_shape=False)):
                 x = self.stack(x, rope, mask, slot, ks, vs)
         else:
             x = self.stack(x, rope, mask, slot, ks, vs)
