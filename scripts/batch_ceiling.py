@@ -23,16 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 
-from dlm.serve.loadtest import batching, default_prompts, measure, started_server
+from dlm.serve.loadtest import batching, default_prompts, measure, paused, started_server
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -41,17 +38,6 @@ def cpu_seconds(pid: int) -> float:
     """user + system CPU seconds of a process, all its threads (/proc/PID/stat)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICK
-
-
-@contextmanager
-def paused(pid: int | None) -> Iterator[None]:
-    if pid:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        if pid:
-            os.kill(pid, signal.SIGCONT)
 
 
 def server_pid() -> int | None:

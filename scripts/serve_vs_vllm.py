@@ -35,7 +35,7 @@ from typing import Iterator
 
 import httpx
 
-from dlm.serve.loadtest import default_prompts, measure, started_server
+from dlm.serve.loadtest import default_prompts, measure, paused, started_server
 
 
 def free_port() -> int:
@@ -83,17 +83,6 @@ def vllm_server(vllm: str, folder: str, name: str, dtype: str, max_len: int, max
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-@contextmanager
-def paused(pid: int | None) -> Iterator[None]:
-    if pid:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        if pid:
-            os.kill(pid, signal.SIGCONT)
 
 
 def main(argv: list[str] | None = None) -> int:

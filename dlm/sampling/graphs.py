@@ -162,8 +162,8 @@ class RowsStep:
             if R > 1:  # (the span of row counts this step is compiled for)
                 lo, hi = (2, self.FEW - 1) if R < self.FEW else (self.FEW, 1 << 16)
                 torch._dynamo.mark_dynamic(x, 0, min=lo, max=hi)
-            tune = (dict(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN", autotune_num_choices_displayed=0)
-                    if self.cpu else {})  # (its timing tables unprinted)
+            tune = (dict(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN", autotune_num_choices_displayed=0,
+                         max_autotune_report_choices_stats=False) if self.cpu else {})  # (its timings unprinted)
             with (inductor.patch(freezing=True, **tune),
                   torch.fx.experimental._config.patch(use_duck_shape=False)):
                 x = self.stack(x, rope, mask, slot, ks, vs)

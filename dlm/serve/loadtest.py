@@ -25,6 +25,7 @@ import asyncio
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -150,6 +151,25 @@ def table(rows: list[dict]) -> str:
                    f"{f(r['latency_p50'])} | {f(r['latency_p99'])} | {f(r['ttft_p50'], 3)} | "
                    f"{f(r.get('rows_per_step'), 1)} | {r['errors']} |")
     return "\n".join(out)
+
+
+@contextmanager
+def paused(pid: int | None) -> Iterator[None]:
+    """A background process (a training run sharing the machine) stopped (SIGSTOP) while a timed part runs, resumed
+    (SIGCONT) after; one that has ended is left alone."""
+    def send(sig: int) -> None:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    if pid:
+        send(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        if pid:
+            send(signal.SIGCONT)
 
 
 @contextmanager
