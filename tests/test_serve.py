@@ -560,6 +560,36 @@ def test_percentiles_and_table():
     assert table([row]).splitlines()[2] == "| m | 4 | 8 | 10.0 | 1.00 | 2.00 | – | – | 0 |"
 
 
+
+def test_a_paused_process_is_stopped_for_the_timed_part_and_one_that_ended_is_left_alone():
+    """loadtest.paused (the scripts' --pause): the background process is stopped inside, running again after; a
+    process that has ended (a training run that finished mid-way) is no error."""
+    import subprocess
+
+    from dlm.serve.loadtest import paused
+
+    def state(pid: int, want: str) -> str:  # (a signal lands a moment after it is sent)
+        for _ in range(200):
+            s = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            if s in want:
+                break
+            time.sleep(0.01)
+        return s
+
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        assert state(proc.pid, "S") == "S"
+        with paused(proc.pid):
+            assert state(proc.pid, "T") == "T"
+        assert state(proc.pid, "RS") in "RS"
+    finally:
+        proc.kill()
+        proc.wait()
+    with paused(proc.pid):  # (ended and reaped: no such process)
+        pass
+    with paused(None):
+        pass
+
 @pytest.mark.slow
 def test_batching_raises_ar_throughput_at_16_over_1(url):
     from dlm.serve.loadtest import default_prompts, measure

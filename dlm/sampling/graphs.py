@@ -117,7 +117,7 @@ class RowsStep:
     def __init__(self, model: Transformer, compile: bool = True):
         self.model, self.compile = model, compile
         self.cpu = model.device.type == "cpu"
-        if compile and model.device.type == "cpu":
+        if compile and self.cpu:
             row_linears(model)
             row_attention(model)
         self.stack = (torch.compile(self._stack, dynamic=True,
