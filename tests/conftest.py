@@ -61,6 +61,11 @@ def assert_greedy_continuation(model, ck, row: dict, max_new_tokens: int) -> Non
     assert row["text"] == row["prompt"] + ck.tokenizer.decode(ref[:cut])
 
 
+# what torch.compile's C++ backend on a CPU and dlm's kernels (dlm/kernels) are built with
+needs_cxx = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")),
+                               reason="needs a C++ compiler (inductor on a CPU, dlm's kernels)")
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models: one thread is fastest, and the CPU is shared (use: pytestmark = usefixtures("one_thread"))."""

@@ -4,12 +4,10 @@ row step calls."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import random_transformer
+from conftest import needs_cxx, random_transformer
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
@@ -17,9 +15,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from dlm import kernels  # noqa: E402
 
-pytestmark = [pytest.mark.usefixtures("one_thread"),
-              pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")),
-                                 reason="the kernels are built with the machine's C++ compiler")]
+pytestmark = [pytest.mark.usefixtures("one_thread"), needs_cxx]
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,10 @@ ones too) and the state dict are unchanged."""
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
-from conftest import random_transformer
+from conftest import needs_cxx, random_transformer
 
 from dlm.model import PackedLinear, pack_linears
 
@@ -66,8 +65,7 @@ def test_bfloat16_packed():
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
 
 
-@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")),
-                    reason="inductor needs a C++ compiler on a CPU")
+@needs_cxx
 def test_row_linears_keep_eager_bits_and_compile_one_row_as_a_reduction():
     """graphs.row_linears: every linear (plain or packed) wrapped; eager outputs bit for bit, weights, ties and the
     state dict unchanged; compiled, one row is the multiply-and-sum (no matrix product left in the generated code)

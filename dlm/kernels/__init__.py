@@ -3,12 +3,11 @@ cached under torch's extensions folder). A kernel that cannot be built leaves it
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
 import torch
-
-_built: dict[str, bool] = {}
 
 
 def _flags() -> list[str]:
@@ -22,22 +21,21 @@ def _flags() -> list[str]:
     return []
 
 
+@functools.cache
 def row_attention() -> bool:
     """Whether torch.ops.dlm.row_attention (row_attention.cpp) is loaded; builds it the first time."""
-    if "row_attention" not in _built:
-        try:
-            from torch.utils.cpp_extension import load
+    try:
+        from torch.utils.cpp_extension import load
 
-            load(name="dlm_row_attention", sources=[os.path.join(os.path.dirname(__file__), "row_attention.cpp")],
-                 extra_cflags=["-O3", *_flags()], is_python_module=False, verbose=False)
+        load(name="dlm_row_attention", sources=[os.path.join(os.path.dirname(__file__), "row_attention.cpp")],
+             extra_cflags=["-O3", *_flags()], is_python_module=False, verbose=False)
+    except Exception as e:  # (no compiler, no ninja, a build error: SDPA does the same sums)
+        warnings.warn(f"dlm: the row attention kernel was not built ({type(e).__name__}: {str(e)[:200]}); "
+                      "the compiled step uses PyTorch's attention")
+        return False
 
-            @torch.library.register_fake("dlm::row_attention")
-            def _(q, k, v, mask, scale):
-                return q.new_empty(q.shape)
+    @torch.library.register_fake("dlm::row_attention")
+    def _(q, k, v, mask, scale):
+        return q.new_empty(q.shape)
 
-            _built["row_attention"] = True
-        except Exception as e:  # (no compiler, no ninja, a build error: SDPA does the same sums)
-            warnings.warn(f"dlm: the row attention kernel was not built ({type(e).__name__}: {str(e)[:200]}); "
-                          "the compiled step uses PyTorch's attention")
-            _built["row_attention"] = False
-    return _built["row_attention"]
+    return True

@@ -116,10 +116,16 @@ class RowsStep:
 
     def __init__(self, model: Transformer, compile: bool = True):
         self.model, self.compile = model, compile
-        self.cpu = model.device.type == "cpu"
-        if compile and self.cpu:
+        cpu = model.device.type == "cpu"
+        if compile and cpu:
             row_linears(model)
             row_attention(model)
+        # (inductor's options, read when a call compiles: frozen weights; on a CPU several rows' products autotuned,
+        # the timings unprinted)
+        self.options = dict(freezing=True)
+        if cpu:
+            self.options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN",
+                                autotune_num_choices_displayed=0, max_autotune_report_choices_stats=False)
         self.stack = (torch.compile(self._stack, dynamic=True,
                                     options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
                       if compile else self._stack)
@@ -162,10 +168,7 @@ class RowsStep:
             if R > 1:  # (the span of row counts this step is compiled for)
                 lo, hi = (2, self.FEW - 1) if R < self.FEW else (self.FEW, 1 << 16)
                 torch._dynamo.mark_dynamic(x, 0, min=lo, max=hi)
-            tune = (dict(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN", autotune_num_choices_displayed=0,
-                         max_autotune_report_choices_stats=False) if self.cpu else {})  # (its timings unprinted)
-            with (inductor.patch(freezing=True, **tune),
-                  torch.fx.experimental._config.patch(use_duck_shape=False)):
+            with inductor.patch(**self.options), torch.fx.experimental._config.patch(use_duck_shape=False):
                 x = self.stack(x, rope, mask, slot, ks, vs)
         else:
             x = self.stack(x, rope, mask, slot, ks, vs)
