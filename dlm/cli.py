@@ -559,7 +559,7 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
         context: --shape: tokens already in the cache
         points: --shape: the values of T and B (default: 1 2 4 8 16 32 64)
         layers: --shape NAME: measure at this depth (0 = the shape's own; llada-8b: 4 of its 32 layers)
-        device: --shape: auto, cpu or cuda[:N]
+        device: auto (a CUDA GPU when there is one, else the CPU), cpu, cuda or cuda:N: where every model runs
         clock: --shape: wall, or cpu (the process's CPU time: on a busy machine at one thread, the forward's own cost
             without the time it waited for a core)
         dtype: --shape: the weights' dtype, float32, bfloat16 or float16 (default: float32 for a named shape, a
@@ -610,7 +610,7 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
     run_bench(model, prompts, max_new_tokens, out or None, data, warmup, naive, mdlm=default(mdlm, "mdlm-small"),
               usdm=default(usdm, "usdm-small"), sweep=sweep, draft=draft, temperatures=temps, block_size=block_size,
               repeat=repeat, task=task, span=span, joint=joint, joint_blocks=tuple(joint_blocks or (16,)),
-              col_major=col_major)
+              col_major=col_major, device=device)
     if out:
         print(f"report: {out}")
 

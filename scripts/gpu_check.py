@@ -13,7 +13,13 @@ keeps what it measured; a part that fails records its error and the next one run
 - cost: `dlm bench --shape` at bf16 for qwen3-0.6b, qwen3-1.7b and llada-8b at full depth (the cost of verifying
   T tokens relative to one decode step), and a draft pass modelled as 1 and 5 target-shaped layers over 16 tokens;
 - usdm: one 256-token canvas at 16 and 48 denoising steps on Qwen3-0.6B's shape (self-conditioned denoiser);
-- train: `dlm train --preset base` under torchrun with FSDP2 on one GPU, bf16, AR and mdlm: tokens/s and MFU.
+- train: `dlm train --preset base` under torchrun with FSDP2 on one GPU, bf16, AR and mdlm: tokens/s and MFU;
+- pair: the shipped pair (ar-mid, dflash2-mid) in `dlm bench --device cuda` (the target alone replays CUDA graphs,
+  the speculative loop is eager), beside ar-mid's eager decode on the same prompts;
+- cycle: ar-mid's step of T = 1..16 new tokens eager and replayed from a CUDA graph, and one target-shaped layer's
+  (a DFlash drafter's pass): what a graphed speculative loop would pay per cycle;
+- tests: the tests that take a device (`pytest --device cuda`: the CUDA-graph step, the speculative loop's
+  greedy exactness).
 """
 
 from __future__ import annotations
@@ -393,6 +399,71 @@ def part_train() -> dict:
     return res
 
 
+def part_pair(out: Path) -> dict:
+    from dlm.bench import run_bench
+    from dlm.checkpoint import load_model
+    from dlm.sampling.ar import decode
+
+    drafts = ["checkpoints/dflash2-mid", "checkpoints/dflash2-mid+lookup", "lookup", "checkpoints/ar-draft"]
+    n, new = (2, 16) if DRY else (8, 128)
+    rep = run_bench("checkpoints/ar-mid", prompts=n, max_new_tokens=new, out=str(out / "pair.json"), naive=False,
+                    mdlm=None, usdm=None, draft=drafts, temperatures=(0.0, 1.0), repeat=3, device=DEV)
+    keep = ("method", "tokens_per_second", "tokens_per_forward", "speedup", "speedup_range", "tau", "lossless",
+            "temperature")
+    res = {"rows": [{k: s.get(k) for k in keep if k in s} for s in rep["summaries"]]}
+    # the target alone, eager and graphed, on a code prompt, greedy, <eos> off
+    model, ck = load_model("checkpoints/ar-mid", device=DEV)
+    prompts = [ck.tokenizer.encode((ROOT / "dlm" / "sampling" / "ar.py").read_text()[:800])]
+    with torch.inference_mode():
+        for name, graphs in (("eager", False), ("graphed", not DRY)):
+            t = cuda_time(lambda: list(decode(model, prompts, new, eos_id=None, cuda_graphs=graphs)), 5)
+            res[f"ar_{name}_tok_s"] = new / t
+    return res
+
+
+@torch.inference_mode()
+def part_cycle() -> dict:
+    """Seconds of ar-mid's step of T new tokens over a 200-token cache, eager and graphed, and of one
+    target-shaped layer with the head (a one-layer DFlash drafter's pass over its block)."""
+    from dlm.bench.cost import shape_model
+    from dlm.sampling.graphs import StepGraph
+
+    res = {}
+    for name, (shape, layers) in {"ar-mid": ("checkpoints/ar-mid", 0), "one_layer": ("ar-mid", 1)}.items():
+        m, _ = shape_model(shape, layers=layers, device=DEV, dtype="float32")
+        ctx, cap = 200, 512
+        for T in (1, 2, 4, 8, 16):
+            cache = m.new_cache(1, cap)
+            m(torch.randint(0, 4000, (1, ctx), device=DEV), cache=cache)
+            x = torch.randint(0, 4000, (1, T), device=DEV)
+            pos = torch.arange(ctx, ctx + T, device=DEV)[None]
+
+            def eager():
+                cache.length = ctx
+                m(x, pos=pos, cache=cache)
+
+            row = {"eager_ms": cuda_time(eager, 30) * 1e3}
+            cache.length = ctx
+            step = StepGraph(m, cache, capture=not DRY, tokens=T)
+            mask = torch.ones(1, T, cap, dtype=torch.bool, device=DEV).tril(ctx)
+
+            def graphed():
+                cache.length = ctx
+                step(x, pos, mask)
+
+            row["graphed_ms"] = cuda_time(graphed, 30) * 1e3
+            step.close()
+            res[f"{name}_T{T}"] = row
+    return res
+
+
+def part_tests() -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_graphs.py",
+           "tests/test_speculative.py", "--device", DEV, "-k", "not distribution"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    return {"rc": r.returncode, "tail": r.stdout[-3000:] + r.stderr[-1500:]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -406,7 +477,8 @@ def main() -> None:
     parts = {"machine": part_machine, "devices": lambda: part_devices(Path(a.refs), out), "decode": part_decode,
              "cost": lambda: part_cost(out), "usdm": part_usdm, "train": part_train, "static": part_static,
              "graphs": part_graphs, "graph_curve": part_graph_curve,
-             "graphs_fp32": part_graphs_fp32}
+             "graphs_fp32": part_graphs_fp32, "pair": lambda: part_pair(out), "cycle": part_cycle,
+             "tests": part_tests}
     for name in a.parts.split(","):
         if time.time() - start > a.budget:
             res[name] = {"skipped": "out of time"}

@@ -66,6 +66,25 @@ needs_cxx = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++") o
                                reason="needs a C++ compiler (inductor on a CPU, dlm's kernels)")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu",
+                     help="where the tests that take a device (the `device` fixture) run their models: cpu, cuda, "
+                          "cuda:N (default: cpu)")
+
+
+@pytest.fixture(scope="session")
+def device(request) -> torch.device:
+    """The --device the tests that take one run on (the CPU unless told): the exactness tests of the CUDA-graph
+    step and of the speculative loop run there unchanged (scripts/gpu_check.py --parts tests)."""
+    from dlm.device import resolve_device
+    from dlm.errors import DlmError
+
+    try:
+        return resolve_device(request.config.getoption("--device"))
+    except DlmError as e:
+        raise pytest.UsageError(str(e)) from None
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models: one thread is fastest, and the CPU is shared (use: pytestmark = usefixtures("one_thread"))."""

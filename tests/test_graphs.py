@@ -1,6 +1,6 @@
 """The captured decoding step (dlm.sampling.graphs): the static step a CUDA graph replays (its write slot a tensor,
 every slot attended to under a mask) gives the eager step's tokens and logits, over generated configurations.
-On the CPU the same static step runs eagerly; on a GPU it is captured and replayed (scripts/gpu_check.py)."""
+On the CPU the same static step runs eagerly; with `pytest --device cuda` it is captured and replayed."""
 
 import pytest
 import torch
@@ -39,8 +39,8 @@ def tokens(model, prompts, n, graphs):
 
 @settings(max_examples=12, deadline=None)
 @given(cfg=configs, lengths=st.lists(st.integers(1, 9), min_size=1, max_size=3), new=st.integers(2, 12))
-def test_static_step_decodes_the_eager_tokens(cfg, lengths, new):
-    model = model_of(**cfg)
+def test_static_step_decodes_the_eager_tokens(cfg, lengths, new, device):
+    model = model_of(**cfg).to(device)
     g = torch.Generator().manual_seed(cfg["seed"])
     prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in lengths]  # unequal: left-padded rows
     with torch.inference_mode():
@@ -49,18 +49,18 @@ def test_static_step_decodes_the_eager_tokens(cfg, lengths, new):
 
 @settings(max_examples=8, deadline=None)
 @given(cfg=configs, context=st.integers(1, 40), T=st.sampled_from([1, 3, 8]))
-def test_static_step_of_t_tokens_gives_the_eager_logits(cfg, context, T):
-    model = model_of(**cfg)
-    x = torch.randint(0, 97, (1, context))
-    new = torch.randint(0, 97, (1, T))
-    pos = torch.arange(context, context + T)[None]
+def test_static_step_of_t_tokens_gives_the_eager_logits(cfg, context, T, device):
+    model = model_of(**cfg).to(device)
+    x = torch.randint(0, 97, (1, context), device=device)
+    new = torch.randint(0, 97, (1, T), device=device)
+    pos = torch.arange(context, context + T, device=device)[None]
     with torch.inference_mode():
         eager, static = model.new_cache(1, 64), model.new_cache(1, 64)
         model(x, cache=eager)
         model(x, cache=static)
         want = model(new, pos=pos, cache=eager).logits  # (1, T, V)
-        step = StepGraph(model, static, capture=False, tokens=T)
-        mask = torch.ones(1, T, 64, dtype=torch.bool).tril(context)  # query i sees slots 0 .. context + i
+        step = StepGraph(model, static, capture=device.type == "cuda", tokens=T)
+        mask = torch.ones(1, T, 64, dtype=torch.bool, device=device).tril(context)  # query i sees slots 0 .. context + i
         got = step(new, pos, mask)
         step.close()
     got = got if T > 1 else got[:, None]

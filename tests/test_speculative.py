@@ -18,7 +18,7 @@ from dlm.sampling.speculative import (
 
 
 def random_model(seed: int, vocab: int = 48, dim: int = 32, layers: int = 2, std: float = 0.02,
-                 dtype=torch.float64) -> Transformer:
+                 dtype=torch.float64, device: torch.device | str = "cpu") -> Transformer:
     torch.manual_seed(seed)
     m = Transformer(ModelConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_dim=64,
                                 max_seq_len=256))
@@ -27,7 +27,7 @@ def random_model(seed: int, vocab: int = 48, dim: int = 32, layers: int = 2, std
             for p in m.parameters():
                 if p.dim() >= 2:
                     p.normal_(0, std)
-    return m.to(dtype).eval()
+    return m.to(device, dtype).eval()
 
 
 def random_dflash(target: Transformer, seed: int, block: int = 6, injection: str = "kv", features: bool = True,
@@ -40,7 +40,7 @@ def random_dflash(target: Transformer, seed: int, block: int = 6, injection: str
     mask = min(3, target.cfg.vocab_size - 1)
     return DFlashDrafter(mc, ids, block, mask_id=mask, injection=injection, target_features=features,
                          block_noise=noise).to(
-        target.embed_tokens.weight.dtype).eval()
+        target.device, target.embed_tokens.weight.dtype).eval()
 
 
 def run(target, drafter, prompt, block_size, max_new, sampling=None, eos=None):
@@ -52,22 +52,24 @@ def run(target, drafter, prompt, block_size, max_new, sampling=None, eos=None):
 
 
 def drafters_for(target, seed, sampling):
+    dev = target.device
     return {
         "lookup": PromptLookup(3),
         "ar-self": ARDraft(target, sampling, 512),  # the target drafting for itself: everything accepted
-        "ar-other": ARDraft(random_model(seed + 100, std=0.2), sampling, 512),
+        "ar-other": ARDraft(random_model(seed + 100, std=0.2, device=dev), sampling, 512),
         "dflash-kv": DFlashDraft(random_dflash(target, seed), target, sampling, 512),
         "dflash-input": DFlashDraft(random_dflash(target, seed, injection="input"), target, sampling, 512, passes=2),
         "dflash-nofeat": DFlashDraft(random_dflash(target, seed, features=False), target, sampling, 512),
         "dflash-uniform": DFlashDraft(random_dflash(target, seed, noise="uniform"), target, sampling, 512, passes=3),
-        "mdlm": DiffusionDraft(random_model(seed + 200, std=0.2), 3, 4, sampling, 512, passes=2),
-        "joint": DiffusionDraft(random_model(seed + 300, std=0.2), 3, 4, sampling, 512, causal_context=True),
+        "mdlm": DiffusionDraft(random_model(seed + 200, std=0.2, device=dev), 3, 4, sampling, 512, passes=2),
+        "joint": DiffusionDraft(random_model(seed + 300, std=0.2, device=dev), 3, 4, sampling, 512,
+                                causal_context=True),
     }
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_greedy_equals_target_over_random_models(seed):
-    target = random_model(seed, std=0.15)  # peaked enough to repeat itself: drafts get accepted
+def test_greedy_equals_target_over_random_models(seed, device):
+    target = random_model(seed, std=0.15, device=device)  # peaked enough to repeat itself: drafts get accepted
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(4, 48, (int(n),), generator=g).tolist() for n in torch.randint(1, 20, (3,), generator=g)]
     for name, drafter in drafters_for(target, seed, Sampling()).items():
@@ -82,15 +84,15 @@ def test_greedy_equals_target_over_random_models(seed):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_a_drafter_with_lookup_is_lossless_and_drafts_with_both(seed):
+def test_a_drafter_with_lookup_is_lossless_and_drafts_with_both(seed, device):
     """FOLDER+lookup: greedy output is the target's; cycles whose context ends in a trigram seen before propose
     lookup's continuation (no drafter pass), the others the drafter's own draft; with an n-gram longer than any
     repeat, every cycle is the drafter's, draft for draft."""
-    target = random_model(seed, std=0.15)  # peaked enough to repeat itself: lookup finds trigrams
+    target = random_model(seed, std=0.15, device=device)  # peaked enough to repeat itself: lookup finds trigrams
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(4, 48, (int(n),), generator=g).tolist() for n in torch.randint(2, 20, (3,), generator=g)]
     for main in (DFlashDraft(random_dflash(target, seed), target, Sampling(), 512),
-                 ARDraft(random_model(seed + 100, std=0.2), Sampling(), 512)):
+                 ARDraft(random_model(seed + 100, std=0.2, device=device), Sampling(), 512)):
         both = WithLookup(main, PromptLookup(3))
         lookups = forwards = 0
         for prompt in prompts:
@@ -116,8 +118,8 @@ def test_a_drafter_with_lookup_is_lossless_and_drafts_with_both(seed):
             assert [(e.proposed, e.accepted) for e in a] == [(e.proposed, e.accepted) for e in b]
 
 
-def test_eos_and_budget_cut_like_the_target():
-    target = random_model(7, std=0.15)
+def test_eos_and_budget_cut_like_the_target(device):
+    target = random_model(7, std=0.15, device=device)
     prompt = [5, 6, 7, 8]
     ref = target_greedy(target, prompt, 60, eos_id=None)
     eos = ref[17]  # a token the target emits: generation must stop right after its first occurrence

@@ -74,14 +74,15 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
               usdm: str | None = None, sweep: bool = False, draft: list[str] | None = None,
               temperatures: tuple[float, ...] = (0.0, 1.0), block_size: int | None = None, repeat: int = 3,
               task: str | None = None, span: str = "line", joint: str | None = None,
-              joint_blocks: tuple[int, ...] = (16,), col_major: bool = False) -> dict[str, Any]:
+              joint_blocks: tuple[int, ...] = (16,), col_major: bool = False, device: str = "cpu") -> dict[str, Any]:
     """Run every method on the same held-out cases, interleaved and repeated; print the tables, write the JSON
     report (and the PNG of quality against tokens per forward and wall time beside it).
 
     Without `task`: line-completion cases timed (`prompts` of them, `repeat` rounds), infill cases alongside (once)
     for the infill column. With `task` (complete, infill, sudoku): that task's cases, the diffusion samplers swept.
     With `draft` (drafter checkpoints and/or 'lookup'), each drafter runs in the speculative loop at every
-    temperature beside the target alone at that temperature (speedup, tau, lossless fraction).
+    temperature beside the target alone at that temperature (speedup, tau, lossless fraction). Every model runs on
+    `device` (cpu, cuda, cuda:N; on CUDA the AR rows replay their steps from CUDA graphs, dlm.sampling.graphs).
     """
     from dlm.tasks import task_module
     from dlm.tasks.common import window
@@ -96,7 +97,9 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
         sweep = True
     if out:
         check_out_file(out)  # before the run, not after it
-    net, ck = load_model(model)
+    from dlm.device import resolve_device
+
+    net, ck = load_model(model, device=resolve_device(device))
     if ck.objective != "ar":  # its rows would be labelled "ar (KV cache)" and it would judge the quality column
         hint = f" (pass it as --{ck.objective})" if ck.objective in ("mdlm", "usdm", "joint") else ""
         raise DlmError(f"--model {model}: objective {ck.objective!r}; bench's --model is the ar baseline, speculation "
