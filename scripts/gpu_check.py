@@ -407,7 +407,7 @@ def part_pair(out: Path) -> dict:
     drafts = ["checkpoints/dflash2-mid", "checkpoints/dflash2-mid+lookup", "lookup", "checkpoints/ar-draft"]
     n, new = (2, 16) if DRY else (8, 128)
     rep = run_bench("checkpoints/ar-mid", prompts=n, max_new_tokens=new, out=str(out / "pair.json"), naive=False,
-                    mdlm=None, usdm=None, draft=drafts, temperatures=(0.0, 1.0), repeat=3, device=DEV)
+                    mdlm=None, usdm=None, draft=drafts, temperatures=(0.0, 1.0), repeat=2, device=DEV)
     keep = ("method", "tokens_per_second", "tokens_per_forward", "speedup", "speedup_range", "tau", "lossless",
             "temperature")
     res = {"rows": [{k: s.get(k) for k in keep if k in s} for s in rep["summaries"]]}
@@ -422,7 +422,7 @@ def part_pair(out: Path) -> dict:
 
 
 @torch.inference_mode()
-def part_cycle() -> dict:
+def part_cycle(dtype: str = "float32") -> dict:
     """Seconds of ar-mid's step of T new tokens over a 200-token cache, eager and graphed, and of one
     target-shaped layer with the head (a one-layer DFlash drafter's pass over its block)."""
     from dlm.bench.cost import shape_model
@@ -430,7 +430,7 @@ def part_cycle() -> dict:
 
     res = {}
     for name, (shape, layers) in {"ar-mid": ("checkpoints/ar-mid", 0), "one_layer": ("ar-mid", 1)}.items():
-        m, _ = shape_model(shape, layers=layers, device=DEV, dtype="float32")
+        m, _ = shape_model(shape, layers=layers, device=DEV, dtype=dtype)
         ctx, cap = 200, 512
         for T in (1, 2, 4, 8, 16):
             cache = m.new_cache(1, cap)
@@ -457,6 +457,45 @@ def part_cycle() -> dict:
     return res
 
 
+def part_cycle_tf32() -> dict:
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        return part_cycle()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+
+@torch.inference_mode()
+def part_cycle_profile() -> dict:
+    """The CUDA kernels of ar-mid's eager step of 1 and of 8 new tokens (float32): which ones grow with T."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dlm.bench.cost import shape_model
+
+    m, _ = shape_model("checkpoints/ar-mid", device=DEV, dtype="float32")
+    res = {}
+    for T in (1, 8):
+        cache = m.new_cache(1, 512)
+        m(torch.randint(0, 4000, (1, 200), device=DEV), cache=cache)
+        x = torch.randint(0, 4000, (1, T), device=DEV)
+        pos = torch.arange(200, 200 + T, device=DEV)[None]
+        mask = torch.ones(1, 1, T, 512, dtype=torch.bool, device=DEV).tril(200)
+        cache.slot = torch.arange(T, device=DEV) + 200  # the graphed step's form: every slot under a mask
+        for _ in range(3):
+            cache.length = 200
+            m(x, pos=pos, cache=cache, mask=mask)
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA] if not DRY else [ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                cache.length = 200
+                m(x, pos=pos, cache=cache, mask=mask)
+            sync()
+        cache.slot = None
+        ev = sorted(prof.key_averages(), key=lambda e: -getattr(e, "device_time_total", 0))[:12]
+        res[f"T{T}"] = [(e.key[:90], e.count, round(getattr(e, "device_time_total", 0) / 5, 1)) for e in ev]
+    return res
+
+
 def part_tests() -> dict:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_graphs.py",
            "tests/test_speculative.py", "--device", DEV, "-k", "not distribution"]
@@ -478,7 +517,8 @@ def main() -> None:
              "cost": lambda: part_cost(out), "usdm": part_usdm, "train": part_train, "static": part_static,
              "graphs": part_graphs, "graph_curve": part_graph_curve,
              "graphs_fp32": part_graphs_fp32, "pair": lambda: part_pair(out), "cycle": part_cycle,
-             "tests": part_tests}
+             "cycle_bf16": lambda: part_cycle("bfloat16"), "cycle_tf32": part_cycle_tf32,
+             "cycle_profile": part_cycle_profile, "tests": part_tests}
     for name in a.parts.split(","):
         if time.time() - start > a.budget:
             res[name] = {"skipped": "out of time"}

@@ -145,9 +145,11 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
         by_name[base_m.name].update(temperature=t, speedup=1.0, speedup_range=[1.0, 1.0])
         for m in group:
             by_name[m.name].update(summarize_spec(rows[index[m.name]], rows[index[base_m.name]], t))
-    per_case = {m.name: [{**{k: v for k, v in r.items() if k not in ("tokens", "prompt")},
-                          "seconds_per_repetition": [rows[k][rr][i]["seconds"] for rr in range(repeat)]}
-                         for i, r in enumerate(rows[k][0])] for k, m in enumerate(methods)}
+    per_case = {}
+    for k, m in enumerate(methods):  # (a loop: Python 3.12 loses `k` in comprehensions nested three deep here)
+        per_case[m.name] = [{**{key: v for key, v in r.items() if key not in ("tokens", "prompt")},
+                             "seconds_per_repetition": [rows[k][rr][i]["seconds"] for rr in range(repeat)]}
+                            for i, r in enumerate(rows[k][0])]
     report = {"environment": environment(), "model": str(ck.path), "max_new_tokens": max_new_tokens,
               "task": task, "span": span if task == "infill" else None, "cases": len(items), "repeat": repeat,
               "warmup": warmup, "context": context, "col_major": col_major,
