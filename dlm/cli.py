@@ -665,7 +665,8 @@ def distill_cmd(target: str, out: str, data: str = "stdlib", prompts: int = 4096
 def serve_cmd(model: list[str], draft: str | None = None, host: str = "127.0.0.1", port: int = 8000,
               max_concurrency: int = 8, max_queue: int = 32, api_key: str | None = None,
               max_body: int = 1 << 20, device: str = "auto", threads: int = 0, log_level: str = "info",
-              compile: bool = False, pack_weights: bool = False, prefix_cache_mb: int = 256) -> None:
+              compile: bool = False, pack_weights: bool = False, prefix_cache_mb: int = 256,
+              kv_dtype: Literal["auto", "bfloat16"] = "auto") -> None:
     """Serve checkpoints over an OpenAI-compatible HTTP API, with the playground page at / (docs/serve.md).
 
     Args:
@@ -687,6 +688,9 @@ def serve_cmd(model: list[str], draft: str | None = None, host: str = "127.0.0.1
             layout: products of 2-16 rows 1.5-3.7x faster on an AVX2 CPU, at the memory of those weights once more
         prefix_cache_mb: MB of prompts' K/V kept per model so that a prompt sharing a prefix with an earlier one (a
             system prompt, a repeated request) computes only the rest; least recently used out first (0: off)
+        kv_dtype: the AR models' K/V as they decode: auto (the weights' dtype) or bfloat16 (under float32 weights: half
+            the memory of the rows' and the prefix cache's K/V; keys and values rounded to bfloat16, so a completion
+            can differ from the float32 model's where two tokens are near a tie)
     """
     if max_concurrency < 1:
         raise DlmError(f"--max-concurrency must be >= 1, got {max_concurrency}")
@@ -714,7 +718,7 @@ def serve_cmd(model: list[str], draft: str | None = None, host: str = "127.0.0.1
     torch.set_num_threads(threads or max(1, torch.get_num_threads() - 1))
     try:
         serve(model, draft, host, port, max_concurrency, max_queue, api_key or os.environ.get("DLM_API_KEY"),
-              max_body, device, log_level, compile, pack_weights, prefix_cache_mb << 20)
+              max_body, device, log_level, compile, pack_weights, prefix_cache_mb << 20, kv_dtype)
     except OSError as e:
         raise DlmError(f"--host {host} --port {port}: cannot listen ({e.strerror or e})") from None
 

@@ -170,6 +170,7 @@ class KVCache:
         k, v (B, Hkv, T, hd), kept when `write`."""
         ck, cv = self.k[layer], self.v[layer]  # (B, Hkv, capacity, hd)
         if self.slot is not None:  # a step at the slot tensor, over every slot (the class docstring)
+            k, v = k.to(ck.dtype), v.to(cv.dtype)  # (a cache of another dtype: index_put_ does not cast)
             if self.slot.dim() == 2:  # (B, T): each row's own slots (the row batch's step, dlm.sampling.graphs)
                 b = torch.arange(ck.shape[0], device=ck.device)[:, None]  # (B, 1)
                 ck[b, :, self.slot] = k.transpose(1, 2)  # (B, T, Hkv, hd) at [b, :, slot[b, t]]
@@ -189,7 +190,7 @@ class KVCache:
             ck[:, :, start:start + T] = k
             cv[:, :, start:start + T] = v
             return ck[:, :, lo:start + T], cv[:, :, lo:start + T]
-        return torch.cat((ck[:, :, lo:start], k), 2), torch.cat((cv[:, :, lo:start], v), 2)
+        return torch.cat((ck[:, :, lo:start].to(k.dtype), k), 2), torch.cat((cv[:, :, lo:start].to(v.dtype), v), 2)
 
 
 class Attention(nn.Module):
@@ -245,7 +246,8 @@ class Attention(nn.Module):
         if ctx is not None:
             kc, vc = self.project_kv(ctx, ctx_rope[0], ctx_rope[1])  # (B, Hkv, C, hd)
         if cache is not None:  # context K/V always persist in the cache
-            k, v = cache.update(layer, k, v, write, kc, vc, lo)
+            k, v = cache.update(layer, k, v, write, kc, vc, lo)  # (in the cache's dtype: the row batch's may be
+            # bfloat16 under float32 weights, Transformer.kv_dtype)
         elif ctx is not None:
             k, v = torch.cat((kc, k), 2), torch.cat((vc, v), 2)
         if (T == 1 and (self.n_kv != self.n_heads or self.row_kernel) and not is_causal
@@ -257,14 +259,17 @@ class Attention(nn.Module):
             qg = q.reshape(B, self.n_kv, G, self.hd)
             if (self.row_kernel and mask is not None and mask.dtype == torch.bool and mask.dim() == 4
                     and mask.shape[0] == B == k.shape[0] and mask.shape[-1] == k.shape[2]
-                    and q.dtype in (torch.float32, torch.float64)):
+                    and q.dtype in (torch.float32, torch.float64)
+                    and (k.dtype == q.dtype or (q.dtype == torch.float32 and k.dtype == torch.bfloat16))):
                 # dlm's CPU kernel for it (dlm/kernels/row_attention.cpp): each row's allowed K, then V slots
-                # streamed once; SDPA reads them at half that speed here (ar-mid's 16-row step, docs/log/batching.md)
+                # streamed once; SDPA reads them at half that speed here (ar-mid's 16-row step, docs/log/batching.md);
+                # K/V kept in bfloat16 are widened as they are read
                 y = torch.ops.dlm.row_attention(qg, k, v, mask, self.scale)
             else:
-                y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)
+                y = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=self.scale)
             y = y.reshape(B, self.n_heads, 1, self.hd)
         else:
+            k, v = k.to(q.dtype), v.to(q.dtype)  # (no copy when the cache holds q's dtype)
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=self.n_kv != self.n_heads
             )  # (B, H, T, hd)
@@ -630,12 +635,17 @@ class Transformer(nn.Module):
     def new_cache(self, batch: int, capacity: int | None = None, dtype: torch.dtype | None = None,
                   fill: bool = True, per_layer: bool = False) -> KVCache:
         p = self.embed_tokens.weight
-        return KVCache(self.cfg, batch, capacity or self.cfg.max_seq_len, p.device, dtype or p.dtype, fill, per_layer)
+        return KVCache(self.cfg, batch, capacity or self.cfg.max_seq_len, p.device, dtype or self.kv_dtype or p.dtype,
+                       fill, per_layer)
 
     # what the row batch (dlm.sampling.rows) asks of a model it serves: rows_batchable, rows_cache, rows_band,
     # rows_forward (a DFlash drafter answers the same four)
     rows_batchable = True
     rows_static = True  # its rows' one-token steps can run as one static step (dlm.sampling.graphs.RowsStep)
+    # the dtype of the K/V caches the model makes (None: the weights'): bfloat16 under float32 weights halves their
+    # memory (`dlm serve --kv-dtype bfloat16`); keys and values are then rounded to bfloat16, so the tokens are those
+    # of the model with that cache, not always the float32 cache's
+    kv_dtype: torch.dtype | None = None
 
     def rows_cache(self, rows: int, capacity: int, fill: bool = True, per_layer: bool = False) -> KVCache:
         return self.new_cache(rows, capacity, fill=fill, per_layer=per_layer)

@@ -5,7 +5,8 @@
         --concurrency 1 4 16 --max-tokens 64 --order vllm dlm vllm --json serve-vs-vllm.jsonl
 
 `--dlm` is the dlm checkpoint folder `dlm serve` loads and `--hf` its export (`dlm export --format hf`), which
-`vllm serve` loads (same weights, float32 on both sides unless --vllm-dtype says otherwise). The servers run one at a
+`vllm serve` loads (same weights, float32 on both sides unless --vllm-dtype says otherwise; K/V in the weights' dtype
+unless --kv-dtype / --vllm-kv-dtype say otherwise). The servers run one at a
 time, in `--order` (vllm, dlm, vllm: drift of the machine between the runs shows in the two vLLM rows;
 `dlm-noprefix` and `vllm-noprefix`: that server with its prefix cache off, every request computing its whole prompt);
 each serves the loadtest's rows (concurrency c: c clients, max(8, 2c) streamed greedy completions of --max-tokens, the
@@ -48,12 +49,13 @@ def free_port() -> int:
 
 @contextmanager
 def vllm_server(vllm: str, folder: str, name: str, dtype: str, max_len: int, max_seqs: int, draft: str | None,
-                log: str, env: dict[str, str], prefix: bool = True) -> Iterator[str]:
+                log: str, env: dict[str, str], prefix: bool = True, kv_dtype: str = "auto") -> Iterator[str]:
     """`vllm serve FOLDER` on a free port of 127.0.0.1 as model id NAME; yields its URL, stops it afterwards."""
     port = free_port()
     cmd = [vllm, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name,
            "--dtype", dtype, "--max-model-len", str(max_len), "--max-num-seqs", str(max_seqs),
-           "--generation-config", "vllm", "--disable-log-stats", "--uvicorn-log-level", "warning"]
+           "--generation-config", "vllm", "--disable-log-stats", "--uvicorn-log-level", "warning",
+           "--kv-cache-dtype", kv_dtype]
     if not prefix:
         cmd.append("--no-enable-prefix-caching")
     if draft:
@@ -102,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="dlm serve --threads (0: torch's default)")
     ap.add_argument("--compile", action="store_true", help="dlm serve --compile (compiled decode steps)")
     ap.add_argument("--pack-weights", action="store_true", help="dlm serve --pack-weights (oneDNN-packed linears)")
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "bfloat16"], help="dlm serve --kv-dtype")
+    ap.add_argument("--vllm-kv-dtype", default="auto",
+                    help="vllm serve --kv-cache-dtype (its CPU build: auto, the model's dtype, or fp8)")
     ap.add_argument("--pause", type=int, help="a process to SIGSTOP during each timed row (SIGCONT after)")
     ap.add_argument("--json", help="append the rows as JSON lines to this file")
     ap.add_argument("--log", default="vllm-serve.log", help="vllm serve's output")
@@ -114,16 +119,17 @@ def main(argv: list[str] | None = None) -> int:
         prefix = not server.endswith("-noprefix")
         if server.startswith("dlm"):
             ctx = started_server([a.dlm], a.draft, max(a.concurrency), a.threads, a.compile, a.pack_weights,
-                                 None if prefix else 0)
+                                 None if prefix else 0, a.kv_dtype)
         else:
             ctx = vllm_server(a.vllm, a.hf, model, a.vllm_dtype, a.max_model_len, max(a.concurrency), a.vllm_draft,
-                              a.log, dict(kv.split("=", 1) for kv in a.vllm_env), prefix)
+                              a.log, dict(kv.split("=", 1) for kv in a.vllm_env), prefix, a.vllm_kv_dtype)
         with ctx as url:
             for c in a.concurrency:
                 load = os.getloadavg()[0]
                 with paused(a.pause):
                     row = measure(url, model, c, max(8, 2 * c), a.max_tokens, prompts)
-                row.update(server=server, run=run, load=load, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+                row.update(server=server, run=run, load=load, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                           kv_dtype=a.kv_dtype if server.startswith("dlm") else a.vllm_kv_dtype)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 if a.json:

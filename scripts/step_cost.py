@@ -81,11 +81,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pack-weights", action="store_true")
     ap.add_argument("--pack-min", type=int, default=1 << 20, help="--pack-weights: oneDNN's layout from this many weights")
     ap.add_argument("--no-bare", action="store_true", help="skip the bare forward")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the weights' and K/V's dtype")
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "bfloat16"],
+                    help="the row batch's K/V dtype (dlm serve --kv-dtype)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    model, _ = load_model(a.model)
+    model, _ = load_model(a.model, dtype=getattr(torch, a.dtype))
     model.eval()
+    if a.kv_dtype == "bfloat16":
+        model.kv_dtype = torch.bfloat16
     if a.pack_weights:
         pack_linears(model, a.pack_min)
     rows = []
@@ -96,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             for name, run in variants:
                 ts = run()
                 r = {"rows": R, "variant": name, "best_ms": 1e3 * min(ts), "median_ms": 1e3 * statistics.median(ts),
-                     "context": a.context, "threads": a.threads, "load": os.getloadavg()[0],
+                     "context": a.context, "threads": a.threads, "dtype": a.dtype,
+                     "kv_dtype": a.kv_dtype, "load": os.getloadavg()[0],
                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
                 print(json.dumps(r), flush=True)
                 rows.append(r)

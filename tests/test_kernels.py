@@ -31,20 +31,25 @@ cases = st.tuples(st.integers(1, 5),  # rows
                   st.integers(0, 9),  # capacity beyond them
                   st.sampled_from([torch.float32, torch.float64]),
                   st.floats(0.05, 1.0),  # scale
-                  st.integers(0, 2 ** 31 - 1))
+                  st.integers(0, 2 ** 31 - 1),
+                  st.booleans())  # K/V in bfloat16 (under float32 queries)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, database=None)
 @given(case=cases)
 def test_row_attention_equals_sdpa_and_reads_no_masked_slot(built, case):
-    R, H, G, D, S, extra, dtype, scale, seed = case
+    R, H, G, D, S, extra, dtype, scale, seed, half_kv = case
+    half_kv = half_kv and dtype == torch.float32
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(R, H, G, D, generator=g, dtype=dtype)
     kb = 3 * torch.randn(R + 1, H, S + extra, D, generator=g, dtype=dtype)  # (buffers: more rows and slots than read)
     vb = torch.randn(R + 1, H, S + extra, D, generator=g, dtype=dtype)
+    if half_kv:  # (the reference: the same bfloat16 values, widened)
+        kb, vb = kb.bfloat16(), vb.bfloat16()
     mask = torch.rand(R, 1, 1, S, generator=g) < 0.6
     mask[torch.arange(R), 0, 0, torch.randint(0, S, (R,), generator=g)] = True  # every row reads a slot
-    ref = F.scaled_dot_product_attention(q, kb[:R, :, :S], vb[:R, :, :S], attn_mask=mask, scale=scale)
+    ref = F.scaled_dot_product_attention(q, kb[:R, :, :S].to(dtype), vb[:R, :, :S].to(dtype), attn_mask=mask,
+                                         scale=scale)
     poisoned = ~mask[:, 0, 0, :, None].expand(R, S, D)[:, None].expand(R, H, S, D)
     kb[:R, :, :S][poisoned] = float("nan")  # a forbidden slot's K and V: read, they would poison the row
     vb[:R, :, :S][poisoned] = float("nan")
@@ -59,25 +64,30 @@ def test_row_attention_rejects_what_it_cannot_read(built):
     q, k = torch.randn(2, 1, 2, 8), torch.randn(2, 1, 5, 8)
     mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
     for bad in ((q, k, k, mask.float()), (q, k, k[..., :4], mask), (q, k.transpose(2, 3).contiguous().transpose(2, 3),
-                                                                     k, mask)):
+                                                                     k, mask),
+                (q.double(), k.bfloat16(), k.bfloat16(), mask), (q, k.bfloat16(), k, mask)):
         with pytest.raises(RuntimeError, match="row_attention"):
             torch.ops.dlm.row_attention(*bad, 0.5)
 
 
-def test_a_compiled_row_step_calls_the_kernel_and_equals_the_eager_step(built):
+@pytest.mark.parametrize("kv", [None, torch.bfloat16])
+def test_a_compiled_row_step_calls_the_kernel_and_equals_the_eager_step(built, kv):
     """graphs.RowsStep on a CPU sets every attention layer on the kernel: the compiled step's code calls it, and its
-    logits are the eager step's (float32 rounding) over buffers whose unread slots are NaN."""
+    logits are the eager step's (float32 rounding) over buffers whose unread slots are NaN; with the K/V kept in
+    bfloat16 (Transformer.kv_dtype) too."""
     from torch._inductor.utils import run_and_get_code
 
     from dlm.sampling.graphs import RowsStep
 
     m = random_transformer(5, 0.3, vocab_size=40, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                            ffn_dim=64, max_seq_len=64).eval()
+    m.kv_dtype = kv
     eager, compiled = RowsStep(m, compile=False), RowsStep(m)
     assert all(layer.self_attn.row_kernel for layer in m.layers)
     R, S = 3, 9
     with torch.inference_mode():
         cache = m.rows_cache(R, 16, per_layer=True)
+        assert cache.k[0].dtype == (kv or torch.float32)
         for t in cache.buffers():
             t.normal_()
         length = torch.tensor([8, 3, 5])  # row r writes at slot length[r] and reads slots 0..length[r]

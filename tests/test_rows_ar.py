@@ -174,6 +174,21 @@ def test_ar_rows_on_the_static_step_equal_each_prompt_alone(model, rows, step):
     joined(Poisoned(model), rows, 4, alone_model=model, kind=step)
 
 
+@settings(max_examples=6, deadline=None, derandomize=True, database=None)
+@given(rows=rows)
+def test_rows_over_a_bfloat16_cache_equal_each_prompt_alone_over_one(model, rows):
+    """Transformer.kv_dtype (`dlm serve --kv-dtype bfloat16`): the row batch keeps K/V in bfloat16 under wider weights;
+    each row's tokens are the prompt's alone with a bfloat16 cache, on the eager and the static step."""
+    import copy
+
+    half = copy.deepcopy(model)
+    half.kv_dtype = torch.bfloat16
+    assert half.new_cache(1, 4).k.dtype == torch.bfloat16
+    for kind in ("eager", "static"):
+        batch = joined(Poisoned(half), rows, 4, alone_model=half, kind=kind)
+        assert all(t.dtype == torch.bfloat16 for t in batch.rows.cache.buffers())
+
+
 prefixed = st.tuples(st.lists(st.integers(3, V - 1), min_size=1, max_size=16),  # a prefix the prompts share
                      st.lists(st.tuples(st.integers(0, 16),  # how much of it a prompt starts with
                                         st.lists(st.integers(3, V - 1), max_size=5),  # then its own tokens

@@ -19,6 +19,7 @@ httpx = pytest.importorskip("httpx")
 
 import torch  # noqa: E402
 
+from dlm.errors import DlmError  # noqa: E402
 from dlm.sampling import SampleConfig, generate  # noqa: E402
 from dlm.serve.app import create_app, running  # noqa: E402
 from dlm.serve.engine import Engine  # noqa: E402
@@ -231,6 +232,34 @@ def test_16_concurrent_streams_are_batched_and_uncorrupted(engine, url, client):
     assert after["max_rows"] >= 4
     # every prompt came before: its K/V from the prefix cache (all but its last token), the same text
     assert after["prefix_hits"] - before["prefix_hits"] == len(PROMPTS)
+
+
+def test_kv_dtype_bfloat16_keeps_the_rows_kv_in_bfloat16_and_decodes_as_the_model_with_that_cache():
+    """`dlm serve --kv-dtype bfloat16`: the AR model's caches are bfloat16 (Transformer.kv_dtype); concurrent greedy
+    streams give what `generate` gives with that cache; an unknown dtype is refused."""
+    eng = Engine([str(CK / "ar-small")], kv_dtype="bfloat16")
+    try:
+        served = eng.get("ar-small")
+        assert served.model.kv_dtype == torch.bfloat16 and served.model.new_cache(1, 8).k.dtype == torch.bfloat16
+        want = [reference(eng, "ar-small", p, max_new_tokens=16) for p in PROMPTS[:6]]
+        with running(create_app(eng, max_concurrency=8, max_queue=8)) as base:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+            start = threading.Barrier(6)
+
+            def one(p: str) -> str:
+                start.wait()
+                stream = client.completions.create(model="ar-small", prompt=p, max_tokens=16, temperature=0,
+                                                   stream=True)
+                return "".join(c.choices[0].text for c in stream)
+
+            with ThreadPoolExecutor(6) as pool:
+                got = list(pool.map(one, PROMPTS[:6]))
+        assert got == want
+        assert all(t.dtype == torch.bfloat16 for t in served.rows.batch.rows.cache.buffers())
+    finally:
+        eng.close()
+    with pytest.raises(DlmError, match="--kv-dtype"):
+        Engine([str(CK / "ar-small")], kv_dtype="fp8")
 
 
 @pytest.mark.parametrize("model,extra", [("mdlm-small", {}), ("usdm-small", {"steps": 8})])

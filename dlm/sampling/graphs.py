@@ -227,6 +227,6 @@ class RowsCache(KVCache):
         ck, cv = self.k[layer], self.v[layer]  # (rows, Hkv, capacity, hd)
         R = k.shape[0]
         b = torch.arange(R, device=ck.device)[:, None]  # (R, 1)
-        ck[b, :, self.slot] = k.transpose(1, 2)  # (R, T, Hkv, hd) at [b, :, slot[b, t]]
-        cv[b, :, self.slot] = v.transpose(1, 2)
+        ck[b, :, self.slot] = k.transpose(1, 2).to(ck.dtype)  # (R, T, Hkv, hd) at [b, :, slot[b, t]]; a bfloat16
+        cv[b, :, self.slot] = v.transpose(1, 2).to(cv.dtype)  # cache (Transformer.kv_dtype) rounds them here
         return ck[:R, :, :self.span], cv[:R, :, :self.span]

@@ -438,12 +438,12 @@ def running(app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str
 def serve(models: list[str], draft: str | None = None, host: str = "127.0.0.1", port: int = 8000,
           max_concurrency: int = 8, max_queue: int = 32, api_key: str | None = None, max_body: int = MAX_BODY,
           device: str = "auto", log_level: str = "info", compile: bool = False, pack_weights: bool = False,
-          prefix_cache: int = 256 << 20) -> None:
+          prefix_cache: int = 256 << 20, kv_dtype: str = "auto") -> None:
     """Load the models and serve until interrupted (what `dlm serve` runs)."""
     from dlm.device import resolve_device
 
     engine = Engine(models, draft, device=resolve_device(device), max_batch=max(64, max_concurrency * 4),
-                    compile=compile, pack_weights=pack_weights, prefix_cache=prefix_cache)
+                    compile=compile, pack_weights=pack_weights, prefix_cache=prefix_cache, kv_dtype=kv_dtype)
     app = create_app(engine, max_concurrency=max_concurrency, max_queue=max_queue, api_key=api_key,
                      max_body=max_body)
     sock = bind(host, port)

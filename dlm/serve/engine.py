@@ -178,12 +178,16 @@ class Engine:
     """The models of one server, loaded once; starts jobs on them."""
 
     def __init__(self, models: list[str], draft: str | None = None, device: str | torch.device = "cpu",
-                 max_batch: int = 64, compile: bool = False, pack_weights: bool = False, prefix_cache: int = 256 << 20):
+                 max_batch: int = 64, compile: bool = False, pack_weights: bool = False, prefix_cache: int = 256 << 20,
+                 kv_dtype: str = "auto"):
         """compile: each model's one-token decoding steps run compiled (torch.compile, dlm.sampling.graphs.RowsStep),
         compiled while the server starts; where compiling fails, eagerly, with a warning. pack_weights: the models'
         large linear layers keep a copy in oneDNN's layout for products of several rows (model.PackedLinear).
         prefix_cache: bytes of prompts' K/V each batcher keeps for later prompts that share a prefix (rows.PrefixCache;
-        0: none)."""
+        0: none). kv_dtype: "bfloat16" keeps the AR models' row K/V in bfloat16 (Transformer.kv_dtype: half the bytes
+        a step reads; not the float32 model's rounding), "auto" in the weights' dtype."""
+        if kv_dtype not in ("auto", "bfloat16"):
+            raise DlmError(f"--kv-dtype must be auto or bfloat16, got {kv_dtype!r}")
         if not models:
             raise DlmError("--model: give at least one checkpoint folder")
         self.models: dict[str, Served] = {}
@@ -198,6 +202,8 @@ class Engine:
                                "next to the AR --model it drafts for")
             model, ck = load_model(path, device=device)
             model.register_forward_hook(_count_forward)
+            if kv_dtype == "bfloat16" and ck.objective == "ar":
+                model.kv_dtype = torch.bfloat16
             if pack_weights:
                 pack_linears(model)
             served = Served(name, ck.objective, model, ck, str(path))

@@ -175,9 +175,9 @@ def paused(pid: int | None) -> Iterator[None]:
 @contextmanager
 def started_server(checkpoints: list[str], draft: str | None, max_concurrency: int, threads: int = 0,
                    compile: bool = False, pack_weights: bool = False,
-                   prefix_cache_mb: int | None = None) -> Iterator[str]:
-    """`dlm serve` in a subprocess on a free port of 127.0.0.1 (with its --compile, --pack-weights, --prefix-cache-mb:
-    None its default); yields its URL, stops it afterwards."""
+                   prefix_cache_mb: int | None = None, kv_dtype: str = "auto") -> Iterator[str]:
+    """`dlm serve` in a subprocess on a free port of 127.0.0.1 (with its --compile, --pack-weights, --kv-dtype,
+    --prefix-cache-mb: None its default); yields its URL, stops it afterwards."""
     cmd = [sys.executable, "-m", "dlm.cli", "serve", "--model", *checkpoints, "--port", "0", "--max-concurrency",
            str(max_concurrency), "--max-queue", "1024", "--log-level", "warning", "--threads", str(threads)]
     if prefix_cache_mb is not None:
@@ -186,6 +186,8 @@ def started_server(checkpoints: list[str], draft: str | None, max_concurrency: i
         cmd.append("--compile")
     if pack_weights:
         cmd.append("--pack-weights")
+    if kv_dtype != "auto":
+        cmd += ["--kv-dtype", kv_dtype]
     if draft:
         cmd += ["--draft", draft]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
