@@ -562,8 +562,8 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
         device: auto (a CUDA GPU when there is one, else the CPU), cpu, cuda or cuda:N: where every model runs
         clock: --shape: wall, or cpu (the process's CPU time: on a busy machine at one thread, the forward's own cost
             without the time it waited for a core)
-        dtype: --shape: the weights' dtype, float32, bfloat16 or float16 (default: float32 for a named shape, a
-            checkpoint's own)
+        dtype: the weights' dtype, float32, bfloat16 or float16 (default: float32; --shape on a checkpoint: its
+            own)
         row_tokens: --shape: new tokens of each row in the B-rows curve (1: decoding; a diffusion block's or a
             speculative verify's width: what a batch of those rows costs)
         col_major: every model's linear weights stored column-major (float32 on a CPU): MKL's product of a few rows
@@ -610,7 +610,7 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
     run_bench(model, prompts, max_new_tokens, out or None, data, warmup, naive, mdlm=default(mdlm, "mdlm-small"),
               usdm=default(usdm, "usdm-small"), sweep=sweep, draft=draft, temperatures=temps, block_size=block_size,
               repeat=repeat, task=task, span=span, joint=joint, joint_blocks=tuple(joint_blocks or (16,)),
-              col_major=col_major, device=device)
+              col_major=col_major, device=device, dtype=dtype)
     if out:
         print(f"report: {out}")
 

@@ -14,8 +14,8 @@ keeps what it measured; a part that fails records its error and the next one run
   T tokens relative to one decode step), and a draft pass modelled as 1 and 5 target-shaped layers over 16 tokens;
 - usdm: one 256-token canvas at 16 and 48 denoising steps on Qwen3-0.6B's shape (self-conditioned denoiser);
 - train: `dlm train --preset base` under torchrun with FSDP2 on one GPU, bf16, AR and mdlm: tokens/s and MFU;
-- pair: the shipped pair (ar-mid, dflash2-mid) in `dlm bench --device cuda` (the target alone replays CUDA graphs,
-  the speculative loop is eager), beside ar-mid's eager decode on the same prompts;
+- pair (pair_bf16: in bfloat16): the shipped pair (ar-mid, dflash2-mid) in `dlm bench --device cuda` (the target alone
+  replays CUDA graphs, the speculative loop is eager), beside ar-mid's eager and graphed decode on a code prompt;
 - cycle: ar-mid's step of T = 1..16 new tokens eager and replayed from a CUDA graph, and one target-shaped layer's
   (a DFlash drafter's pass): what a graphed speculative loop would pay per cycle;
 - tests: the tests that take a device (`pytest --device cuda`: the CUDA-graph step, the speculative loop's
@@ -399,20 +399,21 @@ def part_train() -> dict:
     return res
 
 
-def part_pair(out: Path) -> dict:
+def part_pair(out: Path, dtype: str | None = None) -> dict:
     from dlm.bench import run_bench
     from dlm.checkpoint import load_model
     from dlm.sampling.ar import decode
 
     drafts = ["checkpoints/dflash2-mid", "checkpoints/dflash2-mid+lookup", "lookup", "checkpoints/ar-draft"]
     n, new = (2, 16) if DRY else (8, 128)
-    rep = run_bench("checkpoints/ar-mid", prompts=n, max_new_tokens=new, out=str(out / "pair.json"), naive=False,
-                    mdlm=None, usdm=None, draft=drafts, temperatures=(0.0, 1.0), repeat=2, device=DEV)
+    rep = run_bench("checkpoints/ar-mid", prompts=n, max_new_tokens=new, out=str(out / f"pair-{dtype or 'fp32'}.json"),
+                    naive=False, mdlm=None, usdm=None, draft=drafts, temperatures=(0.0, 1.0), repeat=2, device=DEV,
+                    dtype=dtype)
     keep = ("method", "tokens_per_second", "tokens_per_forward", "speedup", "speedup_range", "tau", "lossless",
             "temperature")
     res = {"rows": [{k: s.get(k) for k in keep if k in s} for s in rep["summaries"]]}
     # the target alone, eager and graphed, on a code prompt, greedy, <eos> off
-    model, ck = load_model("checkpoints/ar-mid", device=DEV)
+    model, ck = load_model("checkpoints/ar-mid", device=DEV, dtype=getattr(torch, dtype or "float32"))
     prompts = [ck.tokenizer.encode((ROOT / "dlm" / "sampling" / "ar.py").read_text()[:800])]
     with torch.inference_mode():
         for name, graphs in (("eager", False), ("graphed", not DRY)):
@@ -516,7 +517,8 @@ def main() -> None:
     parts = {"machine": part_machine, "devices": lambda: part_devices(Path(a.refs), out), "decode": part_decode,
              "cost": lambda: part_cost(out), "usdm": part_usdm, "train": part_train, "static": part_static,
              "graphs": part_graphs, "graph_curve": part_graph_curve,
-             "graphs_fp32": part_graphs_fp32, "pair": lambda: part_pair(out), "cycle": part_cycle,
+             "graphs_fp32": part_graphs_fp32, "pair": lambda: part_pair(out),
+             "pair_bf16": lambda: part_pair(out, "bfloat16"), "cycle": part_cycle,
              "cycle_bf16": lambda: part_cycle("bfloat16"), "cycle_tf32": part_cycle_tf32,
              "cycle_profile": part_cycle_profile, "tests": part_tests}
     for name in a.parts.split(","):

@@ -53,8 +53,21 @@ def test_bench_with_col_major(tiny_ar, tmp_path):
     cli("bench", "--model", str(tiny_ar), "--draft", "lookup", "--prompts", "1", "--max-new-tokens", "8",
         "--repeat", "1", "--no-naive", "--temperature", "0", "--col-major", "--out", str(out), check=True)
     r = json.loads(out.read_text())
-    assert r["col_major"] is True
+    assert r["col_major"] is True and r["dtype"] == "float32" and r["device"] == "cpu"
     from dlm.bench.cost import run_cost
 
     r = run_cost(str(tiny_ar), context=8, points=(2,), repeat=1, inner=1, machine_mb=8, quiet=True, col_major=True)
     assert r["shape"].endswith("(column-major)") and r["tokens"][1]["seconds"] > 0
+
+
+def test_bench_in_bfloat16(tiny_ar, tmp_path):
+    """`dlm bench --dtype bfloat16`: every row's model in bfloat16 (a GPU's usual dtype); speculation stays lossless
+    against the target in that dtype; an unknown dtype is one line."""
+    out = tmp_path / "b.json"
+    cli("bench", "--model", str(tiny_ar), "--draft", "lookup", "--prompts", "1", "--max-new-tokens", "8",
+        "--repeat", "1", "--no-naive", "--temperature", "0", "--dtype", "bfloat16", "--out", str(out), check=True)
+    r = json.loads(out.read_text())
+    assert r["dtype"] == "bfloat16"
+    assert [s["lossless"] for s in r["summaries"] if "lookup" in s["method"]] == [1.0]
+    bad = cli("bench", "--model", str(tiny_ar), "--dtype", "int8", "--out", "")
+    assert bad.returncode == 2 and "--dtype" in bad.stderr and "Traceback" not in bad.stderr

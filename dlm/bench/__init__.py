@@ -74,7 +74,8 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
               usdm: str | None = None, sweep: bool = False, draft: list[str] | None = None,
               temperatures: tuple[float, ...] = (0.0, 1.0), block_size: int | None = None, repeat: int = 3,
               task: str | None = None, span: str = "line", joint: str | None = None,
-              joint_blocks: tuple[int, ...] = (16,), col_major: bool = False, device: str = "cpu") -> dict[str, Any]:
+              joint_blocks: tuple[int, ...] = (16,), col_major: bool = False, device: str = "cpu",
+              dtype: str | None = None) -> dict[str, Any]:
     """Run every method on the same held-out cases, interleaved and repeated; print the tables, write the JSON
     report (and the PNG of quality against tokens per forward and wall time beside it).
 
@@ -82,7 +83,8 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
     for the infill column. With `task` (complete, infill, sudoku): that task's cases, the diffusion samplers swept.
     With `draft` (drafter checkpoints and/or 'lookup'), each drafter runs in the speculative loop at every
     temperature beside the target alone at that temperature (speedup, tau, lossless fraction). Every model runs on
-    `device` (cpu, cuda, cuda:N; on CUDA the AR rows replay their steps from CUDA graphs, dlm.sampling.graphs).
+    `device` (cpu, cuda, cuda:N; on CUDA the AR rows replay their steps from CUDA graphs, dlm.sampling.graphs), in
+    `dtype` (float32 unless given: bfloat16 or float16, e.g. on a GPU, where float32 products of a few rows are slow).
     """
     from dlm.tasks import task_module
     from dlm.tasks.common import window
@@ -97,9 +99,12 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
         sweep = True
     if out:
         check_out_file(out)  # before the run, not after it
+    from dlm.bench.cost import DTYPES
     from dlm.device import resolve_device
 
-    net, ck = load_model(model, device=resolve_device(device))
+    if dtype is not None and dtype not in DTYPES:
+        raise DlmError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    net, ck = load_model(model, device=resolve_device(device), dtype=DTYPES[dtype or "float32"])
     if ck.objective != "ar":  # its rows would be labelled "ar (KV cache)" and it would judge the quality column
         hint = f" (pass it as --{ck.objective})" if ck.objective in ("mdlm", "usdm", "joint") else ""
         raise DlmError(f"--model {model}: objective {ck.objective!r}; bench's --model is the ar baseline, speculation "
@@ -152,7 +157,8 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
                             for i, r in enumerate(rows[k][0])]
     report = {"environment": environment(), "model": str(ck.path), "max_new_tokens": max_new_tokens,
               "task": task, "span": span if task == "infill" else None, "cases": len(items), "repeat": repeat,
-              "warmup": warmup, "context": context, "col_major": col_major,
+              "warmup": warmup, "context": context, "col_major": col_major, "device": str(net.device),
+              "dtype": dtype or "float32",
               "order": "interleaved: each case runs every method in turn, the order rotated by one each repetition",
               "prompts": [it.case.name for it in items], "infill_cases": len(infill_items),
               "infill_max_new_tokens": min(max_new_tokens, INFILL_NEW_TOKENS) if infill_items else None,

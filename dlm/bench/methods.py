@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from dlm.bench.harness import Item, Method
 from dlm.checkpoint import load_model
 from dlm.errors import DlmError
@@ -20,10 +22,10 @@ def ar_methods(model, ck, max_new_tokens: int, naive: bool = True) -> list[Metho
     return methods
 
 
-def load_paired(path: str, objective: str, ref_ck, device="cpu"):
-    """A diffusion checkpoint for the bench, on `device`: of the given objective, with the reference model's
-    tokenizer (the quality column scores its text under that model)."""
-    net, ck = load_model(path, device=device, option=f"--{objective}")
+def load_paired(path: str, objective: str, ref_ck, device="cpu", dtype=torch.float32):
+    """A diffusion checkpoint for the bench, on `device` in `dtype`: of the given objective, with the reference
+    model's tokenizer (the quality column scores its text under that model)."""
+    net, ck = load_model(path, device=device, dtype=dtype, option=f"--{objective}")
     if ck.objective != objective:
         raise DlmError(f"--{objective} {path}: objective {ck.objective!r}, expected a {objective} checkpoint")
     if ck.tokenizer.sha256 != ref_ck.tokenizer.sha256:
@@ -43,11 +45,12 @@ def usdm_settings(sweep: bool) -> list[tuple[str, dict[str, Any]]]:
     return rows
 
 
-def usdm_methods(path: str, ref_ck, max_new_tokens: int, sweep: bool = False, device="cpu") -> list[Method]:
+def usdm_methods(path: str, ref_ck, max_new_tokens: int, sweep: bool = False, device="cpu",
+                 dtype=torch.float32) -> list[Method]:
     """Rows for a usdm checkpoint (`usdm_settings`), with the reference AR model's tokenizer."""
     from dlm.sampling.usdm import check_options
 
-    net, ck = load_paired(path, "usdm", ref_ck, device)
+    net, ck = load_paired(path, "usdm", ref_ck, device, dtype)
 
     def method(name: str, cfg: SampleConfig) -> Method:
         L, steps = check_options(net, ck, cfg)
@@ -83,9 +86,10 @@ def mdlm_settings(block: int, sweep: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def mdlm_methods(path: str, ref_ck, max_new_tokens: int, sweep: bool = False, device="cpu") -> list[Method]:
+def mdlm_methods(path: str, ref_ck, max_new_tokens: int, sweep: bool = False, device="cpu",
+                 dtype=torch.float32) -> list[Method]:
     """Rows for an mdlm checkpoint, greedy, with the reference AR model's tokenizer."""
-    net, ck = load_paired(path, "mdlm", ref_ck, device)
+    net, ck = load_paired(path, "mdlm", ref_ck, device, dtype)
     block = ck.block_size or max_new_tokens
     methods = []
     for opts in mdlm_settings(block, sweep):
@@ -106,12 +110,12 @@ def target_method(model, ck, max_new_tokens: int, temperature: float, seed: int 
 
 
 def joint_methods(path: str, ref_ck, max_new_tokens: int, blocks: tuple[int, ...],
-                  device="cpu") -> tuple[Method, list[Method]]:
+                  device="cpu", dtype=torch.float32) -> tuple[Method, list[Method]]:
     """A joint checkpoint's AR mode (the baseline its self-speculation must reproduce) and one row per
     self-speculation mode and block size, greedy."""
     from dlm.sampling.joint import SELF_SPEC
 
-    net, ck = load_paired(path, "joint", ref_ck, device)
+    net, ck = load_paired(path, "joint", ref_ck, device, dtype)
     cfg = SampleConfig(max_new_tokens=max_new_tokens)
     base = Method("joint ar mode", "ar", net, ck, cfg.replace(sampler="ar"),
                   {"model": str(ck.path), "sampler": "ar", "greedy": True, "spec_base": True})
@@ -161,9 +165,9 @@ def build_methods(net, ck, max_new_tokens: int, naive: bool, mdlm: str | None, u
     """Every row of a bench run; the speculative groups as (temperature, baseline, drafter rows)."""
     methods = ar_methods(net, ck, max_new_tokens, naive=naive)
     if mdlm:
-        methods += mdlm_methods(mdlm, ck, max_new_tokens, sweep, net.device)
+        methods += mdlm_methods(mdlm, ck, max_new_tokens, sweep, net.device, net.embed_tokens.weight.dtype)
     if usdm:
-        methods += usdm_methods(usdm, ck, max_new_tokens, sweep, net.device)
+        methods += usdm_methods(usdm, ck, max_new_tokens, sweep, net.device, net.embed_tokens.weight.dtype)
     spec_groups: list[tuple[float, Method, list[Method]]] = []
     for t in (temperatures if draft else ()):
         base = methods[0] if t == 0 else target_method(net, ck, max_new_tokens, t)
@@ -171,7 +175,8 @@ def build_methods(net, ck, max_new_tokens: int, naive: bool, mdlm: str | None, u
         spec_groups.append((t, base, group))
         methods += ([] if t == 0 else [base]) + group
     if joint:  # self-speculation: measured against the joint model's own AR mode
-        base, group = joint_methods(joint, ck, max_new_tokens, joint_blocks, net.device)
+        base, group = joint_methods(joint, ck, max_new_tokens, joint_blocks, net.device,
+                                    net.embed_tokens.weight.dtype)
         spec_groups.append((0.0, base, group))
         methods += [base] + group
     return methods, spec_groups
