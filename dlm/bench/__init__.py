@@ -151,7 +151,7 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
         for m in group:
             by_name[m.name].update(summarize_spec(rows[index[m.name]], rows[index[base_m.name]], t))
     per_case = {}
-    for k, m in enumerate(methods):  # (a loop: Python 3.12 loses `k` in comprehensions nested three deep here)
+    for k, m in enumerate(methods):  # (a loop: as comprehensions, Python 3.12 lost this `k` to the inner one's `k`)
         per_case[m.name] = [{**{key: v for key, v in r.items() if key not in ("tokens", "prompt")},
                              "seconds_per_repetition": [rows[k][rr][i]["seconds"] for rr in range(repeat)]}
                             for i, r in enumerate(rows[k][0])]

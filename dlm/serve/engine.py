@@ -184,8 +184,8 @@ class Engine:
         compiled while the server starts; where compiling fails, eagerly, with a warning. pack_weights: the models'
         large linear layers keep a copy in oneDNN's layout for products of several rows (model.PackedLinear).
         prefix_cache: bytes of prompts' K/V each batcher keeps for later prompts that share a prefix (rows.PrefixCache;
-        0: none). kv_dtype: "bfloat16" keeps the AR models' row K/V in bfloat16 (Transformer.kv_dtype: half the bytes
-        a step reads; not the float32 model's rounding), "auto" in the weights' dtype."""
+        0: none). kv_dtype: "bfloat16" keeps the AR models' K/V in bfloat16 (Transformer.kv_dtype: half their memory;
+        not the float32 cache's rounding), "auto" in the weights' dtype."""
         if kv_dtype not in ("auto", "bfloat16"):
             raise DlmError(f"--kv-dtype must be auto or bfloat16, got {kv_dtype!r}")
         if not models:
