@@ -190,7 +190,7 @@ class KVCache:
             ck[:, :, start:start + T] = k
             cv[:, :, start:start + T] = v
             return ck[:, :, lo:start + T], cv[:, :, lo:start + T]
-        return torch.cat((ck[:, :, lo:start].to(k.dtype), k), 2), torch.cat((cv[:, :, lo:start].to(v.dtype), v), 2)
+        return torch.cat((ck[:, :, lo:start], k), 2), torch.cat((cv[:, :, lo:start], v), 2)  # (cat promotes dtypes)
 
 
 class Attention(nn.Module):
@@ -250,26 +250,28 @@ class Attention(nn.Module):
             # bfloat16 under float32 weights, Transformer.kv_dtype)
         elif ctx is not None:
             k, v = torch.cat((kc, k), 2), torch.cat((vc, v), 2)
-        if (T == 1 and (self.n_kv != self.n_heads or self.row_kernel) and not is_causal
-                and (mask is None or mask.shape[1] == 1) and torch.compiler.is_compiling()):
-            # one query per row in a compiled step: the query heads that share a K/V head as that head's G queries, so
-            # the attention kernel reads each K/V head once rather than once per query head (the same sums; ar-mid's
-            # compiled step 2-5% faster at 4-16 rows, docs/log/batching.md)
-            G = self.n_heads // self.n_kv
-            qg = q.reshape(B, self.n_kv, G, self.hd)
-            if (self.row_kernel and mask is not None and mask.dtype == torch.bool and mask.dim() == 4
-                    and mask.shape[0] == B == k.shape[0] and mask.shape[-1] == k.shape[2]
-                    and q.dtype in (torch.float32, torch.float64)
-                    and (k.dtype == q.dtype or (q.dtype == torch.float32 and k.dtype == torch.bfloat16))):
-                # dlm's CPU kernel for it (dlm/kernels/row_attention.cpp): each row's allowed K, then V slots
-                # streamed once; SDPA reads them at half that speed here (ar-mid's 16-row step, docs/log/batching.md);
-                # K/V kept in bfloat16 are widened as they are read
+        # one query per row in a compiled step: the query heads that share a K/V head as that head's G queries, so the
+        # attention kernel reads each K/V head once rather than once per query head (the same sums; ar-mid's compiled
+        # step 2-5% faster at 4-16 rows, docs/log/batching.md)
+        rows = (T == 1 and (self.n_kv != self.n_heads or self.row_kernel) and not is_causal
+                and (mask is None or mask.shape[1] == 1) and torch.compiler.is_compiling())
+        # there, dlm's CPU kernel (dlm/kernels/row_attention.cpp): each row's allowed K, then V slots streamed once;
+        # SDPA reads them at half that speed here (ar-mid's 16-row step, docs/log/batching.md); it widens K/V kept in
+        # bfloat16 as it reads them
+        kernel = (rows and self.row_kernel and mask is not None and mask.dtype == torch.bool and mask.dim() == 4
+                  and mask.shape[0] == B == k.shape[0] and mask.shape[-1] == k.shape[2]
+                  and q.dtype in (torch.float32, torch.float64)
+                  and (k.dtype == q.dtype or (q.dtype == torch.float32 and k.dtype == torch.bfloat16)))
+        if not kernel:  # (a cache of another dtype, Transformer.kv_dtype; no copy when it holds q's)
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        if rows:
+            qg = q.reshape(B, self.n_kv, self.n_heads // self.n_kv, self.hd)
+            if kernel:
                 y = torch.ops.dlm.row_attention(qg, k, v, mask, self.scale)
             else:
-                y = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=self.scale)
+                y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)
             y = y.reshape(B, self.n_heads, 1, self.hd)
         else:
-            k, v = k.to(q.dtype), v.to(q.dtype)  # (no copy when the cache holds q's dtype)
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=self.n_kv != self.n_heads
             )  # (B, H, T, hd)

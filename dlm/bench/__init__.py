@@ -99,12 +99,10 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
         sweep = True
     if out:
         check_out_file(out)  # before the run, not after it
-    from dlm.bench.cost import DTYPES
+    from dlm.bench.cost import check_dtype
     from dlm.device import resolve_device
 
-    if dtype is not None and dtype not in DTYPES:
-        raise DlmError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    net, ck = load_model(model, device=resolve_device(device), dtype=DTYPES[dtype or "float32"])
+    net, ck = load_model(model, device=resolve_device(device), dtype=check_dtype(dtype))
     if ck.objective != "ar":  # its rows would be labelled "ar (KV cache)" and it would judge the quality column
         hint = f" (pass it as --{ck.objective})" if ck.objective in ("mdlm", "usdm", "joint") else ""
         raise DlmError(f"--model {model}: objective {ck.objective!r}; bench's --model is the ar baseline, speculation "

@@ -60,6 +60,12 @@ DRAFT_COSTS = (0.0, 1 / 6, 0.5, 1.0)  # a draft pass's cost in target steps (bre
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def check_dtype(dtype: str | None) -> torch.dtype:
+    """--dtype: its torch dtype (None: float32), or a one-line error."""
+    check(dtype is None or dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype or "float32"]
+
+
 def shape_model(shape: str, layers: int = 0, device: str | torch.device = "cpu",
                 dtype: str | None = None) -> tuple[torch.nn.Module, str]:
     """(model, label): random weights at a named shape (at `layers` depth if given; float32 unless `dtype`), or a
@@ -203,7 +209,7 @@ def run_cost(shape: str, context: int = 256, points: tuple[int, ...] = POINTS, r
     check(repeat >= 1, f"--repeat must be > 0, got {repeat}")
     check(bool(points) and all(p >= 1 for p in points), f"--points must be integers >= 1, got {list(points)}")
     check(clock in CLOCKS, f"--clock must be wall or cpu, got {clock!r}")
-    check(dtype is None or dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    check_dtype(dtype)
     check(row_tokens >= 1, f"--row-tokens must be >= 1, got {row_tokens}")
     points = tuple(sorted(set(points) | {1}))
     if out:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-import torch
+from torch import nn
 
 from dlm.bench.harness import Item, Method
 from dlm.checkpoint import load_model
@@ -22,10 +22,12 @@ def ar_methods(model, ck, max_new_tokens: int, naive: bool = True) -> list[Metho
     return methods
 
 
-def load_paired(path: str, objective: str, ref_ck, device="cpu", dtype=torch.float32):
-    """A diffusion checkpoint for the bench, on `device` in `dtype`: of the given objective, with the reference
-    model's tokenizer (the quality column scores its text under that model)."""
-    net, ck = load_model(path, device=device, dtype=dtype, option=f"--{objective}")
+def load_paired(path: str, objective: str, ref_ck, like: nn.Module | None = None):
+    """A diffusion checkpoint for the bench, on the device and in the dtype of the reference model `like` (default:
+    the CPU, float32): of the given objective, with the reference model's tokenizer (the quality column scores its text
+    under that model)."""
+    where = {} if like is None else dict(device=like.device, dtype=like.embed_tokens.weight.dtype)
+    net, ck = load_model(path, option=f"--{objective}", **where)
     if ck.objective != objective:
         raise DlmError(f"--{objective} {path}: objective {ck.objective!r}, expected a {objective} checkpoint")
     if ck.tokenizer.sha256 != ref_ck.tokenizer.sha256:
@@ -45,12 +47,11 @@ def usdm_settings(sweep: bool) -> list[tuple[str, dict[str, Any]]]:
     return rows
 
 
-def usdm_methods(path: str, ref_ck, max_new_tokens: int, sweep: bool = False, device="cpu",
-                 dtype=torch.float32) -> list[Method]:
+def usdm_methods(path: str, ref_ck, max_new_tokens: int, sweep: bool = False, like=None) -> list[Method]:
     """Rows for a usdm checkpoint (`usdm_settings`), with the reference AR model's tokenizer."""
     from dlm.sampling.usdm import check_options
 
-    net, ck = load_paired(path, "usdm", ref_ck, device, dtype)
+    net, ck = load_paired(path, "usdm", ref_ck, like)
 
     def method(name: str, cfg: SampleConfig) -> Method:
         L, steps = check_options(net, ck, cfg)
@@ -86,10 +87,9 @@ def mdlm_settings(block: int, sweep: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def mdlm_methods(path: str, ref_ck, max_new_tokens: int, sweep: bool = False, device="cpu",
-                 dtype=torch.float32) -> list[Method]:
+def mdlm_methods(path: str, ref_ck, max_new_tokens: int, sweep: bool = False, like=None) -> list[Method]:
     """Rows for an mdlm checkpoint, greedy, with the reference AR model's tokenizer."""
-    net, ck = load_paired(path, "mdlm", ref_ck, device, dtype)
+    net, ck = load_paired(path, "mdlm", ref_ck, like)
     block = ck.block_size or max_new_tokens
     methods = []
     for opts in mdlm_settings(block, sweep):
@@ -110,12 +110,12 @@ def target_method(model, ck, max_new_tokens: int, temperature: float, seed: int 
 
 
 def joint_methods(path: str, ref_ck, max_new_tokens: int, blocks: tuple[int, ...],
-                  device="cpu", dtype=torch.float32) -> tuple[Method, list[Method]]:
+                  like=None) -> tuple[Method, list[Method]]:
     """A joint checkpoint's AR mode (the baseline its self-speculation must reproduce) and one row per
     self-speculation mode and block size, greedy."""
     from dlm.sampling.joint import SELF_SPEC
 
-    net, ck = load_paired(path, "joint", ref_ck, device, dtype)
+    net, ck = load_paired(path, "joint", ref_ck, like)
     cfg = SampleConfig(max_new_tokens=max_new_tokens)
     base = Method("joint ar mode", "ar", net, ck, cfg.replace(sampler="ar"),
                   {"model": str(ck.path), "sampler": "ar", "greedy": True, "spec_base": True})
@@ -165,9 +165,9 @@ def build_methods(net, ck, max_new_tokens: int, naive: bool, mdlm: str | None, u
     """Every row of a bench run; the speculative groups as (temperature, baseline, drafter rows)."""
     methods = ar_methods(net, ck, max_new_tokens, naive=naive)
     if mdlm:
-        methods += mdlm_methods(mdlm, ck, max_new_tokens, sweep, net.device, net.embed_tokens.weight.dtype)
+        methods += mdlm_methods(mdlm, ck, max_new_tokens, sweep, like=net)
     if usdm:
-        methods += usdm_methods(usdm, ck, max_new_tokens, sweep, net.device, net.embed_tokens.weight.dtype)
+        methods += usdm_methods(usdm, ck, max_new_tokens, sweep, like=net)
     spec_groups: list[tuple[float, Method, list[Method]]] = []
     for t in (temperatures if draft else ()):
         base = methods[0] if t == 0 else target_method(net, ck, max_new_tokens, t)
@@ -175,8 +175,7 @@ def build_methods(net, ck, max_new_tokens: int, naive: bool, mdlm: str | None, u
         spec_groups.append((t, base, group))
         methods += ([] if t == 0 else [base]) + group
     if joint:  # self-speculation: measured against the joint model's own AR mode
-        base, group = joint_methods(joint, ck, max_new_tokens, joint_blocks, net.device,
-                                    net.embed_tokens.weight.dtype)
+        base, group = joint_methods(joint, ck, max_new_tokens, joint_blocks, like=net)
         spec_groups.append((0.0, base, group))
         methods += [base] + group
     return methods, spec_groups
