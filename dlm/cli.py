@@ -541,7 +541,7 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
         usdm: a usdm checkpoint for uniform-state rows (default: the shipped usdm-small when --model and
             --draft are not given; '' for none)
         sweep: sweep the diffusion samplers (steps, entropy bound, threshold, block length) instead of two rows each
-        draft: speculative rows: drafter checkpoints (dflash, AR, mdlm or joint) and/or 'lookup', each verified by --model; FOLDER+lookup that drafter giving way to prompt lookup where the context repeats; FOLDER@N drafts with N passes (--draft-passes), FOLDER@topK a DFlash 2 drafter with K candidates per slot (--draft-top-k)
+        draft: speculative rows: drafter checkpoints (dflash, AR, mdlm or joint) and/or 'lookup', each verified by --model; FOLDER+lookup that drafter giving way to prompt lookup where the context repeats; FOLDER@N drafts with N passes (--draft-passes), FOLDER@topK a DFlash 2 drafter with K candidates per slot (--draft-top-k), FOLDER@xW (or @topKxW) a DFlash drafter drafting W branches (--draft-branches)
         temperature: temperatures of the speculative rows (default: 0 and 1), each beside the target alone; the other rows are greedy (an imported model's generation_config.json sampling defaults are not read)
         block_size: speculative block per cycle, last token + proposals (default: each drafter's)
         repeat: interleaved repetitions (figures: medians; ratios: min-max over repetitions too)

@@ -665,6 +665,7 @@ class SampleConfig:
         draft: speculative decoding: a drafter checkpoint folder, or 'lookup' (prompt lookup), or FOLDER+lookup (that drafter, giving way to prompt lookup in cycles whose context ends in an n-gram of --lookup-ngram tokens seen before: those drafts cost nothing)
         draft_passes: DFlash: denoising passes per draft (1-3; later passes re-predict the slots below 0.9 confidence)
         draft_top_k: DFlash 2: candidates per slot the selector chooses among (default: the drafter's selector_top_k, what it was trained with); at T > 0 more candidates give its proposal distribution more of the target's support
+        draft_branches: DFlash: paths per draft that differ at the first slot (its best W candidates greedy, W draws without replacement at T > 0), verified together in one forward of 1 + W x (block - 1) tokens (multi-draft verification; 1: one path)
         lookup_ngram: prompt lookup: longest n-gram to match in the context (FOLDER+lookup: the n-gram that must match for lookup to draft)
         check_lossless: speculative: also run the target alone and report whether the outputs agree
     """
@@ -729,6 +730,7 @@ class SampleConfig:
     draft: str | None = None
     draft_passes: int = 1
     draft_top_k: int | None = None
+    draft_branches: int = 1
     lookup_ngram: int = 3
     check_lossless: bool = False
 

@@ -126,6 +126,20 @@ def inverse_cdf(q: Tensor, u: Tensor) -> Tensor:
     return (q.double().cumsum(-1) <= u[..., None]).sum(-1).clamp_(max=q.shape[-1] - 1)
 
 
+def first_draws(q: Tensor, width: int, gen: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """Up to `width` draws without replacement from q (k,) (a draft tree's first slot) -> their indices (W,) and
+    (W, k) the distribution each was drawn from: q without the draws before it, renormalised (what the verifier's
+    residual needs). One Gumbel-top-W over log q: the same law as drawing one after another; W <= the entries of q
+    with mass."""
+    W = min(width, int((q > 0).sum()))
+    u = torch.rand(q.shape[0], generator=gen, device=q.device, dtype=torch.float64)
+    pick = torch.topk(q.double().log() - (-u.log()).log(), W).indices
+    qs = q[None].repeat(W, 1)
+    for w in range(1, W):
+        qs[w:, pick[w - 1]] = 0.0
+    return pick, qs / qs.sum(-1, keepdim=True)
+
+
 WALK_ABOVE = 64  # candidates per slot above which the selector walks slot by slot (see `select`; measured: the table is
 # faster up to 64 candidates, the walk from 128)
 
@@ -187,6 +201,40 @@ class CandidateSelector(nn.Module):
             return tokens, cands, None
         rows = torch.cat((idx_t.new_zeros(B, 1), idx_t[:, :-1]), dim=1)[:, :, None, None].expand(-1, -1, 1, k)
         return tokens, cands, qt.gather(2, rows)[:, :, 0]  # (B, S, k): the rows the walk read
+
+    def branches(self, h: Tensor, logits: Tensor, anchor: Tensor, temperature: float, gen: torch.Generator | None,
+                 width: int, top_k: int | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Up to `width` paths that differ at the first slot (a draft tree for multi-draft verification): h (S, D),
+        logits (S, V), anchor () -> tokens (W, S), candidates (S, k), q (W, S, k) or None.
+
+        The first slot's W tokens: greedy, its W best scores (branch 0 is `select`'s path); T > 0, W draws without
+        replacement from its q (`first_draws`), branch w's q there the distribution its own draw came from. Each
+        branch then walks on after its own first token, as `select` does."""
+        unary, cands = torch.topk(logits, min(top_k or self.top_k, logits.shape[-1]), dim=-1, sorted=False)
+        S, k = cands.shape
+        wh = self.hidden_projection(h)  # (S, R)
+        succ = self.successor_codebook(cands)  # (S, k, R)
+        first = unary[0] + succ[0] @ (self.predecessor_codebook(anchor) * wh[0])  # (k,)
+        if temperature > 0:
+            pick, q0 = first_draws(torch.softmax(first.float() / temperature, -1), width, gen)
+            qs = [q0]
+        else:
+            pick, qs = torch.topk(first, min(width, k)).indices, []
+        W = pick.shape[0]
+        u = torch.rand(W, S - 1, generator=gen, device=h.device, dtype=torch.float64) if temperature > 0 else None
+        prev = cands[0, pick]  # (W,)
+        tokens = [prev]
+        for s in range(1, S):
+            score = unary[s] + (self.predecessor_codebook(prev) * wh[s]) @ succ[s].T  # (W, k)
+            if u is None:
+                pick = score.argmax(-1)
+            else:
+                q = torch.softmax(score.float() / temperature, -1)
+                pick = inverse_cdf(q, u[:, s - 1])
+                qs.append(q)
+            prev = cands[s, pick]
+            tokens.append(prev)
+        return torch.stack(tokens, 1), cands, torch.stack(qs, 1) if qs else None
 
     def _walk(self, h: Tensor, unary: Tensor, cands: Tensor, anchor: Tensor, temperature: float,
               gen: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor | None]:

@@ -154,9 +154,18 @@ class KVCache:
     def capacity(self) -> int:
         return self.k[0].shape[-2]
 
-    def crop(self, length: int) -> None:
+    def crop(self, length: int, take: tuple[int, int] | None = None) -> None:
+        """Back to the first `length` slots; take (src, dst): the slots src.. first copied to dst..length-1 (within
+        the slots written)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"crop({length}) outside [0, {self.length}]")
+        if take is not None:
+            src, dst = take
+            n = length - dst
+            if not (0 <= dst <= length and n >= 0 and src + n <= self.length):
+                raise ValueError(f"crop({length}, take={take}) outside the {self.length} slots written")
+            for t in self.buffers():
+                t[..., dst:length, :] = t[..., src:src + n, :].clone()
         self.length = length
 
     def reserve(self, n: int) -> None:

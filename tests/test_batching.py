@@ -299,6 +299,8 @@ DRAFTERS = {
     "dflash": lambda t: DFlashDraft(_dflash(1), t, Sampling(), 256),
     "dflash-2-passes": lambda t: DFlashDraft(_dflash(1), t, Sampling(), 256, passes=2),
     "dflash2": lambda t: DFlashDraft(_dflash(2), t, Sampling(), 256),
+    "dflash-tree": lambda t: DFlashDraft(_dflash(1), t, Sampling(), 256),
+    "dflash2-tree": lambda t: DFlashDraft(_dflash(2), t, Sampling(), 256),
     "diffusion": lambda t: DiffusionDraft(_perturbed(t, 2, 0.05), MASK, 4, Sampling(), 256, passes=2),
     "lookup": lambda t: PromptLookup(2),  # (rows fork the drafter with their options: KIND_OPTIONS)
     "dflash2+lookup": lambda t: WithLookup(DFlashDraft(_dflash(2), t, Sampling(), 256), PromptLookup(2)),
@@ -306,7 +308,8 @@ DRAFTERS = {
     "self-spec-linear": lambda t: SelfDraft(t, MASK, 4, Sampling()),
     "self-spec-linear-ar": lambda t: SelfDraft(t, MASK, 4, Sampling(), ar_first=True),
 }
-KIND_OPTIONS = {"dflash-2-passes": dict(draft_passes=2), "diffusion": dict(draft_passes=2), "lookup": dict(lookup_ngram=2),
+KIND_OPTIONS = {"dflash-2-passes": dict(draft_passes=2), "dflash-tree": dict(draft_branches=2),
+                "dflash2-tree": dict(draft_branches=3), "diffusion": dict(draft_passes=2), "lookup": dict(lookup_ngram=2),
                 "dflash2+lookup": dict(lookup_ngram=2), "ar+lookup": dict(lookup_ngram=2)}
 SPEC = [dict(), dict(temperature=1.0, seed=6), dict(temperature=0.8, top_k=8, seed=5)]
 
@@ -354,6 +357,8 @@ def test_speculative_rows_equal_each_row_alone(target, kind, opts):
     assert stats.forwards < sum(st.forwards for st in own) and stats.extra["rows_per_forward"] > 1.5
     if kind in ("ar", "dflash", "diffusion"):
         assert 0 < stats.draft_forwards < sum(st.draft_forwards for st in own)  # the drafter's passes shared too
+    if kind.endswith("-tree"):  # rows kept a later branch: its K/V moved within the row's own slots of the batch
+        assert stats.extra["branched_cycles"] == sum(st.extra["branched_cycles"] for st in own) > 0
     assert any(n > 0 for v in _verified(events, len(PROMPTS)) for _, n in v)  # drafts were accepted ...
     assert any(n < len(d) for v in _verified(events, len(PROMPTS)) for d, n in v)  # ... and turned down
     if not cfg.temperature:

@@ -31,22 +31,31 @@ def random_model(seed: int, vocab: int = 48, dim: int = 32, layers: int = 2, std
 
 
 def random_dflash(target: Transformer, seed: int, block: int = 6, injection: str = "kv", features: bool = True,
-                  noise: str = "mask"):
+                  noise: str = "mask", scramble: bool = False, **dflash2):
     from dlm.drafter import DFlashDrafter, target_layer_ids
 
     torch.manual_seed(seed)
     mc = ModelConfig(**{**target.cfg.to_dict(), "n_layers": 1})
     ids = target_layer_ids(target.cfg.n_layers, target.cfg.n_layers)
     mask = min(3, target.cfg.vocab_size - 1)
-    return DFlashDrafter(mc, ids, block, mask_id=mask, injection=injection, target_features=features,
-                         block_noise=noise).to(
-        target.device, target.embed_tokens.weight.dtype).eval()
+    d = DFlashDrafter(mc, ids, block, mask_id=mask, injection=injection, target_features=features, block_noise=noise,
+                      **dflash2)
+    if scramble:  # every matrix random, the convolutions and codebooks too (they start as identity and zero): an
+        # untrained drafter's slots then vary with its context, where one at the default init repeats <mask>
+        with torch.no_grad():
+            for p in d.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0, 0.3)
+    return d.to(target.device, target.embed_tokens.weight.dtype).eval()
 
 
-def run(target, drafter, prompt, block_size, max_new, sampling=None, eos=None):
+DFLASH2 = dict(conv_kernel_size=2, conv_group_size=8, selector_rank=4, selector_top_k=6, scramble=True)
+
+
+def run(target, drafter, prompt, block_size, max_new, sampling=None, eos=None, branches=1):
     stats = SpecStats()
     events = list(speculate(target, drafter, prompt, block_size=block_size, max_new_tokens=max_new, sampling=sampling,
-                            eos_id=eos, stats=stats))
+                            eos_id=eos, stats=stats, branches=branches))
     toks = [t for e in events if isinstance(e, Commit) for t in e.tokens]
     return toks, stats, events
 
@@ -116,6 +125,32 @@ def test_a_drafter_with_lookup_is_lossless_and_drafts_with_both(seed, device):
             a = [e for e in run(target, alone, prompt, 6, 40)[2] if isinstance(e, Verified)]
             b = [e for e in run(target, main, prompt, 6, 40)[2] if isinstance(e, Verified)]
             assert [(e.proposed, e.accepted) for e in a] == [(e.proposed, e.accepted) for e in b]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_draft_trees_greedy_equal_target(seed, device):
+    """--draft-branches: trees of 2-3 branches (a DFlash 1 drafter's, a DFlash 2 selector's walks, and with prompt
+    lookup beside) verified in one forward give the target's greedy output, with an end of text live and budgets that
+    end mid-block; cycles kept a branch other than the first (its K/V moved into place behind the last token, which
+    the next cycle reads)."""
+    target = random_model(seed, vocab=12, std=0.15, device=device)  # (a small vocabulary: an untrained drafter's
+    # second and third candidates are the target's choice often enough)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(4, 12, (int(n),), generator=g).tolist() for n in torch.randint(1, 20, (3,), generator=g)]
+    makers = {"dflash": lambda: DFlashDraft(random_dflash(target, seed, scramble=True), target, Sampling(), 512),
+              "dflash2": lambda: DFlashDraft(random_dflash(target, seed, **DFLASH2), target, Sampling(), 512),
+              "dflash2+lookup": lambda: WithLookup(DFlashDraft(random_dflash(target, seed, **DFLASH2), target,
+                                                               Sampling(), 512), PromptLookup(3))}
+    for name, make in makers.items():
+        branched = 0
+        for i, prompt in enumerate(prompts):
+            eos = target_greedy(target, prompt, 40, eos_id=None)[25] if i == 0 else None
+            ref = target_greedy(target, prompt, 37, eos_id=eos)
+            for block, width in ((4, 2), (6, 3)):
+                out, stats, _ = run(target, make(), prompt, block, 37, eos=eos, branches=width)
+                assert out == ref, (name, prompt, block, width)
+                branched += stats.branched
+        assert branched > 0, name
 
 
 def test_eos_and_budget_cut_like_the_target(device):
@@ -190,12 +225,15 @@ def exact_distribution(target: Transformer, prompt: list[int], n: int, temperatu
     return out
 
 
-@pytest.mark.parametrize("kind", ["ar-other", "lookup", "dflash-kv", "dflash-uniform", "mdlm"])
+@pytest.mark.parametrize("kind", ["ar-other", "lookup", "dflash-kv", "dflash-uniform", "mdlm", "dflash-tree",
+                                  "dflash2-tree"])
 def test_sampling_distribution_matches_target(kind):
     """Temperature 1: the speculative loop's sequences follow the target's exact distribution (chi-square).
 
     Four tokens: the prefill's, then one cycle of two proposals and the bonus, so acceptance, the
     residual draw at every slot and the bonus draw are all exercised. Seeded: the verdict is fixed.
+    The trees (2 branches, a DFlash 1 drafter's and a DFlash 2 selector's): the first slot by recursive rejection
+    over two draws without replacement, then the kept branch, whose K/V the next cycle reads.
     """
     V, n, N = 3, 4, 1200
     target = random_model(11, vocab=V, dim=16, layers=1, std=0.5)
@@ -208,14 +246,21 @@ def test_sampling_distribution_matches_target(kind):
                "dflash-uniform": lambda: DFlashDraft(random_dflash(target, 2, block=4, noise="uniform"), target,
                                                      sampling, 64, passes=2),
                "mdlm": lambda: DiffusionDraft(random_model(6, vocab=V, dim=16, layers=1, std=0.5), 2, 4, sampling, 64,
-                                              passes=2)}[kind]()
+                                              passes=2),
+               "dflash-tree": lambda: DFlashDraft(random_dflash(target, 2, block=4, scramble=True), target, sampling,
+                                                  64),
+               "dflash2-tree": lambda: DFlashDraft(random_dflash(target, 2, block=4, **{**DFLASH2, "selector_top_k": 3}),
+                                                   target, sampling, 64)}[kind]()
+    branches = 2 if kind.endswith("tree") else 1
     counts: dict = {}
-    accepted = 0
+    accepted = branched = 0
     for _ in range(N):
-        out, stats, events = run(target, drafter, prompt, 3, n, sampling)
+        out, stats, events = run(target, drafter, prompt, 3, n, sampling, branches=branches)
         counts[tuple(out)] = counts.get(tuple(out), 0) + 1
         accepted += sum(e.accepted for e in events if isinstance(e, Verified))
+        branched += stats.branched
     assert accepted > N // 10  # the drafts were really used, not just rejected
+    assert branched > N // 10 if branches > 1 else branched == 0  # (a tree's second branch kept too)
     # chi-square over cells with enough expected mass (the rest pooled)
     chi, dof, pooled_e, pooled_o = 0.0, -1, 0.0, 0
     for seq, p in exact.items():

@@ -29,9 +29,9 @@ from dlm.config import ModelConfig
 from dlm.model import Transformer
 from dlm.sampling.common import Commit
 from dlm.sampling.speculative import (
-    ARDraft, DFlashDraft, PromptLookup, Sampling, WithLookup, speculate, verify_greedy, verify_sample,
+    ARDraft, DFlashDraft, PromptLookup, Sampling, WithLookup, speculate, verify_greedy, verify_sample, verify_tree,
 )
-from dlm.drafter import DFlashDrafter
+from dlm.drafter import DFlashDrafter, first_draws
 
 V = 8  # vocabulary of the loop test: small enough to enumerate four tokens (8**3 prefixes)
 ALPHA = 1e-4  # a correct verifier fails a given check with this probability (each seed fixed)
@@ -208,6 +208,88 @@ def test_verify_greedy_by_hand():
     assert verify_greedy(torch.tensor([2, 1, 0]), logits) == (1, 4)  # a later match does not count
     assert verify_greedy(torch.tensor([1, 4, 0]), logits) == (0, 2)
     assert verify_greedy(torch.zeros(0, dtype=torch.long), logits[:1]) == (0, 2)  # no proposal
+
+
+# draft trees (--draft-branches) -----------------------------------------------------------------
+
+def test_first_draws_are_draws_without_replacement():
+    """first_draws(q, 2): the pair (a, b) has probability q(a) q(b) / (1 - q(a)), b != a; each draw's distribution is
+    q without the draws before it, renormalised; no more draws than q has tokens with mass."""
+    q = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05], dtype=torch.float64)
+    g = torch.Generator().manual_seed(4)
+    n = 6000
+    counts = torch.zeros(25, dtype=torch.long)
+    for _ in range(n):
+        pick, qs = first_draws(q, 2, g)
+        a, b = pick.tolist()
+        counts[5 * a + b] += 1
+        assert torch.allclose(qs[0], q) and qs[1, a] == 0 and torch.allclose(qs[1], q * (torch.arange(5) != a) / (1 - q[a]))
+    law = torch.tensor([float(q[a] * q[b] / (1 - q[a])) if a != b else 0.0 for a in range(5) for b in range(5)],
+                       dtype=torch.float64)
+    assert_follows(counts, law, "pairs without replacement")
+    pick, qs = first_draws(torch.tensor([0.0, 0.7, 0.3]), 3, g)
+    assert sorted(pick.tolist()) == [1, 2] and qs.shape == (2, 3)
+
+
+def first_slot_acceptance(r: torch.Tensor, q: torch.Tensor, width: int) -> float:
+    """P(some branch's first token is accepted), enumerated: draw x from q, accept with min(1, r(x) / q(x)); else
+    the next branch draws from q without x against the residual norm(max(r - q, 0))."""
+    if width == 0 or float(q.sum()) <= 0:
+        return 0.0
+    total = 0.0
+    left = (r - q).clamp(min=0)
+    left = left / left.sum() if float(left.sum()) > 0 else r
+    for x in range(q.shape[0]):
+        if float(q[x]) == 0:
+            continue
+        a = min(1.0, float(r[x] / q[x]))
+        rest = q.clone()
+        rest[x] = 0
+        after = first_slot_acceptance(left, rest / rest.sum(), width - 1) if float(rest.sum()) > 0 else 0.0
+        total += float(q[x]) * (a + (1 - a) * after)
+    return total
+
+
+@pytest.mark.parametrize("width", [2, 3])
+def test_tree_verifier_emits_p_and_accepts_more(width):
+    """verify_tree on prefix-independent rows (the target's p at the first slot, the second, the bonus; each branch's
+    q): the first emitted token follows p[0], the second p[1], the third p[2]; the first slot is accepted with the
+    probability enumerated above (for 2 and 3 branches above one branch's sum min(p, q)), and the acceptance length
+    has the law that gives along the kept branch."""
+    k, n_tok, n = 2, 6, 4000
+    p = random_rows(k + 1, n_tok, 40 + width)
+    q = random_rows(k, n_tok, 50 + width)
+    g = torch.Generator().manual_seed(60 + width)
+    sampling = Sampling(1.0, gen=g)
+    per_slot = [[] for _ in range(k + 1)]
+    lengths = torch.zeros(k + 1, dtype=torch.long)
+    logits = torch.cat([p[:1]] + [p[1:]] * width).log()  # the window: the last token, then each branch's slots
+    for _ in range(n):
+        first, q0 = first_draws(q[0], width, g)
+        rest = torch.multinomial(q[1], width, replacement=True, generator=g)
+        drafts = torch.stack((first, rest), 1)  # (W, k)
+        qw = torch.stack((q0, q[1][None].expand(width, -1)), 1)  # (W, k, V)
+        w, acc, tok = verify_tree(drafts, logits, qw, sampling)
+        lengths[acc] += 1
+        for j, t in enumerate(drafts[w, :acc].tolist() + [tok]):
+            per_slot[j].append(t)
+    for j in range(k + 1):
+        assert_follows(torch.bincount(torch.tensor(per_slot[j]), minlength=n_tok), p[j], f"slot {j}")
+    a1 = first_slot_acceptance(p[0], q[0], width)
+    assert a1 > float(torch.minimum(p[0], q[0]).sum()) + 0.05
+    a2 = float(torch.minimum(p[1], q[1]).sum())
+    assert_follows(lengths, torch.tensor([1 - a1, a1 * (1 - a2), a1 * a2], dtype=torch.float64), "acceptance length")
+
+
+def test_tree_verifier_greedy_takes_the_branch_that_matches():
+    """Greedy: the branch whose first token is the target's argmax after the last token, then matched along its own
+    rows of the window (the last token's, then branch 0's three, then branch 1's)."""
+    logits = torch.full((7, 5), -1.0)
+    for row, tok in enumerate([3, 1, 2, 0, 0, 2, 4]):  # the target's argmax at each window row
+        logits[row, tok] = 2.0
+    assert verify_tree(torch.tensor([[1, 2, 0], [3, 0, 2]]), logits, None, Sampling()) == (1, 3, 4)  # all of branch 1
+    assert verify_tree(torch.tensor([[3, 2, 1], [2, 0, 2]]), logits, None, Sampling()) == (0, 1, 1)  # branch 0, then 1
+    assert verify_tree(torch.tensor([[1, 2, 0], [2, 0, 2]]), logits, None, Sampling()) == (0, 0, 3)  # none: the argmax
 
 
 # the loop, against the target's exact distribution ---------------------------------------------

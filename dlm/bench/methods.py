@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import replace
 from typing import Any
 
@@ -133,30 +135,35 @@ def spec_methods(model, ck, drafts: list[str], max_new_tokens: int, temperature:
 
     methods, seen = [], set()
     for given in drafts:
-        spec, passes, top_k = split_spec(given)
+        spec, passes, top_k, branches = split_spec(given)
         drafter = load_drafter(spec, model, ck, Sampling(temperature), passes=passes, top_k=top_k)
         g = resolve_block_size(drafter, block_size)
         cfg = SampleConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, block_size=g,
-                           draft_passes=passes, draft_top_k=top_k)
-        name = drafter.name + (f", {passes} passes" if passes > 1 else "") + (f", top {top_k}" if top_k else "")
+                           draft_passes=passes, draft_top_k=top_k, draft_branches=branches)
+        name = (drafter.name + (f", {passes} passes" if passes > 1 else "") + (f", top {top_k}" if top_k else "")
+                + (f", {branches} branches" if branches > 1 else ""))
         name = name if name not in seen else f"{name} [{spec}]"  # two folders, one name
         seen.add(name)
         methods.append(Method(f"{name} T={temperature:g}", "spec", model, ck, cfg,
                               {"draft": spec, "gamma": g, "temperature": temperature, "draft_passes": passes,
-                               "draft_top_k": top_k},
+                               "draft_top_k": top_k, "draft_branches": branches},
                               drafter=drafter))
     return methods
 
 
-def split_spec(spec: str) -> tuple[str, int, int | None]:
-    """'FOLDER@N' -> (FOLDER, N draft passes, None); 'FOLDER@topK' -> (FOLDER, 1, K candidates per slot: a DFlash 2
-    drafter's --draft-top-k); any other spec drafts in one pass with the drafter's own candidates."""
+def split_spec(spec: str) -> tuple[str, int, int | None, int]:
+    """'FOLDER@N' -> (FOLDER, N draft passes, None, 1); 'FOLDER@topK' -> (FOLDER, 1, K candidates per slot: a DFlash 2
+    drafter's --draft-top-k, 1); 'FOLDER@xW', 'FOLDER@topKxW' -> ... W branches (--draft-branches); any other spec
+    drafts one path in one pass with the drafter's own candidates."""
     head, at, tail = spec.rpartition("@")
-    if at and tail.isdigit():
-        return head, int(tail), None
-    if at and tail.startswith("top") and tail[3:].isdigit():
-        return head, 1, int(tail[3:])
-    return spec, 1, None
+    if not at:
+        return spec, 1, None, 1
+    if tail.isdigit():
+        return head, int(tail), None, 1
+    m = re.fullmatch(r"(?:top(\d+))?(?:x(\d+))?", tail)
+    if m and tail:
+        return head, 1, int(m[1]) if m[1] else None, int(m[2]) if m[2] else 1
+    return spec, 1, None, 1
 
 
 def build_methods(net, ck, max_new_tokens: int, naive: bool, mdlm: str | None, usdm: str | None, sweep: bool,

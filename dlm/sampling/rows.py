@@ -79,10 +79,13 @@ class Window:
 
 @dataclass
 class Crop:
-    """A row program's request to cut its cache on `on` back to `length` slots (after a rejected draft); no forward."""
+    """A row program's request to cut its cache on `on` back to `length` slots (after a rejected draft); no forward.
+    take (src, dst): first the slots src.. are copied to dst..length-1 (a draft tree's kept branch, written after
+    the branches before it)."""
 
     length: int
     on: str = "target"
+    take: tuple[int, int] | None = None
 
 
 def same(request):
@@ -179,7 +182,7 @@ def alone(model, cache: KVCache | None) -> Callable:
 
     def answer(req):
         if isinstance(req, Crop):
-            cache.crop(req.length)
+            cache.crop(req.length, req.take)
             return None
         return run_one(model, cache, req)
 
@@ -342,10 +345,12 @@ class RowBatch:
         self.length.append(0)
         return len(self.length) - 1
 
-    def crop(self, i: int, length: int) -> None:
-        """Row i's cache back to its first `length` slots."""
+    def crop(self, i: int, length: int, take: tuple[int, int] | None = None) -> None:
+        """Row i's cache back to its first `length` slots (take: KVCache.crop's)."""
         if not 0 <= length <= self.length[i]:
             raise ValueError(f"crop({length}) outside [0, {self.length[i]}]")
+        if take is not None:
+            self.cache.map(lambda t: t[..., i:i + 1, :, :, :], self.length[i]).crop(length, take)
         self.length[i] = length
 
     def remove(self, i: int) -> int | None:
@@ -679,7 +684,7 @@ class Programs:
                 return False
             msg = None
             if isinstance(ev, Crop):
-                self.batches[ev.on].crop(i, ev.length)
+                self.batches[ev.on].crop(i, ev.length, ev.take)
             elif not isinstance(ev, Event):
                 live.request = ev
                 return True

@@ -49,6 +49,7 @@ from dlm.errors import DlmError, check
 from dlm.masks import mdlm_denoise_mask
 from dlm.model import KVCache, Transformer
 from dlm.sampling import ar
+from dlm.drafter import first_draws
 from dlm.sampling.common import (
     Clock, Commit, Eos, Event, Prompt, Sampling, Stats, Verified, eos_set, make_generator, sample_from, through_eos,
 )
@@ -63,9 +64,11 @@ MAX_BLOCK = 64  # the largest block of a cycle
 # the SampleConfig fields speculative decoding reads (see dlm.sampling.OPTIONS); DRAFTER_OPTIONS: those only one
 # kind of drafter reads (option -> the kind's name in `--draft`, and in words)
 OPTIONS = frozenset({"temperature", "top_k", "top_p", "block_size", "draft", "draft_passes", "draft_top_k",
+                     "draft_branches",
                      "lookup_ngram", "check_lossless", "suffix"})
 DRAFTER_OPTIONS = {"draft_passes": (("dflash", "diffusion"), "a DFlash or diffusion drafter"),
                    "draft_top_k": (("dflash",), "a DFlash 2 drafter"),
+                   "draft_branches": (("dflash",), "a DFlash drafter"),
                    "lookup_ngram": (("lookup",), "prompt lookup")}
 
 
@@ -116,6 +119,11 @@ class Drafter:
     def answer(self, request):
         """A request of its draft answered over its own cache (the one-row path)."""
         raise AssertionError(f"{self.name} runs no model of its own")
+
+    def draft_tree(self, seq: Tensor, k: int, width: int) -> Iterator:
+        """`draft` as up to `width` branches that differ at the first slot (--draft-branches): returns tokens (W, k)
+        and q (W, k, V) or None, each branch's first-slot q the distribution its draw came from."""
+        raise DlmError(f"--draft-branches: {self.name} drafts one path (a DFlash drafter drafts branches)")
 
     def propose(self, seq: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
         """Committed ids (S,) -> up to k proposals (k',) and their probabilities (k', V) or None (one-hot)."""
@@ -222,6 +230,13 @@ class WithLookup(Drafter):
             self.lookups += 1
             return tokens, None
         return (yield from self.main.draft(seq, k))
+
+    def draft_tree(self, seq: Tensor, k: int, width: int) -> Iterator:
+        tokens, n = self.lookup.match(seq, k, self.lookup.max_ngram)
+        if k and n and tokens.numel():  # lookup's one path
+            self.lookups += 1
+            return tokens[None], None
+        return (yield from self.main.draft_tree(seq, k, width))
 
 
 class _OwnModel(Drafter):
@@ -360,6 +375,28 @@ class DFlashDraft(Drafter):
         dense = None if q is None else torch.zeros(k, logits.shape[-1], device=q.device).scatter_(-1, cands[0], q[0])
         return tokens[0], dense
 
+    def draft_tree(self, seq: Tensor, k: int, width: int) -> Iterator:
+        logits = yield from self.draft_logits(seq, k)  # one pass: the branches differ in the tokens chosen, not in h
+        sel = self.d.candidate_selector
+        t = self.sampling.temperature
+        if sel is not None:  # DFlash 2: each branch the selector's walk after its own first token
+            tokens, cands, q = sel.branches(self.hidden, logits.float(), seq[-1], t, self.sampling.gen, width,
+                                            self.top_k)
+            if q is None:
+                return tokens, None
+            dense = torch.zeros(*q.shape[:2], logits.shape[-1], device=q.device)
+            return tokens, dense.scatter_(-1, cands[None].expand(q.shape[0], -1, -1), q)
+        if t == 0:  # DFlash 1: the slots are independent; the first slot's W best, the argmax after them
+            first = torch.topk(logits[0], min(width, logits.shape[-1])).indices
+            rest = logits[1:].argmax(-1)
+            return torch.cat((first[:, None], rest[None].expand(first.shape[0], -1)), 1), None
+        p = self.sampling.probs(logits)  # (k, V)
+        first, q0 = first_draws(p[0], width, self.sampling.gen)
+        W = first.shape[0]
+        rest = sample_from(p[1:][None].expand(W, -1, -1), self.sampling.gen)  # (W, k - 1): each branch's own draws
+        q = torch.cat((q0[:, None], p[1:][None].expand(W, -1, -1)), 1)
+        return torch.cat((first[:, None], rest), 1), q
+
     def logits(self, seq: Tensor, k: int) -> Tensor:
         """The draft's logits for the k slots after seq's last token (k >= 1); the cache takes the new
         context. (k, V)"""
@@ -467,6 +504,7 @@ class SpecStats:
     forwards: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    branched: int = 0  # cycles whose accepted tokens came from a draft tree's branch other than the first
 
     def add(self, n: int) -> None:
         while len(self.histogram) <= n:
@@ -514,6 +552,56 @@ def verify(draft: Tensor, logits: Tensor, q: Tensor | None, sampling: Sampling) 
     return verify_sample(draft, sampling.probs(logits), q, sampling.gen)
 
 
+def tree_window(W: int, k: int, dev) -> tuple[Tensor, Tensor]:
+    """A draft tree's verify window [last token, branch 0's k slots, ..., branch W-1's]: its mask (T, T) (each slot
+    sees the last token and its own branch up to itself) and each token's depth (T,) (its offset from the last
+    token's position)."""
+    j = torch.arange(k, device=dev)
+    depth = torch.cat((j.new_zeros(1), (j + 1).repeat(W)))
+    branch = torch.cat((j.new_full((1,), -1), torch.arange(W, device=dev).repeat_interleave(k)))
+    T = 1 + W * k
+    causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+    mask = causal & ((branch[None] == branch[:, None]) | (branch[None] == -1))
+    return mask, depth
+
+
+def branch_rows(w: int, k: int) -> list[int]:
+    """The verify window's offsets of branch w's path: the last token, then its k slots."""
+    return [0, *range(1 + w * k, 1 + (w + 1) * k)]
+
+
+def verify_tree(drafts: Tensor, logits: Tensor, q: Tensor | None, sampling: Sampling) -> tuple[int, int, int]:
+    """Multi-draft verification of a draft tree: drafts (W, k) (branches that differ at the first slot), the target's
+    logits over `tree_window` (1 + W k, V), q (W, k, V) or None -> (the branch kept, accepted, bonus token).
+
+    Greedy: the branch whose first token is the target's argmax, matched on along it. T > 0: the first slot by
+    recursive rejection (SpecInfer's, over draws without replacement): branch w's token accepted with probability
+    min(1, r_w(x) / q_w(x)), r_0 = p, r_{w+1} = norm(max(r_w - q_w, 0)); after the last rejection the bonus is a draw
+    from that residual; past an accepted first token, speculative sampling along its branch. The tokens are
+    distributed as the target's (tests/test_verifier.py)."""
+    W, k = drafts.shape
+    if sampling.temperature == 0:
+        first = int(logits[0].argmax())
+        hit = (drafts[:, 0] == first).nonzero()
+        if not hit.numel():
+            return 0, 0, first
+        w = int(hit[0, 0])
+        n, bonus = verify_greedy(drafts[w], logits[branch_rows(w, k)])
+        return w, n, bonus
+    gen = sampling.gen
+    r = sampling.probs(logits[0])
+    for w in range(W):
+        x = int(drafts[w, 0])
+        if float(torch.rand((), generator=gen, device=r.device)) * float(q[w, 0, x]) < float(r[x]):
+            p = sampling.probs(logits[branch_rows(w, k)[1:]])  # (k, V): after each of the branch's slots
+            n, bonus = verify_sample(drafts[w, 1:], p, q[w, 1:], gen)
+            return w, n + 1, bonus
+        left = (r - q[w, 0]).clamp_(min=0.0)
+        total = left.sum()
+        r = left / total if total > 0 else r
+    return 0, 0, int(sample_from(r, gen))
+
+
 def trim(tokens: list[int], room: int, eos_id: Eos) -> list[int]:
     """A cycle's committed tokens, cut to the room left and after an end of text."""
     return through_eos(tokens[:room], eos_id)[0]
@@ -526,15 +614,32 @@ def check_lossless_greedy(cfg) -> None:
                        "(sampling is lossless in distribution, which tests/test_verifier.py checks)")
 
 
+MAX_BRANCHES = 8
+
+
+def verify_width(block_size: int, branches: int) -> int:
+    """Tokens of a verify window: the last token, then each branch's slots (and one slot to spare)."""
+    return 1 + branches * (block_size - 1) + 1
+
+
+def check_branches(cfg) -> None:
+    check(1 <= cfg.draft_branches <= MAX_BRANCHES,
+          f"--draft-branches must be in [1, {MAX_BRANCHES}], got {cfg.draft_branches}")
+
+
 def _taps(out, layers: tuple[int, ...]) -> Tensor | None:
     return torch.cat([out.taps[i][0] for i in layers], dim=-1) if layers else None  # (T, F)
 
 
 def speculation(drafter: Drafter, prompt: Sequence[int], *, block_size: int, max_new_tokens: int, sampling: Sampling,
                 eos_id: Eos, row: int = 0, stats: SpecStats | None = None, clock: Clock | None = None,
-                dev: torch.device | str = "cpu") -> Iterator:
+                dev: torch.device | str = "cpu", branches: int = 1) -> Iterator:
     """One prompt's speculative decoding as a row program: its Commit and Verified events, and its requests (the
-    target's prefill and verify passes, its drafter's; a Crop of the target's cache after each verify)."""
+    target's prefill and verify passes, its drafter's; a Crop of the target's cache after each verify).
+
+    branches > 1 (--draft-branches): each cycle drafts a tree of that many paths that differ at the first slot
+    (`Drafter.draft_tree`), verified in one forward (`tree_window`, `verify_tree`); the kept branch's K/V are moved
+    into place behind the last token (Crop.take)."""
     stats = stats if stats is not None else SpecStats()
     taps = drafter.taps
     P = len(prompt)
@@ -556,15 +661,37 @@ def speculation(drafter: Drafter, prompt: Sequence[int], *, block_size: int, max
         t0 = time.perf_counter()
         # as many slots as tokens are still wanted (the bonus past them is dropped): the package's dflash_generate
         # drafts that block, and a DFlash block one slot shorter drafts other tokens (its slots see each other)
-        draft, q = yield from drafter.draft(seq[:S], min(block_size - 1, max_new_tokens - new))
+        want = min(block_size - 1, max_new_tokens - new)
+        if branches > 1:
+            tree, q = yield from drafter.draft_tree(seq[:S], want, branches)
+        else:
+            draft, q = yield from drafter.draft(seq[:S], want)
+            tree = draft[None]
         t1 = time.perf_counter()
         stats.draft_seconds += t1 - t0
-        k = draft.shape[0]
-        block = torch.cat((seq[S - 1:S], draft))  # (k+1,)
-        logits, feats = _split((yield Window(tokens=block, mask="causal", keep=k + 1, out=(0, k + 1), taps=taps)), taps)
+        W, k = tree.shape
+        if W == 1:
+            draft, q = tree[0], (q[0] if q is not None and q.dim() == 3 else q)
+            block = torch.cat((seq[S - 1:S], draft))  # (k+1,)
+            logits, feats = _split((yield Window(tokens=block, mask="causal", keep=k + 1, out=(0, k + 1), taps=taps)),
+                                   taps)
+            w, (n, bonus) = 0, verify(draft, logits[0], q, sampling)
+            yield Crop(S + n)  # keep the last committed token and the accepted proposals
+        else:
+            mask, depth = tree_window(W, k, dev)
+            window = torch.cat((seq[S - 1:S], tree.reshape(-1)))  # (1 + W k,)
+            T = window.shape[0]
+            logits, feats = _split((yield Window(tokens=window, mask=mask, pos=S - 1 + depth, keep=T, out=(0, T),
+                                                 taps=taps)), taps)
+            w, n, bonus = verify_tree(tree, logits[0], q, sampling)
+            stats.branched += bool(n and w)
+            draft = tree[w]
+            rows = branch_rows(w, k)[:n + 1]
+            block = window[rows]
+            feats = feats[rows] if feats is not None else None
+            # the kept branch's accepted slots from where the window wrote them to the slots behind the last token
+            yield Crop(S + n, take=(rows[1] + S - 1, S) if n and w else None)
         stats.forwards += 1
-        n, bonus = verify(draft, logits[0], q, sampling)
-        yield Crop(S + n)  # keep the last committed token and the accepted proposals
         drafter.accept(block[:n + 1], feats[:n + 1] if feats is not None else None)
         stats.verify_seconds += time.perf_counter() - t1
         committed = trim(draft[:n].tolist() + [bonus], max_new_tokens - new, eos_id)
@@ -595,19 +722,20 @@ class Alone:
         if request.on != "target":
             return self.drafter.answer(request)
         if isinstance(request, Crop):
-            return self.cache.crop(request.length)
+            return self.cache.crop(request.length, request.take)
         return run_one(self.target, self.cache, request)
 
 
 @torch.inference_mode()
 def speculate(target: Transformer, drafter: Drafter, prompt: Sequence[int], *, block_size: int, max_new_tokens: int = 128,
               sampling: Sampling | None = None, eos_id: Eos = None, row: int = 0,
-              stats: SpecStats | None = None, clock: Clock | None = None) -> Iterator[Event]:
+              stats: SpecStats | None = None, clock: Clock | None = None, branches: int = 1) -> Iterator[Event]:
     """Generate from one prompt with `drafter` proposing and `target` verifying (Commit and Verified events)."""
     program = speculation(drafter, prompt, block_size=block_size, max_new_tokens=max_new_tokens,
                           sampling=sampling or Sampling(), eos_id=eos_id, row=row, stats=stats, clock=clock,
-                          dev=target.device)
-    yield from drive(program, Alone(target, len(prompt) + max_new_tokens + block_size + 1, drafter))
+                          dev=target.device, branches=branches)
+    yield from drive(program, Alone(target, len(prompt) + max_new_tokens + verify_width(block_size, branches),
+                                    drafter))
 
 
 def drafter_capacity(target: Transformer) -> int:
@@ -642,6 +770,7 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg, drafter: Drafter 
                        f"{ck.objective} checkpoint")
     ar.check_options(model, prompts, cfg, "speculative decoding")
     check_lossless_greedy(cfg)
+    check_branches(cfg)
     if drafter is None:
         raise DlmError("speculative decoding needs a drafter: load one with dlm.drafters.load_drafter")
     block_size = resolve_block_size(drafter, cfg.block_size)
@@ -654,8 +783,9 @@ def stream(model: Transformer, ck, prompts: list[Prompt], cfg, drafter: Drafter 
             d = drafter
             d.sampling = sampling
         program = speculation(d, p, block_size=block_size, max_new_tokens=cfg.max_new_tokens, sampling=d.sampling,
-                              eos_id=eos, row=b, stats=spec, clock=clock, dev=model.device)
-        return program, d, len(p) + cfg.max_new_tokens + block_size + 1
+                              eos_id=eos, row=b, stats=spec, clock=clock, dev=model.device,
+                              branches=cfg.draft_branches)
+        return program, d, len(p) + cfg.max_new_tokens + verify_width(block_size, cfg.draft_branches)
 
     return run_rows(model, ck, [p.ids for p in prompts], cfg, row, drafter.name, block_size, drafter)
 
@@ -669,11 +799,13 @@ def row_program(model: Transformer, ck, prompt: Prompt, cfg, row: int = 0, *, dr
                        f"{ck.objective} checkpoint")
     ar.check_options(model, [prompt], cfg, "speculative decoding")
     check_lossless_greedy(cfg)
+    check_branches(cfg)
     d = drafter.fork(cfg, make_generator(cfg.seed, model.device))
     B = resolve_block_size(d, cfg.block_size)
     stats = stats if stats is not None else SpecStats()
     program = speculation(d, prompt.ids, block_size=B, max_new_tokens=cfg.max_new_tokens, sampling=d.sampling,
-                          eos_id=ck.tokenizer.eos_ids, row=row, stats=stats, clock=clock, dev=model.device)
+                          eos_id=ck.tokenizer.eos_ids, row=row, stats=stats, clock=clock, dev=model.device,
+                          branches=cfg.draft_branches)
     return RowProgram(program, stats, drafter=d)
 
 
@@ -683,6 +815,7 @@ def spec_stats(spec: SpecStats, drafter: str, block_size: int, new: int, draft_f
         "tau": spec.committed / spec.cycles if spec.cycles else 0.0,
         "acceptance_histogram": spec.histogram + [0] * (block_size + 1 - len(spec.histogram)),
         "cycles": spec.cycles, "draft_seconds": spec.draft_seconds, "verify_seconds": spec.verify_seconds,
+        "branched_cycles": spec.branched,
         "block_size": block_size, "gamma": block_size, "drafter": drafter})  # gamma: the older key
 
 
@@ -695,6 +828,7 @@ def pooled(specs: list[SpecStats]) -> SpecStats:
         out.forwards += st.forwards
         out.draft_seconds += st.draft_seconds
         out.verify_seconds += st.verify_seconds
+        out.branched += st.branched
         out.histogram += [0] * (len(st.histogram) - len(out.histogram))
         for n, c in enumerate(st.histogram):
             out.histogram[n] += c
@@ -730,7 +864,7 @@ def stream_rows(model: Transformer, ck, prompts: list[Prompt], cfgs: list, draft
     specs = [SpecStats() for _ in prompts]
     built = [row_program(model, ck, p, c, r, drafter=drafter, stats=specs[r], clock=clock)
              for r, (p, c) in enumerate(zip(prompts, cfgs))]
-    rows = [(rp.program, rp.drafter, len(p.ids) + c.max_new_tokens + MAX_BLOCK + 1)
+    rows = [(rp.program, rp.drafter, len(p.ids) + c.max_new_tokens + verify_width(MAX_BLOCK, c.draft_branches))
             for rp, p, c in zip(built, prompts, cfgs)]
     B = max(resolve_block_size(drafter, c.block_size) for c in cfgs)
     lossless = [c.max_new_tokens for c in cfgs] if any(c.check_lossless for c in cfgs) else None

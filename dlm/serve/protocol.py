@@ -168,6 +168,7 @@ class DlmFields(_Strict):
     fill_length: int | None = None
     draft_passes: int | None = None
     draft_top_k: int | None = None
+    draft_branches: int | None = None
     lookup_ngram: int | None = None
     # older spellings of the same options (as on the command line)
     gamma: int | None = None
