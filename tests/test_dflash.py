@@ -440,6 +440,21 @@ def test_bench_puts_drafters_beside_the_target_alone(tiny_ar, tiny_dflash, corpu
                     quiet=True, draft=[f"{tiny_dflash}@2", str(tiny_dflash)], temperatures=(0.0,), repeat=1)
     two = [s for s in rep["summaries"] if s["settings"].get("draft_passes") == 2]
     assert len(two) == 1 and "2 passes" in two[0]["method"] and two[0]["draft_forwards"] > 0
+    rep = run_bench(str(tiny_ar), prompts=1, max_new_tokens=16, out="", data=str(corpus_dir), warmup=0, naive=False,
+                    quiet=True, draft=[f"{tiny_dflash}@x3", str(tiny_dflash)], temperatures=(0.0,), repeat=1)
+    tree = [s for s in rep["summaries"] if s["settings"].get("draft_branches") == 3]
+    assert len(tree) == 1 and "3 branches" in tree[0]["method"] and tree[0]["lossless"] == 1.0
+
+
+def test_bench_drafter_specs():
+    from dlm.bench.methods import split_spec
+
+    assert split_spec("d@2") == ("d", 2, None, 1)
+    assert split_spec("d@top256") == ("d", 1, 256, 1)
+    assert split_spec("d@x3") == ("d", 1, None, 3)
+    assert split_spec("runs/d@top64x2") == ("runs/d", 1, 64, 2)
+    assert split_spec("runs/d") == ("runs/d", 1, None, 1)
+    assert split_spec("we@ird") == ("we@ird", 1, None, 1)  # not an option: the folder's own name
 
 
 def test_dflash_training_resumes_exactly(tiny_ar, tiny_draft_data, corpus_dir, tokenizer_path, tmp_path, monkeypatch):

@@ -28,7 +28,7 @@ OWN_TARGET = {"dflash2-mid": "ar-mid"}  # drafters of another target than ar-sma
 # a valid value of each option, per paradigm where it differs (small sizes: each request is fast)
 VALUES = {"top_k": 5, "steps": 4, "threshold": 0.8, "entropy_bound": 0.2, "block_size": 4, "remasking": "random",
           "canvas_length": 8, "t_max": 0.9, "t_min": 0.3, "stability_threshold": 2, "confidence_threshold": 0.01,
-          "adaptive": False, "fill_length": 4, "draft_passes": 2, "draft_top_k": 32, "lookup_ngram": 2,
+          "adaptive": False, "fill_length": 4, "draft_passes": 2, "draft_top_k": 32, "draft_branches": 2, "lookup_ngram": 2,
           "preset": "none", "prefix_cache": False, "dual_cache": False, "sub_block": 2, "schedule": "even", "whole_blocks": True,
           "generation_config": "none", "entropy_form": "eb"}
 SAMPLER = {"ar": "ar", "mdlm": "confidence", "usdm": "entropy_bound", "joint": "self-spec-linear"}

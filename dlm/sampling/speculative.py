@@ -122,8 +122,10 @@ class Drafter:
 
     def draft_tree(self, seq: Tensor, k: int, width: int) -> Iterator:
         """`draft` as up to `width` branches that differ at the first slot (--draft-branches): returns tokens (W, k)
-        and q (W, k, V) or None, each branch's first-slot q the distribution its draw came from."""
-        raise DlmError(f"--draft-branches: {self.name} drafts one path (a DFlash drafter drafts branches)")
+        and q (W, k, V) or None, each branch's first-slot q the distribution its draw came from. A kind that drafts
+        one path (all but DFlash: the option is ignored there, as `dlm generate` warns) gives its `draft`."""
+        tokens, q = yield from self.draft(seq, k)
+        return tokens[None], None if q is None else q[None]
 
     def propose(self, seq: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
         """Committed ids (S,) -> up to k proposals (k',) and their probabilities (k', V) or None (one-hot)."""
