@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from dlm import moe
+from dlm import kernels, moe
 from dlm.config import ModelConfig
 from dlm.errors import DlmError
 from dlm.masks import LayerMasks, Mask, sdpa_mask, sliding_band
@@ -287,25 +287,42 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
 
 
-class PackedLinear(nn.Module):
-    """A linear layer (inference only) whose weight also sits in a layout that a product of several rows reads at the
-    machine's speed, where MKL's float32 product of 2-16 rows of `F.linear` (the weight transposed) costs 2-4x one row
-    on an AVX2 CPU (docs/log/batching.md): a large weight in oneDNN's blocked layout (onednn=True), a small one
-    (oneDNN's ~20 us per call would lose) transposed and contiguous, for a plain `x @ W^T` product (1.3-1.5x F.linear
-    at 2-8 rows of ar-mid's 256-640 wide layers). One row (a matrix-vector product at the memory bandwidth) and a
-    traced forward (torch.compile) keep F.linear. The weight and bias are the layer's own (tied weights stay tied);
-    the copy is extra memory, the size of the weight."""
+BLOCKED_ROWS = 16  # rows up to which a blocked weight's product (dlm.kernels.blocked_linear) beats MKL's here
 
-    def __init__(self, lin: nn.Linear, onednn: bool = True):
+
+class PackedLinear(nn.Module):
+    """A linear layer (inference only) whose weight also sits in a layout that a product of a few rows reads at the
+    machine's speed, where MKL's float32 product of 2-16 rows of `F.linear` (the weight transposed) costs 2-4x one row
+    on an AVX2 CPU (docs/log/batching.md). layout "blocked": dlm's own kernel (dlm/kernels/blocked_linear.cpp) over the
+    weight cut into blocks of 16 output columns, each one sequential stream, for 1-16 rows of float32 (ar-mid's
+    decoding step 1.45x faster than over column-major weights, a verify of 4 tokens 1.4x; each row's sums in the same
+    order whatever the rows beside it; docs/log/dflash.md); "onednn": a large weight in oneDNN's blocked layout;
+    "transposed": a small one (oneDNN's ~20 us per call would lose) transposed and contiguous, for a plain `x @ W^T`
+    product (1.3-1.5x F.linear at 2-8 rows of ar-mid's 256-640 wide layers). Past those (more rows, another dtype),
+    one row under "onednn" and "transposed", and a traced forward (torch.compile) keep F.linear. The weight and bias
+    are the layer's own (tied weights stay tied); the copy is extra memory, the size of the weight."""
+
+    def __init__(self, lin: nn.Linear, layout: str = "onednn"):
         super().__init__()
+        if layout not in ("onednn", "transposed", "blocked"):
+            raise ValueError(f"PackedLinear layout must be onednn, transposed or blocked, got {layout!r}")
         self.weight, self.bias = lin.weight, lin.bias
         w = lin.weight.detach()
-        # (neither is a buffer: not saved)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 16) if onednn else None
-        self.wt = None if onednn else w.t().contiguous()  # (in, out)
+        # (none is a buffer: not saved)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 16) if layout == "onednn" else None
+        self.wt = w.t().contiguous() if layout == "transposed" else None  # (in, out)
+        self.blocked = kernels.blocked_weight(w) if layout == "blocked" else None  # (out / 16, in, 16)
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.numel() == x.shape[-1] or torch.compiler.is_compiling() or torch.is_grad_enabled():
+        if torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)
+        if self.blocked is not None:
+            if x.dtype != torch.float32 or x.numel() > BLOCKED_ROWS * x.shape[-1]:
+                return F.linear(x, self.weight, self.bias)
+            y = torch.ops.dlm.blocked_linear(x.reshape(-1, x.shape[-1]), self.blocked)
+            y = y.view(*x.shape[:-1], y.shape[-1])
+            return y if self.bias is None else y + self.bias
+        if x.numel() == x.shape[-1] or torch.compiler.is_compiling():
             return F.linear(x, self.weight, self.bias)
         if self.packed is None:
             y = x @ self.wt
@@ -313,19 +330,24 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module, min_elements: int = 1 << 20, min_transposed: int = 1 << 14) -> int:
-    """Every linear layer of a model for inference, float32 or bfloat16 on a CPU, as a PackedLinear: in oneDNN's layout
-    from `min_elements` weights on, transposed from `min_transposed` (0: none); the number packed."""
+def pack_linears(model: nn.Module, min_elements: int = 1 << 20, min_transposed: int = 1 << 14,
+                 blocked: bool = True) -> int:
+    """Every linear layer of a model for inference, float32 or bfloat16 on a CPU, as a PackedLinear: a float32 one with
+    a multiple of 16 outputs blocked (`blocked`, where dlm's kernel builds), else in oneDNN's layout from
+    `min_elements` weights on, transposed from `min_transposed` (0: none); the number packed."""
     todo = [(parent, name, m) for parent in model.modules() for name, m in parent.named_children()
             if type(m) is nn.Linear and m.weight.device.type == "cpu"
             and m.weight.dtype in (torch.float32, torch.bfloat16)]
     n = 0
     for parent, name, m in todo:
         size = m.weight.numel()
-        if size >= min_elements and torch.backends.mkldnn.is_available():
+        if (blocked and m.weight.dtype == torch.float32 and m.weight.shape[0] % 16 == 0
+                and kernels.blocked_linear()):
+            setattr(parent, name, PackedLinear(m, "blocked"))
+        elif size >= min_elements and torch.backends.mkldnn.is_available():
             setattr(parent, name, PackedLinear(m))
         elif min_transposed and size >= min_transposed:
-            setattr(parent, name, PackedLinear(m, onednn=False))
+            setattr(parent, name, PackedLinear(m, "transposed"))
         else:
             continue
         n += 1
@@ -339,9 +361,9 @@ def column_major(model: nn.Module) -> int:
     is what a speculative verify pays; docs/log/dflash.md), one token about the same. Decoding only: the values are
     the same, the products' rounding is not bit-identical to the row-major ones, and a checkpoint is written from
     row-major weights. A weight shared with an embedding (a tied LM head) stays as it is; a PackedLinear is left
-    alone. (`pack_linears`' transposed copy, the server's --pack-weights, is the same product kept beside the weight:
-    one row stays F.linear's, at the cost of the copy's memory; this replaces the weight for every row count.) The
-    number relaid."""
+    alone. (`pack_linears`, the server's and the bench's --pack-weights, keeps a copy beside the weight instead: dlm's
+    blocked layout, faster than this one from one row to 16, at the cost of the copy's memory; this replaces the weight
+    for every row count.) The number relaid."""
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     n = 0
     for m in model.modules():

@@ -404,7 +404,8 @@ def part_pair(out: Path, dtype: str | None = None) -> dict:
     from dlm.checkpoint import load_model
     from dlm.sampling.ar import decode
 
-    drafts = ["checkpoints/dflash2-mid", "checkpoints/dflash2-mid+lookup", "lookup", "checkpoints/ar-draft"]
+    drafts = ["checkpoints/dflash2-mid", "checkpoints/dflash2-mid@x3", "checkpoints/dflash2-mid+lookup", "lookup",
+              "checkpoints/ar-draft"]  # (@x3: a draft tree, docs/log/dflash.md, whose verify a GPU may take for free)
     n, new = (2, 16) if DRY else (8, 128)
     rep = run_bench("checkpoints/ar-mid", prompts=n, max_new_tokens=new, out=str(out / f"pair-{dtype or 'fp32'}.json"),
                     naive=False, mdlm=None, usdm=None, draft=drafts, temperatures=(0.0, 1.0), repeat=2, device=DEV,

@@ -10,7 +10,10 @@ import pytest
 import torch
 from conftest import needs_cxx, random_transformer
 
-from dlm.model import PackedLinear, pack_linears
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dlm.model import BLOCKED_ROWS, PackedLinear, pack_linears
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn)")]
@@ -24,7 +27,7 @@ def model():
 def test_packed_linears_give_the_same_outputs_and_keep_the_weights():
     plain, packed = model(), model()
     keys = set(plain.state_dict())
-    assert pack_linears(packed, min_elements=64 * 64, min_transposed=0) == 2 * 5 + 1  # q, o, gate, up, down, the head
+    assert pack_linears(packed, min_elements=64 * 64, min_transposed=0, blocked=False) == 2 * 5 + 1  # q, o, gate, up, down, the head
     assert isinstance(packed.lm_head, PackedLinear) and packed.lm_head.weight is packed.embed_tokens.weight
     assert not isinstance(packed.layers[0].self_attn.k_proj, PackedLinear)  # 32 x 64: under the threshold
     assert set(packed.state_dict()) == keys
@@ -42,7 +45,7 @@ def test_packed_linears_give_the_same_outputs_and_keep_the_weights():
 
 def test_small_weights_transposed_give_the_same_outputs():
     plain, packed = model(), model()
-    assert pack_linears(packed, min_transposed=1) == 2 * 7 + 1  # every weight under a million entries: transposed
+    assert pack_linears(packed, min_transposed=1, blocked=False) == 2 * 7 + 1  # every weight under a million entries: transposed
     assert all(m.packed is None and m.wt.is_contiguous() for m in packed.modules() if isinstance(m, PackedLinear))
     assert packed.lm_head.weight is packed.embed_tokens.weight
     x = torch.randint(0, 300, (4, 9))
@@ -52,9 +55,54 @@ def test_small_weights_transposed_give_the_same_outputs():
         assert torch.equal(packed(one).logits, plain(one).logits)
         lin = torch.nn.Linear(48, 80)  # with a bias (Qwen2's q, k, v)
         h = torch.randn(2, 5, 48)
-        torch.testing.assert_close(PackedLinear(lin, onednn=False)(h), lin(h), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(PackedLinear(lin, "transposed")(h), lin(h), rtol=1e-5, atol=1e-6)
     m = model()
-    assert pack_linears(m, min_transposed=0) == 0  # nothing large enough for oneDNN, nothing transposed
+    assert pack_linears(m, min_transposed=0, blocked=False) == 0  # nothing large enough for oneDNN, nothing transposed
+
+
+@needs_cxx
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 20), n16=st.integers(1, 6), k=st.integers(1, 70), bias=st.booleans(), seed=st.integers(0, 99))
+def test_blocked_kernel_is_the_product_row_by_row(rows, n16, k, bias, seed):
+    """dlm.kernels.blocked_linear over generated shapes (any K, outputs a multiple of 16, 1-20 rows: past 16 the layer
+    hands over to F.linear): F.linear's values up to float rounding, and each row's output bit for bit what that row
+    gets alone (a verify's logits are the one-token steps')."""
+    from dlm import kernels
+
+    assert kernels.blocked_linear()
+    g = torch.Generator().manual_seed(seed)
+    lin = torch.nn.Linear(k, 16 * n16, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(lin.weight.shape, generator=g))
+    x = torch.randn(rows, k, generator=g)
+    packed = PackedLinear(lin, "blocked")
+    with torch.inference_mode():
+        y = packed(x)
+        torch.testing.assert_close(y, lin(x), rtol=1e-5, atol=1e-4)
+        if rows <= BLOCKED_ROWS:
+            for r in (0, rows - 1):
+                assert torch.equal(packed(x[r:r + 1]), y[r:r + 1])
+        assert packed(x[None]).shape == (1, rows, 16 * n16)
+
+
+@needs_cxx
+def test_blocked_linears_give_the_same_outputs():
+    """pack_linears' default: every float32 weight with a multiple of 16 outputs blocked (the head's 300 are not: it
+    stays F.linear's, tied to the embedding), the logits F.linear's up to float rounding, the state dict unchanged;
+    bfloat16 keeps the other layouts."""
+    plain, packed = model(), model()
+    keys = set(plain.state_dict())
+    assert pack_linears(packed, min_transposed=0) == 2 * 7
+    assert all(m.blocked is not None for m in packed.modules() if isinstance(m, PackedLinear))
+    assert type(packed.lm_head) is torch.nn.Linear and packed.lm_head.weight is packed.embed_tokens.weight
+    assert set(packed.state_dict()) == keys
+    x = torch.randint(0, 300, (4, 9))
+    with torch.inference_mode():
+        for t in (x, x[:1, :1], x[:, :3]):
+            torch.testing.assert_close(packed(t).logits, plain(t).logits, rtol=1e-5, atol=1e-5)
+    b = model().to(torch.bfloat16)
+    assert pack_linears(b, min_elements=1) == 2 * 7 + 1
+    assert not any(m.blocked is not None for m in b.modules() if isinstance(m, PackedLinear))
 
 
 def test_bfloat16_packed():
@@ -75,7 +123,7 @@ def test_row_linears_keep_eager_bits_and_compile_one_row_as_a_reduction():
     from dlm.sampling.graphs import RowLinear, row_linears
 
     plain, wrapped = model(), model()
-    pack_linears(wrapped, min_elements=64 * 64, min_transposed=1)
+    pack_linears(wrapped, min_elements=64 * 64, min_transposed=1, blocked=False)
     keys = set(plain.state_dict())
     assert row_linears(wrapped) == 2 * 7 + 1
     assert isinstance(wrapped.lm_head, RowLinear) and wrapped.lm_head.weight is wrapped.embed_tokens.weight
@@ -93,3 +141,24 @@ def test_row_linears_keep_eager_bits_and_compile_one_row_as_a_reduction():
             products = sum(c.count("extern_kernels.mm") + c.count("_mkl_linear") + c.count("mkldnn._linear")
                            for c in code)
             assert (products == 0) == (rows == 1), code
+
+
+@needs_cxx
+def test_blocked_linear_compiles_as_dlm_kernel():
+    """Inside a compiled graph a blocked layer of a few rows is dlm's kernel (an extern call, its shape from the fake),
+    and one row under graphs.row_linears stays the fused reduction; both equal F.linear up to float rounding."""
+    from torch._inductor.utils import run_and_get_code
+
+    from dlm.sampling.graphs import row_linears
+
+    m = model()
+    pack_linears(m, min_transposed=0)
+    row_linears(m)
+    lin = m.layers[1].mlp.down_proj
+    f = torch.compile(lambda h: lin(h), dynamic=True)
+    with torch.inference_mode():
+        for rows in (1, 3, 5):
+            h = torch.randn(rows, 1, 160)
+            y, code = run_and_get_code(f, h)
+            torch.testing.assert_close(y, torch.nn.functional.linear(h, lin.weight), rtol=1e-5, atol=1e-5)
+            assert any("blocked_linear" in c for c in code) == (rows > 1), code

@@ -64,9 +64,23 @@ def relayout(methods) -> int:
     linear weights column-major (dlm.model.column_major), once each; the number of weights relaid."""
     from dlm.model import column_major
 
-    models = {id(x): x for m in methods for x in (m.model, getattr(m.drafter, "model", None))
+    return sum(column_major(x) for x in _models(methods))
+
+
+def _models(methods) -> list[torch.nn.Module]:
+    """Every model the methods run, once each: the targets, the other paradigms' models, the drafters'."""
+    models = {id(x): x for m in methods
+              for x in (m.model, getattr(m.drafter, "model", None), getattr(m.drafter, "row_model", None))
               if isinstance(x, torch.nn.Module)}
-    return sum(column_major(x) for x in models.values())
+    return list(models.values())
+
+
+def repack(methods) -> int:
+    """--pack-weights: every model the methods run with its linear layers packed as `dlm serve --pack-weights` packs
+    them (dlm.model.pack_linears: float32 weights blocked for dlm's kernel of a few rows); the number packed."""
+    from dlm.model import pack_linears
+
+    return sum(pack_linears(x) for x in _models(methods))
 
 
 def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str | None = None, data: str | None = None,
@@ -75,7 +89,7 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
               temperatures: tuple[float, ...] = (0.0, 1.0), block_size: int | None = None, repeat: int = 3,
               task: str | None = None, span: str = "line", joint: str | None = None,
               joint_blocks: tuple[int, ...] = (16,), col_major: bool = False, device: str = "cpu",
-              dtype: str | None = None) -> dict[str, Any]:
+              pack_weights: bool = False, dtype: str | None = None) -> dict[str, Any]:
     """Run every method on the same held-out cases, interleaved and repeated; print the tables, write the JSON
     report (and the PNG of quality against tokens per forward and wall time beside it).
 
@@ -115,6 +129,8 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
                                          block_size, joint, joint_blocks)
     if col_major:
         relayout(methods)
+    if pack_weights:
+        repack(methods)
     context = min(window(m.ck, m.model) for m in methods)  # every method gets the same prompt tokens
 
     from rich.progress import Progress
@@ -155,7 +171,8 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
                             for i, r in enumerate(rows[k][0])]
     report = {"environment": environment(), "model": str(ck.path), "max_new_tokens": max_new_tokens,
               "task": task, "span": span if task == "infill" else None, "cases": len(items), "repeat": repeat,
-              "warmup": warmup, "context": context, "col_major": col_major, "device": str(net.device),
+              "warmup": warmup, "context": context, "col_major": col_major, "pack_weights": pack_weights,
+              "device": str(net.device),
               "dtype": dtype or "float32",
               "order": "interleaved: each case runs every method in turn, the order rotated by one each repetition",
               "prompts": [it.case.name for it in items], "infill_cases": len(infill_items),

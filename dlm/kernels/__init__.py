@@ -21,17 +21,24 @@ def _flags() -> list[str]:
     return []
 
 
-@functools.cache
-def row_attention() -> bool:
-    """Whether torch.ops.dlm.row_attention (row_attention.cpp) is loaded; builds it the first time."""
+def _build(name: str, source: str, what: str) -> bool:
+    """Build and load one kernel source of this folder (cached); False, with a warning, where it cannot be built."""
     try:
         from torch.utils.cpp_extension import load
 
-        load(name="dlm_row_attention", sources=[os.path.join(os.path.dirname(__file__), "row_attention.cpp")],
-             extra_cflags=["-O3", *_flags()], is_python_module=False, verbose=False)
-    except Exception as e:  # (no compiler, no ninja, a build error: SDPA does the same sums)
-        warnings.warn(f"dlm: the row attention kernel was not built ({type(e).__name__}: {str(e)[:200]}); "
-                      "the compiled step uses PyTorch's attention")
+        load(name=name, sources=[os.path.join(os.path.dirname(__file__), source)], extra_cflags=["-O3", *_flags()],
+             is_python_module=False, verbose=False)
+    except Exception as e:  # (no compiler, no ninja, a build error: PyTorch's operator does the same sums)
+        warnings.warn(f"dlm: the {what} kernel was not built ({type(e).__name__}: {str(e)[:200]}); {name} falls back "
+                      "to PyTorch's operator")
+        return False
+    return True
+
+
+@functools.cache
+def row_attention() -> bool:
+    """Whether torch.ops.dlm.row_attention (row_attention.cpp) is loaded; builds it the first time."""
+    if not _build("dlm_row_attention", "row_attention.cpp", "row attention"):
         return False
 
     @torch.library.register_fake("dlm::row_attention")
@@ -39,3 +46,22 @@ def row_attention() -> bool:
         return q.new_empty(q.shape)
 
     return True
+
+
+@functools.cache
+def blocked_linear() -> bool:
+    """Whether torch.ops.dlm.blocked_linear (blocked_linear.cpp) is loaded; builds it the first time."""
+    if not _build("dlm_blocked_linear", "blocked_linear.cpp", "blocked linear"):
+        return False
+
+    @torch.library.register_fake("dlm::blocked_linear")
+    def _(x, wb):
+        return x.new_empty(x.shape[0], wb.shape[0] * wb.shape[2])
+
+    return True
+
+
+def blocked_weight(w: torch.Tensor) -> torch.Tensor:
+    """A linear layer's weight (N, K), N a multiple of 16, in blocked_linear's layout: (N / 16, K, 16), contiguous."""
+    N, K = w.shape
+    return w.detach().reshape(N // 16, 16, K).transpose(1, 2).contiguous()

@@ -219,7 +219,7 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
 
 }  // namespace
 
-TORCH_LIBRARY(dlm, m) {
+TORCH_LIBRARY_FRAGMENT(dlm, m) {
   m.def("row_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
 }
 
