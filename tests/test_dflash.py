@@ -450,8 +450,6 @@ def test_bench_with_packed_weights(tiny_ar, tiny_dflash, tmp_path):
     """`dlm bench --pack-weights`: the target and the drafter's model packed as the server packs them (float32 weights
     blocked for dlm's kernel); greedy speculation lossless against the packed target; the report says so."""
     out = tmp_path / "b.json"
-    from conftest import cli
-
     cli("bench", "--model", str(tiny_ar), "--draft", "lookup", str(tiny_dflash), "--prompts", "1",
         "--max-new-tokens", "8", "--repeat", "1", "--no-naive", "--temperature", "0", "--pack-weights", "--out",
         str(out), check=True)
