@@ -7,9 +7,11 @@
 // Why a kernel of our own: at a decoder of ar-mid's width (256-640) MKL's float32 product reads the weights at ~9 GB/s
 // for one row (row-major or column-major alike) and costs 1.4-2x that for 4-8 rows on an AVX2 core
 // (docs/log/dflash.md). Here each block's weights are one sequential read (the prefetcher's favourite pattern),
-// every row's 16 sums stay in registers, and four rows share each load of the weights: one row runs at ~21 GB/s, and
-// 4 rows cost ~1.3x one. Each output is the same sum in the same order whatever M is (a row's result does not
-// depend on the rows beside it: a verify's logits are those of the one-token steps, bit for bit).
+// every row's 16 sums stay in registers, four rows share each load of the weights, and where a block takes more than
+// one pass of four rows the last pass fetches the next block: ar-mid's linear layers cost 2.1 ms for one row (the
+// weights read at ~21 GB/s), 2.6 for 4, 3.8 for 8, 5.9 for 16 (F.linear over column-major weights: 5.3, 6.3, 7.1,
+// 8.9). Each output is the same sum in the same order whatever M is (a row's result does not depend on the rows
+// beside it: a verify's logits are those of the one-token steps, bit for bit).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -31,10 +33,11 @@ constexpr int TILE = 4;  // rows per pass over a block (8 accumulators; 6 rows, 
 // AVX2's own instructions (on AVX512 machines too): Vectorized<float>'s arrays of accumulators were not kept in
 // registers here, and the kernel ran at half this speed for 4-16 rows
 template <int MT>
-inline void block(const float* x, int64_t K, const float* w, float* out, int64_t N) {
+inline void block(const float* x, int64_t K, const float* w, float* out, int64_t N, const float* next = nullptr) {
   __m256 a0[MT], a1[MT];
   for (int m = 0; m < MT; ++m) { a0[m] = _mm256_setzero_ps(); a1[m] = _mm256_setzero_ps(); }
   for (int64_t k = 0; k < K; ++k, w += BLOCK) {
+    if (next) _mm_prefetch(reinterpret_cast<const char*>(next + k * BLOCK), _MM_HINT_T0);
     const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
     for (int m = 0; m < MT; ++m) {
       const __m256 b = _mm256_broadcast_ss(x + m * K + k);
@@ -49,7 +52,7 @@ inline void block(const float* x, int64_t K, const float* w, float* out, int64_t
 }
 #else
 template <int MT>
-inline void block(const float* x, int64_t K, const float* w, float* out, int64_t N) {
+inline void block(const float* x, int64_t K, const float* w, float* out, int64_t N, const float* next = nullptr) {
   V acc[MT][NV];
   for (int m = 0; m < MT; ++m)
     for (int j = 0; j < NV; ++j) acc[m][j] = V(0.f);
@@ -81,12 +84,16 @@ at::Tensor blocked_linear(const at::Tensor& x_, const at::Tensor& wb) {
     for (int64_t j = b; j < e; ++j) {
       const float* w = wp + j * K * BLOCK;
       float* o = op + j * BLOCK;
+      // more than one pass over this block: the last one (its weights in cache, its time the FMAs') fetches the next
+      // block's, so that the memory's time and the arithmetic's overlap
+      const float* next = (M > TILE && j + 1 < e) ? w + K * BLOCK : nullptr;
       int64_t m = 0;
-      for (; m + TILE <= M; m += TILE) block<TILE>(xp + m * K, K, w, o + m * N, N);
+      for (; m + TILE <= M; m += TILE)
+        block<TILE>(xp + m * K, K, w, o + m * N, N, m + TILE == M ? next : nullptr);
       switch (M - m) {
-        case 3: block<3>(xp + m * K, K, w, o + m * N, N); break;
-        case 2: block<2>(xp + m * K, K, w, o + m * N, N); break;
-        case 1: block<1>(xp + m * K, K, w, o + m * N, N); break;
+        case 3: block<3>(xp + m * K, K, w, o + m * N, N, next); break;
+        case 2: block<2>(xp + m * K, K, w, o + m * N, N, next); break;
+        case 1: block<1>(xp + m * K, K, w, o + m * N, N, next); break;
         default: break;
       }
     }
