@@ -153,6 +153,25 @@ def test_draft_trees_greedy_equal_target(seed, device):
         assert branched > 0, name
 
 
+def test_crop_take_moves_the_kept_branch_behind_the_last_token():
+    """KVCache.crop(length, take=(src, dst)): slots src.. copied to dst..length-1 in every buffer, then the cut; a
+    take outside the written slots is refused."""
+    from dlm.model import KVCache
+
+    cfg = ModelConfig(vocab_size=16, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=16, max_seq_len=32)
+    cache = KVCache(cfg, 1, 12)
+    for t in cache.buffers():
+        t.copy_(torch.arange(12.0).view(1, 1, 1, 12, 1).expand_as(t))
+    cache.length = 10  # the last token at 3, branch 0 at 4..6, branch 1 at 7..9
+    cache.crop(6, take=(7, 4))  # branch 1's first two slots kept
+    assert cache.length == 6
+    for t in cache.buffers():
+        assert t[..., :6, 0].flatten(0, -2).eq(torch.tensor([0.0, 1, 2, 3, 7, 8])).all()
+    with pytest.raises(ValueError):
+        cache.crop(6, take=(5, 4))  # slots 5..6 were cut
+    assert cache.length == 6
+
+
 def test_eos_and_budget_cut_like_the_target(device):
     target = random_model(7, std=0.15, device=device)
     prompt = [5, 6, 7, 8]

@@ -45,11 +45,11 @@ from typing import Iterator, Sequence
 import torch
 from torch import Tensor
 
+from dlm.drafter import first_draws
 from dlm.errors import DlmError, check
 from dlm.masks import mdlm_denoise_mask
 from dlm.model import KVCache, Transformer
 from dlm.sampling import ar
-from dlm.drafter import first_draws
 from dlm.sampling.common import (
     Clock, Commit, Eos, Event, Prompt, Sampling, Stats, Verified, eos_set, make_generator, sample_from, through_eos,
 )
@@ -64,8 +64,7 @@ MAX_BLOCK = 64  # the largest block of a cycle
 # the SampleConfig fields speculative decoding reads (see dlm.sampling.OPTIONS); DRAFTER_OPTIONS: those only one
 # kind of drafter reads (option -> the kind's name in `--draft`, and in words)
 OPTIONS = frozenset({"temperature", "top_k", "top_p", "block_size", "draft", "draft_passes", "draft_top_k",
-                     "draft_branches",
-                     "lookup_ngram", "check_lossless", "suffix"})
+                     "draft_branches", "lookup_ngram", "check_lossless", "suffix"})
 DRAFTER_OPTIONS = {"draft_passes": (("dflash", "diffusion"), "a DFlash or diffusion drafter"),
                    "draft_top_k": (("dflash",), "a DFlash 2 drafter"),
                    "draft_branches": (("dflash",), "a DFlash drafter"),
