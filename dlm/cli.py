@@ -524,7 +524,7 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
               joint: str | None = None, joint_blocks: list[int] | None = None, shape: str | None = None,
               context: int = 256, points: list[int] | None = None, layers: int = 0, device: str = "auto",
               clock: str = "wall", dtype: str | None = None, row_tokens: int = 1, col_major: bool = False,
-              pack_weights: bool = False) -> None:
+              blocked: bool = False) -> None:
     """Benchmark the paradigms side by side on held-out task cases: task metrics, tok/forward, tok/s, TTFT, ratios
     against AR in the same round (methods interleaved case by case, repeated; medians and min-max).
 
@@ -570,9 +570,10 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
         col_major: every model's linear weights stored column-major (float32 on a CPU): MKL's product of a few rows
             is then much cheaper relative to one row (a speculative verify's block); decoding's values are the same,
             their rounding not bit-identical to the default layout's (dlm.model.column_major)
-        pack_weights: every model's linear layers packed as `dlm serve --pack-weights` packs them (float32 weights
-            in blocks for dlm's kernel of 1-16 rows, dlm.model.PackedLinear): decoding and a verify's few rows at the
-            memory's speed; values within float rounding of the default layout's
+        blocked: every model's float32 linear layers keep a copy of their weight in blocks of 16 output columns for
+            dlm's own kernel of 1-16 rows (dlm.model.PackedLinear): a decoding step and a verify's few rows read the
+            weights at the memory's speed (ar-mid's step ~1.4x faster than over column-major weights); values within
+            float rounding of the default layout's, each row's independent of the rows beside it
     """
     if shape is not None:
         from dlm.bench.cost import POINTS, run_cost
@@ -614,7 +615,7 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
     run_bench(model, prompts, max_new_tokens, out or None, data, warmup, naive, mdlm=default(mdlm, "mdlm-small"),
               usdm=default(usdm, "usdm-small"), sweep=sweep, draft=draft, temperatures=temps, block_size=block_size,
               repeat=repeat, task=task, span=span, joint=joint, joint_blocks=tuple(joint_blocks or (16,)),
-              col_major=col_major, device=device, dtype=dtype, pack_weights=pack_weights)
+              col_major=col_major, device=device, dtype=dtype, blocked=blocked)
     if out:
         print(f"report: {out}")
 
@@ -688,10 +689,8 @@ def serve_cmd(model: list[str], draft: str | None = None, host: str = "127.0.0.1
         compile: compile the AR decoding step (torch.compile, the layers as one graph, weights frozen) while the
             server starts: faster steps of several rows after a minute or more of compiling; falls back to eager
             decoding with a warning when compiling fails
-        pack_weights: keep a copy of each linear weight (CPU) in a layout for products of a few rows, at the memory
-            of those weights once more: float32 ones with a multiple of 16 outputs in blocks for dlm's own kernel
-            (1-16 rows in eager steps, one row ~1.45x faster than F.linear at ar-mid's width), other large ones
-            (>= 1M entries, bfloat16 too) in oneDNN's (2-16 rows 1.5-3.7x faster on an AVX2 CPU)
+        pack_weights: keep a copy of each large linear weight (>= 1M entries, float32 or bfloat16, CPU) in oneDNN's
+            layout: products of 2-16 rows 1.5-3.7x faster on an AVX2 CPU, at the memory of those weights once more
         prefix_cache_mb: MB of prompts' K/V kept per model so that a prompt sharing a prefix with an earlier one (a
             system prompt, a repeated request) computes only the rest; least recently used out first (0: off)
         kv_dtype: the AR models' K/V as they decode: auto (the weights' dtype) or bfloat16 (under float32 weights: half

@@ -95,14 +95,14 @@ def mid_pair(con, prompts: int, repeat: int, tokens: int = 64) -> None:
     con.print("\n[bold]Speculation at the field's proportions[/]: a DFlash 2 drafter pays when its pass costs a "
               "small part of a target step; dflash-small's 3 layers on ar-small's 4 cost about one step, "
               "dflash2-mid's 1 layer on ar-mid's 16 about a fifth. `+lookup`: the drafter gives way to prompt lookup "
-              "where the context repeats (greedy, block 8, every model's linear weights packed as `dlm serve "
-              "--pack-weights` packs them, for dlm's kernel of 1-16 rows: the target alone at its fastest on a CPU: "
+              "where the context repeats (greedy, block 8, every model's float32 weights kept in dlm's blocked "
+              "layout for its kernel of 1-16 rows: the target alone at its fastest on a CPU: "
               "`dlm bench --model checkpoints/ar-mid --draft checkpoints/dflash2-mid lookup "
               f"checkpoints/dflash2-mid+lookup --prompts {prompts} --max-new-tokens {tokens} --repeat {repeat} "
-              "--no-naive --temperature 0 --pack-weights`)")
+              "--no-naive --temperature 0 --blocked`)")
     run_bench(str(target), prompts=prompts, max_new_tokens=tokens, out=None, naive=False,
               draft=[str(drafter), "lookup", f"{drafter}+lookup"], temperatures=(0.0,), repeat=repeat,
-              pack_weights=True)
+              blocked=True)
 
 
 def sudoku(con, n: int = 10, threshold: float = 0.999, models: tuple[str, ...] = ("sudoku-mdlm", "sudoku-ar")) -> None:

@@ -296,7 +296,7 @@ class PackedLinear(nn.Module):
     on an AVX2 CPU (docs/log/batching.md). layout "blocked": dlm's own kernel (dlm/kernels/blocked_linear.cpp) over the
     weight cut into blocks of 16 output columns, each one sequential stream, for 1-16 rows of float32 (ar-mid's
     decoding step 1.45x faster than over column-major weights, a verify of 4 tokens 1.4x; each row's sums in the same
-    order whatever the rows beside it; docs/log/dflash.md); "onednn": a large weight in oneDNN's blocked layout;
+    order whatever the rows beside it; docs/log/dflash.md; eager forwards only); "onednn": a large weight in oneDNN's blocked layout;
     "transposed": a small one (oneDNN's ~20 us per call would lose) transposed and contiguous, for a plain `x @ W^T`
     product (1.3-1.5x F.linear at 2-8 rows of ar-mid's 256-640 wide layers). Past those (more rows, another dtype),
     one row under "onednn" and "transposed", and a traced forward (torch.compile) keep F.linear. The weight and bias
@@ -314,7 +314,9 @@ class PackedLinear(nn.Module):
         self.blocked = kernels.blocked_weight(w) if layout == "blocked" else None  # (out / 16, in, 16)
 
     def forward(self, x: Tensor) -> Tensor:
-        if torch.is_grad_enabled():
+        # (a traced step: F.linear, whose product inductor chooses; a branch on the rows here would guard the row
+        # count the compiled row step leaves dynamic)
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return F.linear(x, self.weight, self.bias)
         if self.blocked is not None:
             if x.dtype != torch.float32 or x.numel() > BLOCKED_ROWS * x.shape[-1]:
@@ -322,7 +324,7 @@ class PackedLinear(nn.Module):
             y = torch.ops.dlm.blocked_linear(x.reshape(-1, x.shape[-1]), self.blocked)
             y = y.view(*x.shape[:-1], y.shape[-1])
             return y if self.bias is None else y + self.bias
-        if x.numel() == x.shape[-1] or torch.compiler.is_compiling():
+        if x.numel() == x.shape[-1]:
             return F.linear(x, self.weight, self.bias)
         if self.packed is None:
             y = x @ self.wt
@@ -331,10 +333,11 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module, min_elements: int = 1 << 20, min_transposed: int = 1 << 14,
-                 blocked: bool = True) -> int:
-    """Every linear layer of a model for inference, float32 or bfloat16 on a CPU, as a PackedLinear: a float32 one with
-    a multiple of 16 outputs blocked (`blocked`, where dlm's kernel builds), else in oneDNN's layout from
-    `min_elements` weights on, transposed from `min_transposed` (0: none); the number packed."""
+                 blocked: bool = False) -> int:
+    """Every linear layer of a model for inference, float32 or bfloat16 on a CPU, as a PackedLinear: with `blocked`, a
+    float32 one with a multiple of 16 outputs in dlm's blocked layout (where its kernel builds: `dlm bench --blocked`);
+    else in oneDNN's layout from `min_elements` weights on, transposed from `min_transposed` (0: none); the number
+    packed."""
     todo = [(parent, name, m) for parent in model.modules() for name, m in parent.named_children()
             if type(m) is nn.Linear and m.weight.device.type == "cpu"
             and m.weight.dtype in (torch.float32, torch.bfloat16)]
@@ -361,9 +364,9 @@ def column_major(model: nn.Module) -> int:
     is what a speculative verify pays; docs/log/dflash.md), one token about the same. Decoding only: the values are
     the same, the products' rounding is not bit-identical to the row-major ones, and a checkpoint is written from
     row-major weights. A weight shared with an embedding (a tied LM head) stays as it is; a PackedLinear is left
-    alone. (`pack_linears`, the server's and the bench's --pack-weights, keeps a copy beside the weight instead: dlm's
-    blocked layout, faster than this one from one row to 16, at the cost of the copy's memory; this replaces the weight
-    for every row count.) The number relaid."""
+    alone. (`pack_linears(blocked=True)`, the bench's --blocked, keeps a copy beside the weight instead: dlm's blocked
+    layout, faster than this one from one row to 16 in eager forwards, at the cost of the copy's memory; this replaces
+    the weight for every row count.) The number relaid."""
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     n = 0
     for m in model.modules():

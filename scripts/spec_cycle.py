@@ -35,7 +35,7 @@ from collections import defaultdict
 import torch
 
 from dlm import drafter as dflash
-from dlm.bench import relayout, repack
+from dlm.bench import reblock, relayout
 from dlm.bench.harness import run_item
 from dlm.bench.methods import bench_items, build_methods
 from dlm.checkpoint import load_model
@@ -107,7 +107,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--col-major", action="store_true", help="every model's linear weights column-major (dlm bench's)")
-    ap.add_argument("--pack-weights", action="store_true", help="every model's linear layers packed (dlm bench's)")
+    ap.add_argument("--blocked", action="store_true", help="every model's float32 weights blocked (dlm bench's)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     net, ck = load_model(args.model)
@@ -118,8 +118,8 @@ def main() -> None:
     methods = [base, *group]  # the target alone at this temperature, then each drafter
     if args.col_major:
         relayout(methods)
-    if args.pack_weights:
-        repack(methods)
+    if args.blocked:
+        reblock(methods)
     context = min(window(m.ck, m.model) for m in methods)
     spans = Spans()
     instrument(spans, net)

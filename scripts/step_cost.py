@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--pack-weights", action="store_true")
     ap.add_argument("--pack-min", type=int, default=1 << 20, help="--pack-weights: oneDNN's layout from this many weights")
-    ap.add_argument("--no-blocked", action="store_true", help="--pack-weights without dlm's blocked float32 layout")
+    ap.add_argument("--blocked", action="store_true", help="--pack-weights with dlm's blocked float32 layout")
     ap.add_argument("--no-bare", action="store_true", help="skip the bare forward")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the weights' and K/V's dtype")
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", "bfloat16"],
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.kv_dtype == "bfloat16":
         model.kv_dtype = torch.bfloat16
     if a.pack_weights:
-        pack_linears(model, a.pack_min, blocked=not a.no_blocked)
+        pack_linears(model, a.pack_min, blocked=a.blocked)
     rows = []
     with torch.inference_mode():
         for R in a.rows:

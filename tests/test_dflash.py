@@ -446,15 +446,15 @@ def test_bench_puts_drafters_beside_the_target_alone(tiny_ar, tiny_dflash, corpu
     assert len(tree) == 1 and "3 branches" in tree[0]["method"] and tree[0]["lossless"] == 1.0
 
 
-def test_bench_with_packed_weights(tiny_ar, tiny_dflash, tmp_path):
-    """`dlm bench --pack-weights`: the target and the drafter's model packed as the server packs them (float32 weights
-    blocked for dlm's kernel); greedy speculation lossless against the packed target; the report says so."""
+def test_bench_with_blocked_weights(tiny_ar, tiny_dflash, tmp_path):
+    """`dlm bench --blocked`: the target's and the drafter's float32 weights in dlm's blocked layout; greedy speculation
+    lossless against the blocked target; the report says so."""
     out = tmp_path / "b.json"
     cli("bench", "--model", str(tiny_ar), "--draft", "lookup", str(tiny_dflash), "--prompts", "1",
-        "--max-new-tokens", "8", "--repeat", "1", "--no-naive", "--temperature", "0", "--pack-weights", "--out",
+        "--max-new-tokens", "8", "--repeat", "1", "--no-naive", "--temperature", "0", "--blocked", "--out",
         str(out), check=True)
     r = json.loads(out.read_text())
-    assert r["pack_weights"] is True and r["col_major"] is False
+    assert r["blocked"] is True and r["col_major"] is False
     assert [s["lossless"] for s in r["summaries"] if s["paradigm"] == "spec"] == [1.0, 1.0]
 
 

@@ -27,7 +27,7 @@ def model():
 def test_packed_linears_give_the_same_outputs_and_keep_the_weights():
     plain, packed = model(), model()
     keys = set(plain.state_dict())
-    assert pack_linears(packed, min_elements=64 * 64, min_transposed=0, blocked=False) == 2 * 5 + 1  # q, o, gate, up, down, the head
+    assert pack_linears(packed, min_elements=64 * 64, min_transposed=0) == 2 * 5 + 1  # q, o, gate, up, down, the head
     assert isinstance(packed.lm_head, PackedLinear) and packed.lm_head.weight is packed.embed_tokens.weight
     assert not isinstance(packed.layers[0].self_attn.k_proj, PackedLinear)  # 32 x 64: under the threshold
     assert set(packed.state_dict()) == keys
@@ -45,7 +45,7 @@ def test_packed_linears_give_the_same_outputs_and_keep_the_weights():
 
 def test_small_weights_transposed_give_the_same_outputs():
     plain, packed = model(), model()
-    assert pack_linears(packed, min_transposed=1, blocked=False) == 2 * 7 + 1  # every weight under a million entries: transposed
+    assert pack_linears(packed, min_transposed=1) == 2 * 7 + 1  # every weight under a million entries: transposed
     assert all(m.packed is None and m.wt.is_contiguous() for m in packed.modules() if isinstance(m, PackedLinear))
     assert packed.lm_head.weight is packed.embed_tokens.weight
     x = torch.randint(0, 300, (4, 9))
@@ -57,7 +57,7 @@ def test_small_weights_transposed_give_the_same_outputs():
         h = torch.randn(2, 5, 48)
         torch.testing.assert_close(PackedLinear(lin, "transposed")(h), lin(h), rtol=1e-5, atol=1e-6)
     m = model()
-    assert pack_linears(m, min_transposed=0, blocked=False) == 0  # nothing large enough for oneDNN, nothing transposed
+    assert pack_linears(m, min_transposed=0) == 0  # nothing large enough for oneDNN, nothing transposed
 
 
 @needs_cxx
@@ -87,12 +87,12 @@ def test_blocked_kernel_is_the_product_row_by_row(rows, n16, k, bias, seed):
 
 @needs_cxx
 def test_blocked_linears_give_the_same_outputs():
-    """pack_linears' default: every float32 weight with a multiple of 16 outputs blocked (the head's 300 are not: it
-    stays F.linear's, tied to the embedding), the logits F.linear's up to float rounding, the state dict unchanged;
+    """pack_linears(blocked=True): every float32 weight with a multiple of 16 outputs blocked (the head's 300 are not:
+    it stays F.linear's, tied to the embedding), the logits F.linear's up to float rounding, the state dict unchanged;
     bfloat16 keeps the other layouts."""
     plain, packed = model(), model()
     keys = set(plain.state_dict())
-    assert pack_linears(packed, min_transposed=0) == 2 * 7
+    assert pack_linears(packed, min_transposed=0, blocked=True) == 2 * 7
     assert all(m.blocked is not None for m in packed.modules() if isinstance(m, PackedLinear))
     assert type(packed.lm_head) is torch.nn.Linear and packed.lm_head.weight is packed.embed_tokens.weight
     assert set(packed.state_dict()) == keys
@@ -101,7 +101,7 @@ def test_blocked_linears_give_the_same_outputs():
         for t in (x, x[:1, :1], x[:, :3]):
             torch.testing.assert_close(packed(t).logits, plain(t).logits, rtol=1e-5, atol=1e-5)
     b = model().to(torch.bfloat16)
-    assert pack_linears(b, min_elements=1) == 2 * 7 + 1
+    assert pack_linears(b, min_elements=1, blocked=True) == 2 * 7 + 1
     assert not any(m.blocked is not None for m in b.modules() if isinstance(m, PackedLinear))
 
 
@@ -123,7 +123,7 @@ def test_row_linears_keep_eager_bits_and_compile_one_row_as_a_reduction():
     from dlm.sampling.graphs import RowLinear, row_linears
 
     plain, wrapped = model(), model()
-    pack_linears(wrapped, min_elements=64 * 64, min_transposed=1, blocked=False)
+    pack_linears(wrapped, min_elements=64 * 64, min_transposed=1)
     keys = set(plain.state_dict())
     assert row_linears(wrapped) == 2 * 7 + 1
     assert isinstance(wrapped.lm_head, RowLinear) and wrapped.lm_head.weight is wrapped.embed_tokens.weight
@@ -141,24 +141,3 @@ def test_row_linears_keep_eager_bits_and_compile_one_row_as_a_reduction():
             products = sum(c.count("extern_kernels.mm") + c.count("_mkl_linear") + c.count("mkldnn._linear")
                            for c in code)
             assert (products == 0) == (rows == 1), code
-
-
-@needs_cxx
-def test_blocked_linear_compiles_as_dlm_kernel():
-    """Inside a compiled graph a blocked layer of a few rows is dlm's kernel (an extern call, its shape from the fake),
-    and one row under graphs.row_linears stays the fused reduction; both equal F.linear up to float rounding."""
-    from torch._inductor.utils import run_and_get_code
-
-    from dlm.sampling.graphs import row_linears
-
-    m = model()
-    pack_linears(m, min_transposed=0)
-    row_linears(m)
-    lin = m.layers[1].mlp.down_proj
-    f = torch.compile(lambda h: lin(h), dynamic=True)
-    with torch.inference_mode():
-        for rows in (1, 3, 5):
-            h = torch.randn(rows, 1, 160)
-            y, code = run_and_get_code(f, h)
-            torch.testing.assert_close(y, torch.nn.functional.linear(h, lin.weight), rtol=1e-5, atol=1e-5)
-            assert any("blocked_linear" in c for c in code) == (rows > 1), code

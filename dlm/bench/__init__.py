@@ -75,12 +75,12 @@ def _models(methods) -> list[torch.nn.Module]:
     return list(models.values())
 
 
-def repack(methods) -> int:
-    """--pack-weights: every model the methods run with its linear layers packed as `dlm serve --pack-weights` packs
-    them (dlm.model.pack_linears: float32 weights blocked for dlm's kernel of a few rows); the number packed."""
+def reblock(methods) -> int:
+    """--blocked: every model the methods run with its float32 linear layers keeping a copy of their weight in dlm's
+    blocked layout, for its kernel of 1-16 rows (dlm.model.pack_linears(blocked=True)); the number packed."""
     from dlm.model import pack_linears
 
-    return sum(pack_linears(x) for x in _models(methods))
+    return sum(pack_linears(x, blocked=True) for x in _models(methods))
 
 
 def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str | None = None, data: str | None = None,
@@ -89,7 +89,7 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
               temperatures: tuple[float, ...] = (0.0, 1.0), block_size: int | None = None, repeat: int = 3,
               task: str | None = None, span: str = "line", joint: str | None = None,
               joint_blocks: tuple[int, ...] = (16,), col_major: bool = False, device: str = "cpu",
-              pack_weights: bool = False, dtype: str | None = None) -> dict[str, Any]:
+              blocked: bool = False, dtype: str | None = None) -> dict[str, Any]:
     """Run every method on the same held-out cases, interleaved and repeated; print the tables, write the JSON
     report (and the PNG of quality against tokens per forward and wall time beside it).
 
@@ -129,8 +129,8 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
                                          block_size, joint, joint_blocks)
     if col_major:
         relayout(methods)
-    if pack_weights:
-        repack(methods)
+    if blocked:
+        reblock(methods)
     context = min(window(m.ck, m.model) for m in methods)  # every method gets the same prompt tokens
 
     from rich.progress import Progress
@@ -171,7 +171,7 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
                             for i, r in enumerate(rows[k][0])]
     report = {"environment": environment(), "model": str(ck.path), "max_new_tokens": max_new_tokens,
               "task": task, "span": span if task == "infill" else None, "cases": len(items), "repeat": repeat,
-              "warmup": warmup, "context": context, "col_major": col_major, "pack_weights": pack_weights,
+              "warmup": warmup, "context": context, "col_major": col_major, "blocked": blocked,
               "device": str(net.device),
               "dtype": dtype or "float32",
               "order": "interleaved: each case runs every method in turn, the order rotated by one each repetition",

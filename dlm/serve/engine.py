@@ -182,8 +182,7 @@ class Engine:
                  kv_dtype: str = "auto"):
         """compile: each model's one-token decoding steps run compiled (torch.compile, dlm.sampling.graphs.RowsStep),
         compiled while the server starts; where compiling fails, eagerly, with a warning. pack_weights: the models'
-        linear layers keep a copy for products of a few rows (model.pack_linears: float32 ones in blocks for dlm's
-        kernel, other large ones in oneDNN's layout).
+        large linear layers keep a copy in oneDNN's layout for products of several rows (model.PackedLinear).
         prefix_cache: bytes of prompts' K/V each batcher keeps for later prompts that share a prefix (rows.PrefixCache;
         0: none). kv_dtype: "bfloat16" keeps the AR models' K/V in bfloat16 (Transformer.kv_dtype: half their memory;
         not the float32 cache's rounding), "auto" in the weights' dtype."""
