@@ -506,6 +506,7 @@ class SpecStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     branched: int = 0  # cycles whose accepted tokens came from a draft tree's branch other than the first
+    branches: int = 1  # the draft trees' width (1: one path)
 
     def add(self, n: int) -> None:
         while len(self.histogram) <= n:
@@ -642,6 +643,7 @@ def speculation(drafter: Drafter, prompt: Sequence[int], *, block_size: int, max
     (`Drafter.draft_tree`), verified in one forward (`tree_window`, `verify_tree`); the kept branch's K/V are moved
     into place behind the last token (Crop.take)."""
     stats = stats if stats is not None else SpecStats()
+    stats.branches = branches
     taps = drafter.taps
     P = len(prompt)
     seq = torch.empty(P + max_new_tokens + 1, dtype=torch.long, device=dev)
@@ -816,7 +818,7 @@ def spec_stats(spec: SpecStats, drafter: str, block_size: int, new: int, draft_f
         "tau": spec.committed / spec.cycles if spec.cycles else 0.0,
         "acceptance_histogram": spec.histogram + [0] * (block_size + 1 - len(spec.histogram)),
         "cycles": spec.cycles, "draft_seconds": spec.draft_seconds, "verify_seconds": spec.verify_seconds,
-        "branched_cycles": spec.branched,
+        **({"branches": spec.branches, "branched_cycles": spec.branched} if spec.branches > 1 else {}),
         "block_size": block_size, "gamma": block_size, "drafter": drafter})  # gamma: the older key
 
 
@@ -830,6 +832,7 @@ def pooled(specs: list[SpecStats]) -> SpecStats:
         out.draft_seconds += st.draft_seconds
         out.verify_seconds += st.verify_seconds
         out.branched += st.branched
+        out.branches = max(out.branches, st.branches)
         out.histogram += [0] * (len(st.histogram) - len(out.histogram))
         for n, c in enumerate(st.histogram):
             out.histogram[n] += c
