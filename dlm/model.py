@@ -294,13 +294,14 @@ class PackedLinear(nn.Module):
     """A linear layer (inference only) whose weight also sits in a layout that a product of a few rows reads at the
     machine's speed, where MKL's float32 product of 2-16 rows of `F.linear` (the weight transposed) costs 2-4x one row
     on an AVX2 CPU (docs/log/batching.md). layout "blocked": dlm's own kernel (dlm/kernels/blocked_linear.cpp) over the
-    weight cut into blocks of 16 output columns, each one sequential stream, for 1-16 rows of float32 (ar-mid's
-    decoding step 1.45x faster than over column-major weights, a verify of 4 tokens 1.4x; each row's sums in the same
-    order whatever the rows beside it; docs/log/dflash.md; eager forwards only); "onednn": a large weight in oneDNN's blocked layout;
-    "transposed": a small one (oneDNN's ~20 us per call would lose) transposed and contiguous, for a plain `x @ W^T`
-    product (1.3-1.5x F.linear at 2-8 rows of ar-mid's 256-640 wide layers). Past those (more rows, another dtype),
-    one row under "onednn" and "transposed", and a traced forward (torch.compile) keep F.linear. The weight and bias
-    are the layer's own (tied weights stay tied); the copy is extra memory, the size of the weight."""
+    weight cut into blocks of 16 output columns, each one sequential stream, for 1-16 rows of float32 in eager
+    forwards (ar-mid's decoding step 1.4x faster than over column-major weights, a verify of 4 tokens 1.4x; each
+    row's sums in the same order whatever the rows beside it; docs/log/dflash.md); "onednn": a large weight in
+    oneDNN's blocked layout; "transposed": a small one (oneDNN's ~20 us per call would lose) transposed and contiguous,
+    for a plain `x @ W^T` product (1.3-1.5x F.linear at 2-8 rows of ar-mid's 256-640 wide layers). Past those (more
+    rows, another dtype), one row under "onednn" and "transposed", and a traced forward (torch.compile) keep F.linear.
+    The weight and bias are the layer's own (tied weights stay tied); the copy is extra memory, the size of the
+    weight."""
 
     def __init__(self, lin: nn.Linear, layout: str = "onednn"):
         super().__init__()
