@@ -29,8 +29,8 @@ def _build(name: str, source: str, what: str) -> bool:
         load(name=name, sources=[os.path.join(os.path.dirname(__file__), source)], extra_cflags=["-O3", *_flags()],
              is_python_module=False, verbose=False)
     except Exception as e:  # (no compiler, no ninja, a build error: PyTorch's operator does the same sums)
-        warnings.warn(f"dlm: the {what} kernel was not built ({type(e).__name__}: {str(e)[:200]}); {name} falls back "
-                      "to PyTorch's operator")
+        warnings.warn(f"dlm: the {what} kernel was not built ({type(e).__name__}: {str(e)[:200]}); its callers "
+                      "fall back to PyTorch's operator")
         return False
     return True
 
@@ -50,15 +50,9 @@ def row_attention() -> bool:
 
 @functools.cache
 def blocked_linear() -> bool:
-    """Whether torch.ops.dlm.blocked_linear (blocked_linear.cpp) is loaded; builds it the first time."""
-    if not _build("dlm_blocked_linear", "blocked_linear.cpp", "blocked linear"):
-        return False
-
-    @torch.library.register_fake("dlm::blocked_linear")
-    def _(x, wb):
-        return x.new_empty(x.shape[0], wb.shape[0] * wb.shape[2])
-
-    return True
+    """Whether torch.ops.dlm.blocked_linear (blocked_linear.cpp) is loaded; builds it the first time. (Eager forwards
+    only, model.PackedLinear: no fake registered, nothing traces it.)"""
+    return _build("dlm_blocked_linear", "blocked_linear.cpp", "blocked linear")
 
 
 def blocked_weight(w: torch.Tensor) -> torch.Tensor:

@@ -669,12 +669,12 @@ def speculation(drafter: Drafter, prompt: Sequence[int], *, block_size: int, max
             tree, q = yield from drafter.draft_tree(seq[:S], want, branches)
         else:
             draft, q = yield from drafter.draft(seq[:S], want)
-            tree = draft[None]
+            tree, q = draft[None], None if q is None else q[None]  # (draft_tree's shapes: one branch)
         t1 = time.perf_counter()
         stats.draft_seconds += t1 - t0
         W, k = tree.shape
         if W == 1:
-            draft, q = tree[0], (q[0] if q is not None and q.dim() == 3 else q)
+            draft, q = tree[0], None if q is None else q[0]
             block = torch.cat((seq[S - 1:S], draft))  # (k+1,)
             logits, feats = _split((yield Window(tokens=block, mask="causal", keep=k + 1, out=(0, k + 1), taps=taps)),
                                    taps)
