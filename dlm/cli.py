@@ -524,7 +524,7 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
               joint: str | None = None, joint_blocks: list[int] | None = None, shape: str | None = None,
               context: int = 256, points: list[int] | None = None, layers: int = 0, device: str = "auto",
               clock: str = "wall", dtype: str | None = None, row_tokens: int = 1, col_major: bool = False,
-              blocked: bool = False) -> None:
+              blocked: bool = False, compile: bool = False) -> None:
     """Benchmark the paradigms side by side on held-out task cases: task metrics, tok/forward, tok/s, TTFT, ratios
     against AR in the same round (methods interleaved case by case, repeated; medians and min-max).
 
@@ -574,11 +574,15 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
             dlm's own kernel of 1-16 rows (dlm.model.PackedLinear): a decoding step and a verify's few rows read the
             weights at the memory's speed (ar-mid's step ~1.4x faster than over column-major weights); values within
             float rounding of the default layout's, each row's independent of the rows beside it
+        compile: the AR rows on --model (the target alone beside the speculative rows, ar (KV cache)) decode on the
+            compiled one-token step that `dlm serve --compile` runs (torch.compile, the layers as one graph; compiled
+            once at the start, a minute or more): the speculative rows are then measured against dlm's fastest one-row
+            AR decoding on a CPU (their verify windows and draft passes stay eager)
     """
     if shape is not None:
         from dlm.bench.cost import POINTS, run_cost
 
-        if model is not None or draft or joint or task:
+        if model is not None or draft or joint or task or compile:
             raise DlmError("--shape measures one model's cost curve; it does not combine with --model, --draft, "
                            "--joint or --task")
         if layers < 0:
@@ -615,7 +619,8 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
     run_bench(model, prompts, max_new_tokens, out or None, data, warmup, naive, mdlm=default(mdlm, "mdlm-small"),
               usdm=default(usdm, "usdm-small"), sweep=sweep, draft=draft, temperatures=temps, block_size=block_size,
               repeat=repeat, task=task, span=span, joint=joint, joint_blocks=tuple(joint_blocks or (16,)),
-              col_major=col_major, device=device, dtype=dtype, blocked=blocked)
+              col_major=col_major, device=device, dtype=dtype, blocked=blocked,
+              ar_step="compiled" if compile else "eager")
     if out:
         print(f"report: {out}")
 

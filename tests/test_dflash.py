@@ -458,6 +458,28 @@ def test_bench_with_blocked_weights(tiny_ar, tiny_dflash, tmp_path):
     assert [s["lossless"] for s in r["summaries"] if s["paradigm"] == "spec"] == [1.0, 1.0]
 
 
+@pytest.mark.parametrize("step", ["static", pytest.param("compiled", marks=pytest.mark.slow)])
+def test_bench_ar_rows_on_the_row_batch_step(tiny_ar, step):
+    """`dlm bench --compile`: the AR rows on the target run through a row batch's one-token step (compiled, or the same
+    static step run eagerly), prompt by prompt: the same greedy answers as the ordinary loop's, the step's forwards
+    counted, the speculative rows still lossless against it; the report names the step."""
+    from dlm.bench import run_bench
+
+    kw = dict(prompts=2, max_new_tokens=8, out=None, warmup=0, naive=False, quiet=True, mdlm="", usdm="",
+              draft=["lookup"], temperatures=(0.0,), repeat=1)
+    plain = run_bench(str(tiny_ar), **kw)
+    rows = run_bench(str(tiny_ar), **kw, ar_step=step)
+    assert plain["ar_step"] == "eager" and rows["ar_step"] == step
+    assert plain["ar_step_forwards"] == 0 and rows["ar_step_forwards"] > 0  # (the row batch served them)
+    names = [s["method"] for s in plain["summaries"] if s["paradigm"] == "ar"]
+    assert names
+    for name in names:
+        a, b = plain["per_case"][name], rows["per_case"][name]
+        assert [r["answer"] for r in a] == [r["answer"] for r in b]
+        assert [r["new_tokens"] for r in a] == [r["new_tokens"] for r in b] and all(r["new_tokens"] for r in b)
+    assert [s["lossless"] for s in rows["summaries"] if s["paradigm"] == "spec"] == [1.0]
+
+
 def test_bench_drafter_specs():
     from dlm.bench.methods import split_spec
 

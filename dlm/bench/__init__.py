@@ -83,13 +83,30 @@ def reblock(methods) -> int:
     return sum(pack_linears(x, blocked=True) for x in _models(methods))
 
 
+def compile_ar_rows(methods, net, step: str = "compiled"):
+    """--compile: the AR rows on the target `net` (the target alone beside each temperature's speculative rows, and
+    "ar (KV cache)"; not the naive loop) decode through one row batch whose one-token steps run compiled (the step
+    `dlm serve --compile` runs: dlm.sampling.graphs.RowsStep, compiled here, once; `step` "static": the same step
+    eagerly). The row batch (its `rows.step` None where compiling failed: the rows then decode eagerly, with a
+    warning), or None without such rows."""
+    from dlm.sampling.rows import Programs
+
+    rows = [m for m in methods if m.paradigm == "ar" and m.model is net and not m.cfg.naive]
+    if not rows:
+        return None
+    programs = Programs(net, 2 * net.cfg.max_seq_len, step=step)
+    for m in rows:
+        m.rows = programs
+    return programs
+
+
 def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str | None = None, data: str | None = None,
               warmup: int = 1, naive: bool = True, quiet: bool = False, mdlm: str | None = None,
               usdm: str | None = None, sweep: bool = False, draft: list[str] | None = None,
               temperatures: tuple[float, ...] = (0.0, 1.0), block_size: int | None = None, repeat: int = 3,
               task: str | None = None, span: str = "line", joint: str | None = None,
               joint_blocks: tuple[int, ...] = (16,), col_major: bool = False, device: str = "cpu",
-              blocked: bool = False, dtype: str | None = None) -> dict[str, Any]:
+              blocked: bool = False, dtype: str | None = None, ar_step: str = "eager") -> dict[str, Any]:
     """Run every method on the same held-out cases, interleaved and repeated; print the tables, write the JSON
     report (and the PNG of quality against tokens per forward and wall time beside it).
 
@@ -99,6 +116,8 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
     temperature beside the target alone at that temperature (speedup, tau, lossless fraction). Every model runs on
     `device` (cpu, cuda, cuda:N; on CUDA the AR rows replay their steps from CUDA graphs, dlm.sampling.graphs), in
     `dtype` (float32 unless given: bfloat16 or float16, e.g. on a GPU, where float32 products of a few rows are slow).
+    ar_step "compiled" (--compile): the AR rows on the target decode on the compiled one-token step of `dlm serve
+    --compile` (compile_ar_rows); "static": that step run eagerly (its check).
     """
     from dlm.tasks import task_module
     from dlm.tasks.common import window
@@ -131,6 +150,8 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
         relayout(methods)
     if blocked:
         reblock(methods)
+    programs = compile_ar_rows(methods, net, ar_step) if ar_step != "eager" else None
+    stepped = programs is not None and programs.rows.step is not None
     context = min(window(m.ck, m.model) for m in methods)  # every method gets the same prompt tokens
 
     from rich.progress import Progress
@@ -172,6 +193,8 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
     report = {"environment": environment(), "model": str(ck.path), "max_new_tokens": max_new_tokens,
               "task": task, "span": span if task == "infill" else None, "cases": len(items), "repeat": repeat,
               "warmup": warmup, "context": context, "col_major": col_major, "blocked": blocked,
+              "ar_step": ar_step if stepped else "eager",
+              "ar_step_forwards": programs.forwards if programs is not None else 0,
               "device": str(net.device),
               "dtype": dtype or "float32",
               "order": "interleaved: each case runs every method in turn, the order rotated by one each repetition",

@@ -28,6 +28,7 @@ class Method:
     cfg: SampleConfig
     settings: dict[str, Any] = field(default_factory=dict)  # what a reader needs to reproduce the row
     drafter: Any = None  # speculation: the drafter, loaded once
+    rows: Any = None  # --compile: an AR row's row batch (dlm.sampling.rows.Programs), its one-token step compiled
 
     def __post_init__(self) -> None:
         """A row sets only options its sampler reads (dlm.sampling.OPTIONS): a setting that would be ignored is a
@@ -57,8 +58,10 @@ class Item:
 
 def run_item(method: Method, item: Item, context: int) -> dict[str, Any]:
     """One case through one method (the task builds the request for the method's paradigm)."""
-    from dlm.tasks import run_case
+    from dlm.tasks import run_case, run_case_rows
 
+    if method.rows is not None:
+        return run_case_rows(item.task, item.case, method.rows, method.ck, method.cfg, context)
     return run_case(item.task, item.case, method.model, method.ck, method.cfg, method.drafter, context)
 
 

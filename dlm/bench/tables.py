@@ -171,7 +171,9 @@ def print_report(report: dict[str, Any], spec_rows: list[dict[str, Any]]) -> Non
             ("lossless", "lossless", ".2f"),
             ("draft_share", "draft time", ".0%"), ("draft_forwards", "draft fwd", ".0f")],
                     title="speculative decoding: speedup = target alone / method, per case in the same round "
-                          "(median; min-max over repetitions); tau pooled over cycles")
+                          "(median; min-max over repetitions); tau pooled over cycles"
+                          + ("; the target alone on the compiled one-token step (--compile)"
+                             if report.get("ar_step") == "compiled" else ""))
     if R > 1:  # (one repetition has no spread to report)
         print(f"noise: tok/s min-max over {R} repetitions, relative to the median: {report['noise']['median']:.0%} "
               f"for the median row, {report['noise']['max']:.0%} at most")

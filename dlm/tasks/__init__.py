@@ -45,6 +45,36 @@ def run_case(task: Any, case: Case, model, ck, cfg, drafter=None, context: int =
     return _case_row(task, case, req, res)
 
 
+def run_case_rows(task: Any, case: Case, programs, ck, cfg, context: int = 0) -> dict[str, Any]:
+    """run_case through a row batch (`programs`: dlm.sampling.rows.Programs over an AR checkpoint's model): the prompt
+    prefilled as a row, then one token per step through the batch's one-token step (compiled: `dlm bench --compile`,
+    the step `dlm serve --compile` runs). An infilling request runs as run_case runs it."""
+    from dlm.sampling import ar
+    from dlm.sampling.common import Clock, Commit, drain
+
+    model = programs.rows.model
+    req = task.request(case, ck, cfg, style_of(ck, None, cfg), context or window(ck, model))
+    if req.prompt.canvas is not None:
+        return run_case(task, case, model, ck, cfg, None, context)
+    rp = ar.row_program(model, ck, req.prompt, cfg.replace(max_new_tokens=req.max_new_tokens))
+    clock = Clock()
+
+    def events():
+        out = programs.add_row(rp)
+        while True:
+            for _, ev in out:
+                if isinstance(ev, Commit):
+                    clock.mark_first()
+                yield ev
+            if not len(programs):
+                break
+            out = programs.step()
+        yield clock.finish(rp.stats)
+
+    tok = ck.tokenizer
+    return _case_row(task, case, req, drain(events(), tok.text, tok.eos_set))
+
+
 def _case_row(task: Any, case: Case, req, res) -> dict[str, Any]:
     answer = req.read(res)
     return {"case": case.name, "answer": answer, "target": case.target, **task.score(case, answer),
