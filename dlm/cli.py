@@ -577,7 +577,8 @@ def bench_cmd(model: str | None = None, prompts: int = 8, max_new_tokens: int = 
         compile: the AR rows on --model (the target alone beside the speculative rows, ar (KV cache)) decode on the
             compiled one-token step that `dlm serve --compile` runs (torch.compile, the layers as one graph; compiled
             once at the start, a minute or more): the speculative rows are then measured against dlm's fastest one-row
-            AR decoding on a CPU (their verify windows and draft passes stay eager)
+            AR decoding on a CPU; their verify windows run on compiled graphs of their own at each drafter's block
+            (a few minutes more), their draft passes eagerly
     """
     if shape is not None:
         from dlm.bench.cost import POINTS, run_cost
@@ -692,7 +693,8 @@ def serve_cmd(model: list[str], draft: str | None = None, host: str = "127.0.0.1
         threads: torch CPU threads (0: torch's default less one, at least one: a core for the HTTP loop)
         log_level: uvicorn's log level (debug logs every request)
         compile: compile the AR decoding step (torch.compile, the layers as one graph, weights frozen) while the
-            server starts: faster steps of several rows after a minute or more of compiling; falls back to eager
+            server starts: faster steps of several rows after a minute or more of compiling; with --draft, a lone
+            request's verify windows at the drafter's block are compiled too (a few minutes more); falls back to eager
             decoding with a warning when compiling fails
         pack_weights: keep a copy of each large linear weight (>= 1M entries, float32 or bfloat16, CPU) in oneDNN's
             layout: products of 2-16 rows 1.5-3.7x faster on an AVX2 CPU, at the memory of those weights once more

@@ -459,25 +459,30 @@ def test_bench_with_blocked_weights(tiny_ar, tiny_dflash, tmp_path):
 
 
 @pytest.mark.parametrize("step", ["static", pytest.param("compiled", marks=pytest.mark.slow)])
-def test_bench_ar_rows_on_the_row_batch_step(tiny_ar, step):
-    """`dlm bench --compile`: the AR rows on the target run through a row batch's one-token step (compiled, or the same
-    static step run eagerly), prompt by prompt: the same greedy answers as the ordinary loop's, the step's forwards
-    counted, the speculative rows still lossless against it; the report names the step."""
+def test_bench_rows_on_the_row_batch_step(tiny_ar, tiny_dflash, step):
+    """`dlm bench --compile`: the AR rows on the target run through a row batch's one-token step, and the speculative
+    rows through row batches on the same step, their verify windows on its window step (compiled, or the same static
+    steps run eagerly), prompt by prompt: the same greedy answers as the ordinary loops', the steps' forwards and
+    windows counted, the speculative rows lossless against the target on its step; the report names the step."""
     from dlm.bench import run_bench
 
-    kw = dict(prompts=2, max_new_tokens=8, out=None, warmup=0, naive=False, quiet=True, mdlm="", usdm="",
-              draft=["lookup"], temperatures=(0.0,), repeat=1)
+    kw = dict(prompts=2, max_new_tokens=12, out=None, warmup=0, naive=False, quiet=True, mdlm="", usdm="",
+              draft=["lookup", str(tiny_dflash)], temperatures=(0.0,), repeat=1)
     plain = run_bench(str(tiny_ar), **kw)
     rows = run_bench(str(tiny_ar), **kw, ar_step=step)
     assert plain["ar_step"] == "eager" and rows["ar_step"] == step
     assert plain["ar_step_forwards"] == 0 and rows["ar_step_forwards"] > 0  # (the row batch served them)
-    names = [s["method"] for s in plain["summaries"] if s["paradigm"] == "ar"]
-    assert names
+    assert plain["ar_step_windows"] == 0 and rows["ar_step_windows"] > 0  # (and the verify windows)
+    names = [s["method"] for s in plain["summaries"] if s["paradigm"] in ("ar", "spec")]
+    assert len(names) == 3
     for name in names:
         a, b = plain["per_case"][name], rows["per_case"][name]
         assert [r["answer"] for r in a] == [r["answer"] for r in b]
         assert [r["new_tokens"] for r in a] == [r["new_tokens"] for r in b] and all(r["new_tokens"] for r in b)
-    assert [s["lossless"] for s in rows["summaries"] if s["paradigm"] == "spec"] == [1.0]
+    spec = [s for s in rows["summaries"] if s["paradigm"] == "spec"]
+    assert [s["lossless"] for s in spec] == [1.0, 1.0] and all(s["tau"] > 1 for s in spec)
+    # the drafter read the same target features from the window step (its taps): the same drafts, the same cycles
+    assert [s["tau"] for s in spec] == [s["tau"] for s in plain["summaries"] if s["paradigm"] == "spec"]
 
 
 def test_bench_drafter_specs():

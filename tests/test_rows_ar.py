@@ -174,6 +174,35 @@ def test_ar_rows_on_the_static_step_equal_each_prompt_alone(model, rows, step):
     joined(Poisoned(model), rows, 4, alone_model=model, kind=step)
 
 
+@settings(max_examples=12, deadline=None, derandomize=True, database=None)
+@given(prompt=st.lists(st.integers(3, V - 1), min_size=1, max_size=20),
+       windows=st.lists(st.tuples(st.lists(st.integers(0, V - 1), min_size=2, max_size=6), st.integers(0, 5),
+                                  st.sampled_from([(), (0,), (1, 0), (0, 1)])), min_size=1, max_size=4))
+def test_verify_windows_on_the_step_window_equal_the_row_alone(model, prompt, windows):
+    """A speculative verify's window on the row batch's step (RowBatch.warm_windows, RowsStep.window, run statically):
+    every position's logits and the taps asked for (any order) are those of the row's own forward over its own
+    cache; then the row keeps some of the window (a crop) and goes on, the buffers growing from 4 slots."""
+    from dlm.sampling.rows import RowBatch, Window, run_one
+
+    with torch.inference_mode():  # (as Programs.step serves a batch)
+        batch = RowBatch(model, 4, "static")
+        batch.warm_windows({len(w) for w, _, _ in windows})
+        batch.add()
+        cache = model.new_cache(1, 96)
+        p = Window(tokens=torch.tensor(prompt), mask="causal", keep=len(prompt), out=(len(prompt) - 1, len(prompt)))
+        torch.testing.assert_close(batch.forward([p])[0], run_one(model, cache, p), rtol=0, atol=1e-12)
+        for toks, kept, taps in windows:
+            T = len(toks)
+            w = Window(tokens=torch.tensor(toks), mask="causal", keep=T, out=(0, T), taps=taps)
+            a, b = batch.forward([w])[0], run_one(model, cache, w)
+            for x, y in zip(a if taps else (a,), b if taps else (b,)):
+                torch.testing.assert_close(x, y, rtol=0, atol=1e-12)
+            n = cache.length - T + min(kept, T)  # a verify keeps the last token and the accepted drafts
+            batch.crop(0, n)
+            cache.crop(n)
+    assert batch.windowed == len(windows)
+
+
 @settings(max_examples=6, deadline=None, derandomize=True, database=None)
 @given(rows=rows)
 def test_rows_over_a_bfloat16_cache_equal_each_prompt_alone_over_one(model, rows):

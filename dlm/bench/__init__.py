@@ -87,16 +87,25 @@ def compile_ar_rows(methods, net, step: str = "compiled"):
     """--compile: the AR rows on the target `net` (the target alone beside each temperature's speculative rows, and
     "ar (KV cache)"; not the naive loop) decode through one row batch whose one-token steps run compiled (the step
     `dlm serve --compile` runs: dlm.sampling.graphs.RowsStep, compiled here, once; `step` "static": the same step
-    eagerly). The row batch (its `rows.step` None where compiling failed: the rows then decode eagerly, with a
-    warning), or None without such rows."""
+    eagerly), and the speculative rows through row batches on the same step, their verify windows (the drafter's
+    block) on its window step (RowsStep.window), compiled here too. The AR rows' batch (its `rows.step` None where
+    compiling failed: the rows then decode eagerly, with a warning), or None without such rows."""
     from dlm.sampling.rows import Programs
+    from dlm.sampling.speculative import resolve_block_size, rows_batchable
 
     rows = [m for m in methods if m.paradigm == "ar" and m.model is net and not m.cfg.naive]
-    if not rows:
+    spec = [m for m in methods if m.drafter is not None and m.model is net and rows_batchable(net, m.drafter)]
+    if not rows and not spec:
         return None
-    programs = Programs(net, 2 * net.cfg.max_seq_len, step=step)
+    C = 2 * net.cfg.max_seq_len
+    programs = Programs(net, C, step=step)
     for m in rows:
         m.rows = programs
+    for m in spec:  # each drafter's rows beside the target's, on the same step; its verify windows on the step's window
+        d = m.drafter
+        draft = getattr(d, "row_model", None)
+        m.rows = Programs(net, C, {"draft": draft} if draft is not None else None, step=programs.rows.step or "eager")
+        m.rows.rows.warm_windows([resolve_block_size(d, m.cfg.block_size)])
     return programs
 
 
@@ -195,6 +204,7 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
               "warmup": warmup, "context": context, "col_major": col_major, "blocked": blocked,
               "ar_step": ar_step if stepped else "eager",
               "ar_step_forwards": programs.forwards if programs is not None else 0,
+              "ar_step_windows": sum(m.rows.rows.windowed for m in methods if m.rows is not None and m.drafter),
               "device": str(net.device),
               "dtype": dtype or "float32",
               "order": "interleaved: each case runs every method in turn, the order rotated by one each repetition",

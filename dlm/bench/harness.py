@@ -61,7 +61,7 @@ def run_item(method: Method, item: Item, context: int) -> dict[str, Any]:
     from dlm.tasks import run_case, run_case_rows
 
     if method.rows is not None:
-        return run_case_rows(item.task, item.case, method.rows, method.ck, method.cfg, context)
+        return run_case_rows(item.task, item.case, method.rows, method.ck, method.cfg, context, method.drafter)
     return run_case(item.task, item.case, method.model, method.ck, method.cfg, method.drafter, context)
 
 

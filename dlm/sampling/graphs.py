@@ -126,9 +126,9 @@ class RowsStep:
         if cpu:
             self.options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN",
                                 autotune_num_choices_displayed=0, max_autotune_report_choices_stats=False)
-        self.stack = (torch.compile(self._stack, dynamic=True,
-                                    options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
-                      if compile else self._stack)
+        guards = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        self.stack = torch.compile(self._stack, dynamic=True, options=guards) if compile else self._stack
+        self.wstack = torch.compile(self._wstack, dynamic=True, options=guards) if compile else self._wstack
 
     def warm(self, capacity: int) -> None:
         """Compile now, for buffers of `capacity` slots per row (their strides are part of the compiled code: buffers
@@ -150,6 +150,49 @@ class RowsStep:
             cache.slot, cache.span = slot, mask.shape[-1]
             x = block(x, rope, mask, False, cache, 0, True)
         return self.model.head(self.model.norm(x))
+
+    def _wstack(self, x: Tensor, rope: tuple[Tensor, ...], mask: Tensor, slot: Tensor, ks: list[Tensor],
+                vs: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        out = []  # (every layer's output: the graph holds them anyway, and no tap list is traced as a constant)
+        for block, k, v in zip(self.model.layers, ks, vs):
+            cache = RowsCache.over([k], [v], 0)
+            cache.slot, cache.span = slot, mask.shape[-1]
+            x = block(x, rope, mask, False, cache, 0, True)
+            out.append(x)
+        return self.model.head(self.model.norm(x)), out
+
+    def window(self, tokens: Tensor, pos: Tensor, slot: Tensor, valid: Tensor, ks: list[Tensor], vs: list[Tensor],
+               taps: tuple[int, ...] = ()) -> tuple[Tensor, list[Tensor]]:
+        """T new tokens of each of R rows (a speculative verify's window): tokens, pos, slot (R, T), valid (R, T, S)
+        (the slots each query sees: its row's cache and the window up to itself) -> logits (R, T, V) and the outputs
+        of layers `taps`, each (R, T, D). Compiled apart from the one-token step: a graph per T, its products tuned at
+        R x T rows (`warm_window`); compile=False runs the same stack eagerly."""
+        model = self.model
+        x = model.embed(tokens)  # (R, T, D)
+        rs = model.cfg.rope_scaling
+        rope = rope_cos_sin(model.inv_freq, pos, x.dtype, rope_attention_factor(rs))
+        qs = query_scale(rs, pos)
+        rope = rope if qs is None else (*rope, qs)
+        mask = valid[:, None]  # (R, 1, T, S)
+        if not self.compile:
+            logits, out = self.wstack(x, rope, mask, slot, ks, vs)
+        else:
+            import torch._inductor.config as inductor
+
+            torch._dynamo.mark_static(x, 1)  # (a graph per window width: its products tuned at its rows)
+            with inductor.patch(**self.options), torch.fx.experimental._config.patch(use_duck_shape=False):
+                logits, out = self.wstack(x, rope, mask, slot, ks, vs)
+        return logits, [out[i] for i in taps]
+
+    def warm_window(self, capacity: int, T: int) -> None:
+        """Compile the one-row window of T tokens now (buffers of `capacity` slots per row, as warm)."""
+        model, dev = self.model, self.model.device
+        with torch.inference_mode():
+            cache = model.rows_cache(2, capacity, per_layer=True)
+            S = min(T + 4, capacity)
+            slot = torch.arange(S - T, S, device=dev)[None]  # (1, T)
+            valid = torch.arange(S, device=dev)[None, None] <= slot[:, :, None]  # (1, T, S)
+            self.window(torch.zeros(1, T, dtype=torch.long, device=dev), slot, slot, valid, cache.k, cache.v)
 
     def __call__(self, tokens: Tensor, pos: Tensor, slot: Tensor, valid: Tensor, ks: list[Tensor],
                  vs: list[Tensor]) -> Tensor:

@@ -275,15 +275,22 @@ class RowBatch:
     may serve a subset of the rows (the others wait: a speculating row asks its drafter and its target in turn);
     `crop` cuts a row's cache back (a rejected draft); the slots per row grow when a window would not fit."""
 
-    def __init__(self, model, capacity: int, step: str = "eager", prefix: int = 0):
+    def __init__(self, model, capacity: int, step: str | RowsStep = "eager", prefix: int = 0):
         """prefix: bytes of prompts' K/V kept for later prompts that share a prefix with them (PrefixCache; 0: none)."""
         self.model = model
         self.prefix = PrefixCache(prefix) if prefix > 0 else None
         # step "compiled": the rows' one-token steps as one compiled static step (dlm.sampling.graphs.RowsStep) on
-        # per-layer buffers; "static": the same step run eagerly (its check); "eager": the ordinary forward
-        if step not in STEPS:
+        # per-layer buffers; "static": the same step run eagerly (its check); "eager": the ordinary forward; a RowsStep
+        # (another batch's, warmed): that one
+        self.widths: set[int] = set()  # one-row windows of these widths run on the step's window (warm_windows)
+        self.windowed = 0  # windows served there
+        if isinstance(step, RowsStep):
+            self.step = step
+            step = "given"
+        elif step not in STEPS:
             raise DlmError(f"step must be one of {', '.join(STEPS)}, got {step!r}")
-        self.step = RowsStep(model, step == "compiled") if step != "eager" and compilable(model) else None
+        else:
+            self.step = RowsStep(model, step == "compiled") if step != "eager" and compilable(model) else None
         if step == "compiled" and self.step is not None:
             try:
                 self.step.warm(capacity)
@@ -473,12 +480,59 @@ class RowBatch:
             self.length[b] += 1
         return [logits[j:j + 1, None] for j in range(len(idx))]
 
+    def warm_windows(self, widths) -> None:
+        """One-row windows of these widths (a speculative verify's: the last token and the drafts, kept, every
+        position's logits wanted, with any taps) served by the step's window (RowsStep.window), compiled now; where
+        compiling fails, they stay on the ordinary forward, with a warning."""
+        if self.step is None:
+            return
+        for T in widths:
+            try:
+                if self.step.compile:
+                    self.step.warm_window(self.C, T)
+            except Exception as e:  # (as the step's own warm-up)
+                warnings.warn(f"compiling the {T}-token window failed, verifying eagerly instead: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}", stacklevel=2)
+                continue
+            self.widths.add(T)
+
+    def _verifies(self, idx: list[int], windows: list[Window]) -> bool:
+        """Row 0 alone with a window of a warmed width: its tokens at its next positions, causal, kept, every
+        position's logits wanted (a speculative verify)."""
+        if idx != [0] or not self.widths:
+            return False
+        w = windows[0]
+        return (w.tokens is not None and w.tokens.shape[0] in self.widths and isinstance(w.mask, str)
+                and w.mask == "causal" and w.keep == w.length and w.out == (0, w.length) and not w.hidden
+                and not w.canvas and w.embeds is None and w.pos is None and w.ctx is None and w.at is None
+                and w.on == "target")
+
+    def _window(self, w: Window) -> list:
+        """Row 0's window (_verifies) through the step's window over its slots 0..S-1, S its length + T."""
+        dev = self.cache.k[0].device
+        T, L = w.length, self.length[0]
+        S = L + T
+        if S > self.C:
+            self._reserve(len(self.length), max(S, self.C + self.C // 2))
+        self._clean([0], S)
+        slot = torch.arange(L, S, device=dev)[None]  # (1, T): a row's positions are its slots
+        valid = torch.arange(S, device=dev)[None, None] <= slot[:, :, None]  # (1, T, S): its cache, then causal
+        logits, tapped = self.step.window(w.tokens[None], slot, slot, valid, self.cache.k, self.cache.v, w.taps)
+        self.length[0] = S
+        self.clean[0] = max(self.clean[0], S)
+        self.windowed += 1
+        if not w.taps:
+            return [logits]
+        return [(logits, torch.cat([t[0] for t in tapped], -1))]
+
     def _forward(self, idx: list[int], windows: list[Window]) -> list:
         """One forward of rows idx (their windows); the kept K/V land in the rows' own slots."""
         model = self.model
         n = len(idx)
         if self.step is not None and all(w.decodes for w in windows):
             return self._step(idx, windows)
+        if self.step is not None and self._verifies(idx, windows):
+            return self._window(windows[0])
         length = [self.length[b] for b in idx]
         Ts = [w.length for w in windows]
         Cs = [0 if w.ctx is None else w.ctx.shape[0] for w in windows]

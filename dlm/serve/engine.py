@@ -393,8 +393,11 @@ class RowsBatcher(_BatchThread):
     def _new_batch(self) -> Programs:
         C = 2 * self.model.cfg.max_seq_len  # the longest row plus its longest window
         draft = self.drafter.row_model if self.drafter is not None else None
-        return Programs(self.model, C, {"draft": draft} if draft is not None else None, isolate=True, step=self.step,
-                        prefix=self.prefix)
+        batch = Programs(self.model, C, {"draft": draft} if draft is not None else None, isolate=True, step=self.step,
+                         prefix=self.prefix)
+        if self.drafter is not None and self.step == "compiled":  # a lone row's verify windows at the drafter's block
+            batch.rows.warm_windows([self.drafter.default_block_size])
+        return batch
 
     def takes(self, rows: list[Row]) -> bool:
         """Whether a request's rows run here (else on a thread of their own: --naive; infilling by an AR model or by

@@ -45,31 +45,43 @@ def run_case(task: Any, case: Case, model, ck, cfg, drafter=None, context: int =
     return _case_row(task, case, req, res)
 
 
-def run_case_rows(task: Any, case: Case, programs, ck, cfg, context: int = 0) -> dict[str, Any]:
-    """run_case through a row batch (`programs`: dlm.sampling.rows.Programs over an AR checkpoint's model): the prompt
-    prefilled as a row, then one token per step through the batch's one-token step (compiled: `dlm bench --compile`,
-    the step `dlm serve --compile` runs). An infilling request runs as run_case runs it."""
+def run_case_rows(task: Any, case: Case, programs, ck, cfg, context: int = 0, drafter=None) -> dict[str, Any]:
+    """run_case through a row batch (`programs`: dlm.sampling.rows.Programs over an AR checkpoint's model, with the
+    drafter's model beside it when there is one), as `dlm serve` runs a request: the prompt prefilled as a row, then
+    one token per step through the batch's one-token step, or with `drafter` speculative cycles, their verify windows
+    on the batch's window step where it has one (compiled: `dlm bench --compile`, what `dlm serve --compile` runs).
+    An infilling request runs as run_case runs it."""
     from dlm.sampling import ar
+    from dlm.sampling import speculative as spec
     from dlm.sampling.common import Clock, Commit, drain
 
     model = programs.rows.model
-    req = task.request(case, ck, cfg, style_of(ck, None, cfg), context or window(ck, model))
+    req = task.request(case, ck, cfg, style_of(ck, drafter, cfg), context or window(ck, model))
     if req.prompt.canvas is not None:
-        return run_case(task, case, model, ck, cfg, None, context)
-    rp = ar.row_program(model, ck, req.prompt, cfg.replace(max_new_tokens=req.max_new_tokens))
+        return run_case(task, case, model, ck, cfg, drafter, context)
+    cfg = cfg.replace(max_new_tokens=req.max_new_tokens)
+    if drafter is None:
+        rp = ar.row_program(model, ck, req.prompt, cfg)
+    else:
+        rp = spec.row_program(model, ck, req.prompt, cfg, drafter=drafter)
+        block, f0 = spec.resolve_block_size(rp.drafter, cfg.block_size), rp.drafter.forwards
     clock = Clock()
 
     def events():
         out = programs.add_row(rp)
+        new = 0
         while True:
             for _, ev in out:
                 if isinstance(ev, Commit):
                     clock.mark_first()
+                    new += len(ev.tokens)
                 yield ev
             if not len(programs):
                 break
             out = programs.step()
-        yield clock.finish(rp.stats)
+        stats = rp.stats if drafter is None else spec.spec_stats(rp.stats, drafter.name, block, new,
+                                                                  rp.drafter.forwards - f0)
+        yield clock.finish(stats)
 
     tok = ck.tokenizer
     return _case_row(task, case, req, drain(events(), tok.text, tok.eos_set))
