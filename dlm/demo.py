@@ -96,7 +96,7 @@ def mid_pair(con, prompts: int, repeat: int, tokens: int = 64) -> None:
               "small part of a target step; dflash-small's 3 layers on ar-small's 4 cost about one step, "
               "dflash2-mid's 1 layer on ar-mid's 16 about a fifth. `+lookup`: the drafter gives way to prompt lookup "
               "where the context repeats (greedy, block 8, every model's float32 weights kept in dlm's blocked "
-              "layout for its kernel of 1-16 rows: the target alone at its fastest on a CPU: "
+              "layout for its kernel of 1-16 rows: the target alone at its fastest in eager decoding: "
               "`dlm bench --model checkpoints/ar-mid --draft checkpoints/dflash2-mid lookup "
               f"checkpoints/dflash2-mid+lookup --prompts {prompts} --max-new-tokens {tokens} --repeat {repeat} "
               "--no-naive --temperature 0 --blocked`)")

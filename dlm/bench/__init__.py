@@ -83,7 +83,7 @@ def reblock(methods) -> int:
     return sum(pack_linears(x, blocked=True) for x in _models(methods))
 
 
-def compile_ar_rows(methods, net, step: str = "compiled"):
+def compile_rows(methods, net, step: str = "compiled"):
     """--compile: the AR rows on the target `net` (the target alone beside each temperature's speculative rows, and
     "ar (KV cache)"; not the naive loop) decode through one row batch whose one-token steps run compiled (the step
     `dlm serve --compile` runs: dlm.sampling.graphs.RowsStep, compiled here, once; `step` "static": the same step
@@ -126,7 +126,8 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
     `device` (cpu, cuda, cuda:N; on CUDA the AR rows replay their steps from CUDA graphs, dlm.sampling.graphs), in
     `dtype` (float32 unless given: bfloat16 or float16, e.g. on a GPU, where float32 products of a few rows are slow).
     ar_step "compiled" (--compile): the AR rows on the target decode on the compiled one-token step of `dlm serve
-    --compile` (compile_ar_rows); "static": that step run eagerly (its check).
+    --compile`, the speculative rows verify on its compiled windows (compile_rows); "static": those steps run eagerly
+    (their check).
     """
     from dlm.tasks import task_module
     from dlm.tasks.common import window
@@ -159,7 +160,7 @@ def run_bench(model: str, prompts: int = 8, max_new_tokens: int = 64, out: str |
         relayout(methods)
     if blocked:
         reblock(methods)
-    programs = compile_ar_rows(methods, net, ar_step) if ar_step != "eager" else None
+    programs = compile_rows(methods, net, ar_step) if ar_step != "eager" else None
     stepped = programs is not None and programs.rows.step is not None
     context = min(window(m.ck, m.model) for m in methods)  # every method gets the same prompt tokens
 

@@ -28,7 +28,7 @@ class Method:
     cfg: SampleConfig
     settings: dict[str, Any] = field(default_factory=dict)  # what a reader needs to reproduce the row
     drafter: Any = None  # speculation: the drafter, loaded once
-    rows: Any = None  # --compile: an AR row's row batch (dlm.sampling.rows.Programs), its one-token step compiled
+    rows: Any = None  # --compile: the row batch (dlm.sampling.rows.Programs) its cases run through, as dlm serve's
 
     def __post_init__(self) -> None:
         """A row sets only options its sampler reads (dlm.sampling.OPTIONS): a setting that would be ignored is a
