@@ -67,9 +67,11 @@ def reference(m, prompt, n, eos, seed, **opts):
     with torch.no_grad():
         out = m.generate(torch.tensor([prompt]), max_new_tokens=n, eos_token_id=eos, pad_token_id=0,
                          disable_compile=True, **opts).sequences[0, len(prompt):].tolist()
-    assert len(out) % m.config.canvas_length == 0 and len(out) >= n  # (it denoises and returns whole canvases)
-    out = out[:n]
     ends = [i for i, t in enumerate(out) if t in eos]
+    # (it denoises and returns whole canvases; it stops after the canvas where every row has met an EOS)
+    assert len(out) % m.config.canvas_length == 0 and (len(out) >= n or ends)
+    out = out[:n]
+    ends = [i for i in ends if i < n]
     return out[:ends[0] + 1] if ends else out
 
 
