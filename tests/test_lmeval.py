@@ -16,7 +16,7 @@ pytest.importorskip("lm_eval")
 
 from lm_eval.api.instance import Instance  # noqa: E402
 
-from dlm.lmeval import DlmLM  # noqa: E402
+from dlm.lmeval import DlmLM, main  # noqa: E402
 from dlm.sampling import SampleConfig, generate  # noqa: E402
 
 CK = Path(__file__).resolve().parents[1] / "checkpoints"
@@ -85,7 +85,7 @@ def test_generate_until_is_the_sampler_cut_at_the_stop(ar):
     assert out == full[:full.find(stop)]
 
 
-def test_a_local_task_through_lm_eval(tmp_path):
+def test_a_local_task_through_lm_eval(tmp_path, monkeypatch, capsys):
     """scripts/lmeval/dlm_mc.yaml (BENCHMARKS section 10's local task) through lm_eval's command line; ar-small's
     exact log-likelihoods get 5 of its 6 items."""
     root = CK.parent
@@ -99,10 +99,13 @@ def test_a_local_task_through_lm_eval(tmp_path):
     (res,) = list(out.rglob("results_*.json"))
     acc = json.loads(res.read_text())["results"]["dlm_mc"]["acc,none"]
     assert acc == pytest.approx(5 / 6)
-    bad = subprocess.run([sys.executable, "-m", "dlm.lmeval", "--model", "dlm", "--model_args",
-                          f"path={CK / 'dflash-small'}", "--tasks", "dlm_mc", "--include_path", "scripts/lmeval",
-                          "--device", "cpu"], capture_output=True, text=True, env=env, timeout=300, cwd=root)
-    assert bad.returncode == 2 and "cannot be evaluated on its own" in bad.stderr
+    # (the same command line in this process: lm_eval is imported once)
+    monkeypatch.chdir(root)
+    monkeypatch.setattr(sys, "argv", ["x", "--model", "dlm", "--model_args", f"path={CK / 'dflash-small'}", "--tasks",
+                                      "dlm_mc", "--include_path", "scripts/lmeval", "--device", "cpu"])
+    with pytest.raises(SystemExit) as bad:
+        main()
+    assert bad.value.code == 2 and "cannot be evaluated on its own" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["joint-small", "usdm-small"])
