@@ -371,7 +371,7 @@ def eval_cmd(model: str, scfg=None, split: str = "test", data: str | None = None
         raise DlmError("--clues goes with --task sudoku")
     if task is not None:
         if task in ("code", "code-infill"):
-            from dlm.tasks.code import allowed
+            from dlm.sandbox import allowed
 
             allowed(allow_code_execution, task)  # refused in one line unless asked for
         _eval_task(model, device, scfg, task, data, n, span, context, json, split, 1 if samples is None else samples,

@@ -481,5 +481,23 @@ def _launch(cfg: dict) -> int:
     return status if status >= 0 else 128 - status
 
 
+ENV = "DLM_ALLOW_CODE_EXECUTION"
+
+
+def allowed(flag: bool, task: str) -> str:
+    """Model-written programs run only when asked (the flag, or DLM_ALLOW_CODE_EXECUTION=1); the isolation they
+    get, in one line for stderr. Refused: one DlmError line (this module imports no torch: the refusal is at once)."""
+    from dlm.errors import DlmError
+
+    if not (flag or os.environ.get(ENV, "") == "1"):
+        raise DlmError(f"--task {task} runs programs the model wrote: pass --allow-code-execution (or set {ENV}=1) "
+                       "to run them contained (docs/reliability.md)")
+    try:
+        return describe()
+    except SandboxError as e:
+        raise DlmError(str(e)) from None
+
+
 if __name__ == "__main__":
     sys.exit(_launch(json.loads(sys.argv[1])))
+

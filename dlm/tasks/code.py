@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from dlm import sandbox
+from dlm.sandbox import ENV, allowed  # noqa: F401  (the opt-in, where the cli reads it without torch)
 from dlm.errors import DlmError
 from dlm.sampling.common import Prompt
 from dlm.tasks import infill
@@ -42,21 +43,6 @@ METRICS = ("pass_at_1",)
 PRIMARY = "pass_at_1"
 PASS_AT_K = (1, 5, 10, 100)
 STOPS = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#")
-ENV = "DLM_ALLOW_CODE_EXECUTION"
-
-
-def allowed(flag: bool, task: str) -> str:
-    """Model-written programs run only when asked (the flag, or DLM_ALLOW_CODE_EXECUTION=1); the isolation they
-    get, in one line for stderr. Refused: one DlmError line."""
-    if not (flag or os.environ.get(ENV, "") == "1"):
-        raise DlmError(f"--task {task} runs programs the model wrote: pass --allow-code-execution (or set {ENV}=1) "
-                       "to run them contained (docs/reliability.md)")
-    try:
-        return sandbox.describe()
-    except sandbox.SandboxError as e:
-        raise DlmError(str(e)) from None
-
-
 _SAID: list[str] = []
 
 
