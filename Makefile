@@ -26,7 +26,7 @@ demo: setup
 	$(VENV)/bin/dlm demo
 
 test: setup
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --dist worksteal
 
 test-all: setup
 	$(PY) -m pytest -q -m ''
