@@ -10,7 +10,7 @@ in the Codex-style zero-shot prompt); the completion is cut at the first line th
 statement (`\\ndef`, `\\nclass`, `\\nif`, `\\nprint`, `\\n#`: the Codex paper's stop sequences) and the
 program (prompt + completion + tests) runs contained (dlm.sandbox: namespaces or a fresh uid, limits): it
 passes when its tests ran to the end. Running model-written code is opt-in: `--allow-code-execution` or
-DLM_ALLOW_CODE_EXECUTION=1 (`allowed`).
+DLM_ALLOW_CODE_EXECUTION=1 (`dlm.sandbox.allowed`, read before torch loads).
 
 pass@k (Chen et al. 2021): with `--samples N` each problem is sampled N times (seeds --seed .. --seed+N-1;
 use --temperature > 0, greedy gives N equal samples) and pass@k = mean over problems of
