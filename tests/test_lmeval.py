@@ -16,6 +16,7 @@ pytest.importorskip("lm_eval")
 
 from lm_eval.api.instance import Instance  # noqa: E402
 
+from dlm.errors import DlmError  # noqa: E402
 from dlm.lmeval import DlmLM, main  # noqa: E402
 from dlm.sampling import SampleConfig, generate  # noqa: E402
 
@@ -85,9 +86,26 @@ def test_generate_until_is_the_sampler_cut_at_the_stop(ar):
     assert out == full[:full.find(stop)]
 
 
+def test_a_local_task_in_lm_eval(monkeypatch):
+    """scripts/lmeval/dlm_mc.yaml (BENCHMARKS section 10's local task) through lm_eval's simple_evaluate with the dlm
+    model as lm_eval registers it (its tasks indexed from that folder alone); ar-small's exact log-likelihoods get 5
+    of its 6 items."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.chdir(CK.parent)
+    res = simple_evaluate(model="dlm", model_args=f"path={CK / 'ar-small'}", tasks=["dlm_mc"], device="cpu",
+                          task_manager=TaskManager(include_path="scripts/lmeval", include_defaults=False))
+    assert res["results"]["dlm_mc"]["acc,none"] == pytest.approx(5 / 6)
+    with pytest.raises(DlmError, match="cannot be evaluated on its own"):  # (a drafter: python -m dlm.lmeval exits 2)
+        simple_evaluate(model="dlm", model_args=f"path={CK / 'dflash-small'}", tasks=["dlm_mc"], device="cpu",
+                        task_manager=TaskManager(include_path="scripts/lmeval", include_defaults=False))
+
+
+@pytest.mark.slow
 def test_a_local_task_through_lm_eval(tmp_path, monkeypatch, capsys):
-    """scripts/lmeval/dlm_mc.yaml (BENCHMARKS section 10's local task) through lm_eval's command line; ar-small's
-    exact log-likelihoods get 5 of its 6 items."""
+    """The same task through lm_eval's command line (`python -m dlm.lmeval`, every lm_eval task indexed: ~20 s), its
+    results file; a drafter refused in one line, exit 2."""
     root = CK.parent
     out = tmp_path / "out"
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
