@@ -500,4 +500,3 @@ def allowed(flag: bool, task: str) -> str:
 
 if __name__ == "__main__":
     sys.exit(_launch(json.loads(sys.argv[1])))
-

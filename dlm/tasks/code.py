@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from dlm import sandbox
-from dlm.sandbox import ENV, allowed  # noqa: F401  (the opt-in, where the cli reads it without torch)
 from dlm.errors import DlmError
 from dlm.sampling.common import Prompt
 from dlm.tasks import infill
