@@ -277,12 +277,14 @@ PERTURBATIONS = 8
 @contextlib.contextmanager
 def perturbed(model, seed: int, eps: float = 1e-6):
     """The model's weights each multiplied by 1 + eps * N(0, 1) (seed 0: as they are), restored after."""
+    if not seed:
+        yield model
+        return
     keep = [p.detach().clone() for p in model.parameters()]
-    if seed:
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.mul_(1 + eps * torch.randn(p.shape, generator=g))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1 + eps * torch.randn(p.shape, generator=g))
     try:
         yield model
     finally:

@@ -145,11 +145,7 @@ class RowsStep:
 
     def _stack(self, x: Tensor, rope: tuple[Tensor, ...], mask: Tensor, slot: Tensor, ks: list[Tensor],
                vs: list[Tensor]) -> Tensor:
-        for block, k, v in zip(self.model.layers, ks, vs):
-            cache = RowsCache.over([k], [v], 0)
-            cache.slot, cache.span = slot, mask.shape[-1]
-            x = block(x, rope, mask, False, cache, 0, True)
-        return self.model.head(self.model.norm(x))
+        return self._wstack(x, rope, mask, slot, ks, vs)[0]  # (the layers' outputs unused: traced away)
 
     def _wstack(self, x: Tensor, rope: tuple[Tensor, ...], mask: Tensor, slot: Tensor, ks: list[Tensor],
                 vs: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
@@ -167,12 +163,7 @@ class RowsStep:
         (the slots each query sees: its row's cache and the window up to itself) -> logits (R, T, V) and the outputs
         of layers `taps`, each (R, T, D). Compiled apart from the one-token step: a graph per T, its products tuned at
         R x T rows (`warm_window`); compile=False runs the same stack eagerly."""
-        model = self.model
-        x = model.embed(tokens)  # (R, T, D)
-        rs = model.cfg.rope_scaling
-        rope = rope_cos_sin(model.inv_freq, pos, x.dtype, rope_attention_factor(rs))
-        qs = query_scale(rs, pos)
-        rope = rope if qs is None else (*rope, qs)
+        x, rope = self._inputs(tokens, pos)  # (R, T, D)
         mask = valid[:, None]  # (R, 1, T, S)
         if not self.compile:
             logits, out = self.wstack(x, rope, mask, slot, ks, vs)
@@ -183,6 +174,16 @@ class RowsStep:
             with inductor.patch(**self.options), torch.fx.experimental._config.patch(use_duck_shape=False):
                 logits, out = self.wstack(x, rope, mask, slot, ks, vs)
         return logits, [out[i] for i in taps]
+
+    def _inputs(self, tokens: Tensor, pos: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """tokens, pos (R, T) -> their embeddings (R, T, D) and rotary tables (with the queries' scale where the
+        model's rope scaling has one), outside the compiled stack."""
+        model = self.model
+        x = model.embed(tokens)
+        rs = model.cfg.rope_scaling
+        rope = rope_cos_sin(model.inv_freq, pos, x.dtype, rope_attention_factor(rs))
+        qs = query_scale(rs, pos)
+        return x, rope if qs is None else (*rope, qs)
 
     def warm_window(self, capacity: int, T: int) -> None:
         """Compile the one-row window of T tokens now (buffers of `capacity` slots per row, as warm)."""
@@ -196,12 +197,7 @@ class RowsStep:
 
     def __call__(self, tokens: Tensor, pos: Tensor, slot: Tensor, valid: Tensor, ks: list[Tensor],
                  vs: list[Tensor]) -> Tensor:
-        model = self.model
-        x = model.embed(tokens[:, None])  # (R, 1, D)
-        rs, p = model.cfg.rope_scaling, pos[:, None]  # (R, 1)
-        rope = rope_cos_sin(model.inv_freq, p, x.dtype, rope_attention_factor(rs))
-        qs = query_scale(rs, p)
-        rope = rope if qs is None else (*rope, qs)
+        x, rope = self._inputs(tokens[:, None], pos[:, None])  # (R, 1, D)
         mask, slot = valid[:, None, None, :], slot[:, None]  # (R, 1, 1, S), (R, 1)
         if self.compile:  # (freezing is read when a call compiles; duck sizing off: R == n_kv_heads is no reason to
             # retrace)
