@@ -106,7 +106,8 @@ at::Tensor blocked_linear(const at::Tensor& x_, const at::Tensor& wb) {
       const float* w = wp + j * K * BLOCK;
       float* o = op + j * BLOCK;
       // more than one pass over this block: the last one (its weights in cache, its time the FMAs') fetches the next
-      // block's, so that the memory's time and the arithmetic's overlap
+      // block's, so that the memory's time and the arithmetic's overlap; one pass: it fetches its own weights AHEAD
+      // rows ahead, running into the next block's (a prefetch past the last block reads nothing and cannot fault)
       const float* next = (M > TILE && j + 1 < e) ? w + K * BLOCK : M <= TILE ? w + AHEAD * BLOCK : nullptr;
       int64_t m = 0;
       for (; m + TILE <= M; m += TILE)
