@@ -94,12 +94,13 @@ def test_a_local_task_in_lm_eval(monkeypatch):
     from lm_eval.tasks import TaskManager
 
     monkeypatch.chdir(CK.parent)
+    tasks = TaskManager(include_path="scripts/lmeval", include_defaults=False)
     res = simple_evaluate(model="dlm", model_args=f"path={CK / 'ar-small'}", tasks=["dlm_mc"], device="cpu",
-                          task_manager=TaskManager(include_path="scripts/lmeval", include_defaults=False))
+                          task_manager=tasks)
     assert res["results"]["dlm_mc"]["acc,none"] == pytest.approx(5 / 6)
     with pytest.raises(DlmError, match="cannot be evaluated on its own"):  # (a drafter: python -m dlm.lmeval exits 2)
         simple_evaluate(model="dlm", model_args=f"path={CK / 'dflash-small'}", tasks=["dlm_mc"], device="cpu",
-                        task_manager=TaskManager(include_path="scripts/lmeval", include_defaults=False))
+                        task_manager=tasks)
 
 
 @pytest.mark.slow
